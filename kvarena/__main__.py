@@ -1,0 +1,5 @@
+import sys
+
+from kvarena.cli import main
+
+sys.exit(main())
