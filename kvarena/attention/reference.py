@@ -1,0 +1,342 @@
+"""Plain-PyTorch attention ops: the oracle every kernel is tested against, and the CPU path.
+
+Two implementations of block-table attention live here on purpose:
+
+* ``paged_attention_ref`` is the *oracle*: one Python iteration per sequence, host reads
+  of ``seq_lens``/``cu_seqlens_q``, K/V gathered block by block and GQA expanded with
+  ``repeat_interleave``. Simple enough to be checked by eye (and by a per-query fp64
+  loop in the tests).
+* ``paged_attention_torch`` is the *CPU path* used by the caches' ``forward``: fully
+  batched over a padded ``[B, max_seqlen_q, max_seqlen_k]`` score tensor, with no host
+  read of device data (only the host maxima shape it), so it runs under FakeTensorMode,
+  on the ``meta`` device, under ``torch.compile(fullgraph=True)`` and with autograd.
+
+Both compute in fp32 (fp64 when given fp64) and follow the semantics of DESIGN.md:
+queries bottom-right aligned, keys ``t < kv_start`` invisible, ``causal`` /
+``chunk_size`` (block-causal) / ``window_left`` + ``sink_tokens`` masks, optional
+``softcap``, rows that see no key give ``out = 0`` and ``lse = -inf``. Slots outside
+a sequence's visible range are never allowed to reach the output (NaN there stays there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "paged_attention_ref",
+    "paged_attention_torch",
+    "store_kv_ref",
+    "store_kv_torch",
+    "merge_attention_states_ref",
+    "merge_attention_states_torch",
+    "visibility_mask",
+]
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def visibility_mask(
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    *,
+    causal: bool,
+    chunk_size: int | None,
+    window_left: int | None,
+    sink_tokens: int,
+) -> torch.Tensor:
+    """Boolean mask ``[..., Q, K]`` of the position rules (not the length/kv_start rules).
+
+    Parameters
+    ----------
+    q_pos : Tensor ``[..., Q]`` of query positions.
+    k_pos : Tensor ``[..., K]`` of key positions.
+    """
+    qp = q_pos.unsqueeze(-1)  # [..., Q, 1]
+    kp = k_pos.unsqueeze(-2)  # [..., 1, K]
+    vis = torch.ones(torch.broadcast_shapes(qp.shape, kp.shape), dtype=torch.bool, device=q_pos.device)
+    if causal:
+        if chunk_size is not None:
+            vis = vis & (torch.div(kp, chunk_size, rounding_mode="floor") <= torch.div(qp, chunk_size, rounding_mode="floor"))
+        else:
+            vis = vis & (kp <= qp)
+    if window_left is not None:
+        vis = vis & ((kp >= qp - window_left) | (kp < sink_tokens))
+    return vis
+
+
+def _masked_softmax_attend(
+    scores: torch.Tensor, vis: torch.Tensor, v: torch.Tensor, equation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the last dim of ``scores`` restricted to ``vis``, then ``@ v``.
+
+    Returns ``(out, lse)``; a row with no visible key gives ``out = 0``, ``lse = -inf``.
+    """
+    neg_inf = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)
+    s = torch.where(vis, scores, neg_inf)
+    m = s.amax(dim=-1, keepdim=True)
+    m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m_safe)  # masked entries: exp(-inf) = 0
+    denom = p.sum(dim=-1, keepdim=True)
+    empty = denom == 0
+    out = torch.einsum(equation, p / torch.where(empty, torch.ones_like(denom), denom), v)
+    lse = torch.where(empty, neg_inf, m_safe + torch.log(torch.where(empty, torch.ones_like(denom), denom)))
+    return out, lse.squeeze(-1)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, equation: str, scale: float, softcap: float | None) -> torch.Tensor:
+    s = torch.einsum(equation, q, k) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    return s
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+    chunk_size: int | None = None,
+    window_left: int | None = None,
+    sink_tokens: int = 0,
+    softcap: float | None = None,
+    kv_start: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+):
+    """Oracle block-table attention: one Python iteration per sequence.
+
+    Parameters
+    ----------
+    q : ``[total_q, H_q, D]``.
+    k_cache, v_cache : ``[num_blocks, block_size, H_kv, D]``.
+    block_table : int ``[B, max_blocks]``.
+    seq_lens : int ``[B]``.
+    cu_seqlens_q : int ``[B + 1]`` or None (one query per sequence).
+    kv_start : int ``[B]`` or None.
+
+    Returns
+    -------
+    ``out [total_q, H_q, D]`` in q's dtype, and with ``return_lse`` also
+    ``lse [total_q, H_q]`` (fp32; fp64 for fp64 inputs).
+    """
+    del max_seqlen_q, max_seqlen_k  # the oracle reads the lengths themselves
+    total_q, h_q, d = q.shape
+    block_size, h_kv = k_cache.shape[1], k_cache.shape[2]
+    group = h_q // h_kv
+    acc = _acc_dtype(q.dtype)
+    scale = d**-0.5 if scale is None else scale
+    lens = seq_lens.tolist()
+    b_count = len(lens)
+    cu = list(range(b_count + 1)) if cu_seqlens_q is None else cu_seqlens_q.tolist()
+    starts = [0] * b_count if kv_start is None else kv_start.tolist()
+    res = torch.zeros(total_q, h_q, d, dtype=acc, device=q.device)
+    lse = torch.full((total_q, h_q), float("-inf"), dtype=acc, device=q.device)
+    for b in range(b_count):
+        seq_len, q0, q1 = lens[b], cu[b], cu[b + 1]
+        q_len = q1 - q0
+        if q_len == 0 or seq_len == 0:
+            continue
+        n_blocks = -(-seq_len // block_size)
+        blocks = block_table[b, :n_blocks].long()
+        k = k_cache[blocks].reshape(n_blocks * block_size, h_kv, d)[:seq_len].to(acc)
+        v = v_cache[blocks].reshape(n_blocks * block_size, h_kv, d)[:seq_len].to(acc)
+        k = k.repeat_interleave(group, dim=1)  # [L, H_q, D]
+        v = v.repeat_interleave(group, dim=1)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        vis = visibility_mask(
+            q_pos, k_pos, causal=causal, chunk_size=chunk_size, window_left=window_left, sink_tokens=sink_tokens
+        ) & (k_pos >= starts[b])  # [Q, L]
+        # Invisible keys are zeroed so that garbage (even NaN) in them cannot leak via 0 * NaN.
+        key_ok = (k_pos >= starts[b])[:, None, None]
+        k = torch.where(key_ok, k, torch.zeros_like(k))
+        v = torch.where(key_ok, v, torch.zeros_like(v))
+        s = _scores(q[q0:q1].to(acc), k, "qhd,khd->hqk", scale, softcap)  # [H_q, Q, L]
+        o, l_ = _masked_softmax_attend(s, vis.unsqueeze(0), v, "hqk,khd->qhd")
+        res[q0:q1] = o
+        lse[q0:q1] = l_.transpose(0, 1)
+    result = res.to(q.dtype)
+    if out is not None:
+        out.copy_(result)
+        result = out
+    if return_lse:
+        return result, lse if acc == torch.float64 else lse.float()
+    return result
+
+
+def paged_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    chunk_size: int | None,
+    window_left: int | None,
+    sink_tokens: int,
+    softcap: float | None,
+    kv_start: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched, sync-free block-table attention (the CPU path; differentiable).
+
+    All arguments are already validated and normalized by ``kvarena.attention.ops``:
+    ``cu_seqlens_q`` is a tensor and the maxima are host ints bounding the real lengths.
+
+    Returns
+    -------
+    ``out [total_q, H_q, D]`` in q's dtype and ``lse [total_q, H_q]`` (fp32, fp64 for fp64).
+    """
+    total_q, h_q, d = q.shape
+    b_count = seq_lens.shape[0]
+    block_size, h_kv = k_cache.shape[1], k_cache.shape[2]
+    group = h_q // h_kv
+    acc = _acc_dtype(q.dtype)
+    dev = q.device
+    if total_q == 0 or max_seqlen_k == 0 or max_seqlen_q == 0 or b_count == 0:
+        return (
+            torch.zeros_like(q),
+            torch.full((total_q, h_q), float("-inf"), dtype=acc, device=dev),
+        )
+    lens = seq_lens.long()
+    cu = cu_seqlens_q.long()
+    q_lens = cu[1:] - cu[:-1]  # [B]
+
+    # Queries, padded to [B, Mq]: row i of sequence b is token cu[b] + i.
+    qi = torch.arange(max_seqlen_q, device=dev)
+    q_valid = qi[None, :] < q_lens[:, None]  # [B, Mq]
+    q_rows = torch.where(q_valid, cu[:-1, None] + qi[None, :], torch.zeros_like(q_valid, dtype=torch.long))
+    qp = q[q_rows].to(acc).view(b_count, max_seqlen_q, h_kv, group, d)  # [B, Mq, H_kv, G, D]
+
+    # Keys, gathered through the block table into [B, Mk]. Only entries below seq_len are
+    # dereferenced (others point at block 0), and invisible keys are zeroed afterwards.
+    tk = torch.arange(max_seqlen_k, device=dev)
+    k_in = tk[None, :] < lens[:, None]  # [B, Mk]
+    if kv_start is not None:
+        k_in = k_in & (tk[None, :] >= kv_start.long()[:, None])
+    blocks = block_table.long()[:, tk // block_size]  # [B, Mk]
+    blocks = torch.where(k_in, blocks, torch.zeros_like(blocks))
+    rows = (tk % block_size).expand(b_count, -1)
+    zero = torch.zeros((), dtype=acc, device=dev)
+    kp = torch.where(k_in[..., None, None], k_cache[blocks, rows].to(acc), zero)  # [B, Mk, H_kv, D]
+    vp = torch.where(k_in[..., None, None], v_cache[blocks, rows].to(acc), zero)
+
+    s = _scores(qp, kp, "bmhgd,bkhd->bhgmk", scale, softcap)  # [B, H_kv, G, Mq, Mk]
+    q_pos = (lens - q_lens)[:, None] + qi[None, :]  # [B, Mq]
+    vis = visibility_mask(
+        q_pos, tk.expand(b_count, -1), causal=causal, chunk_size=chunk_size, window_left=window_left,
+        sink_tokens=sink_tokens,
+    )  # [B, Mq, Mk]
+    vis = vis & k_in[:, None, :] & q_valid[:, :, None]
+    o, lse = _masked_softmax_attend(s, vis[:, None, None], vp, "bhgmk,bkhd->bmhgd")  # o [B, Mq, H_kv, G, D]
+
+    # Back to the packed layout: query row r belongs to sequence b(r), row r - cu[b(r)].
+    r = torch.arange(total_q, device=dev)
+    b_of_r = torch.searchsorted(cu[1:], r, right=True).clamp(max=b_count - 1)
+    i_of_r = r - cu[b_of_r]
+    out = o[b_of_r, i_of_r].reshape(total_q, h_q, d).to(q.dtype)
+    lse = lse.permute(0, 3, 1, 2)[b_of_r, i_of_r].reshape(total_q, h_q)  # [total_q, H_q]
+    return out, lse
+
+
+def store_kv_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Oracle ``store_kv``: token ``i`` goes to block ``s // block_size``, row ``s % block_size``.
+
+    Slots ``< 0`` are skipped. Raises ``ValueError`` (and writes nothing) on a slot past the
+    cache or a slot used twice.
+    """
+    block_size = k_cache.shape[1]
+    capacity = k_cache.shape[0] * block_size
+    slots = slot_mapping.long().cpu()
+    used = slots[slots >= 0]
+    if used.numel() and int(used.max()) >= capacity:
+        raise ValueError(f"slot_mapping: slot {int(used.max())} is past the cache ({capacity} slots)")
+    if used.unique().numel() != used.numel():
+        raise ValueError("slot_mapping: a slot appears twice in one store_kv call")
+    keep = (slots >= 0).nonzero().flatten()
+    blk, row = used // block_size, used % block_size
+    k_cache[blk, row] = k[keep.to(k.device)].to(k_cache.dtype)
+    v_cache[blk, row] = v[keep.to(v.device)].to(v_cache.dtype)
+
+
+def store_kv_torch(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Sync-free ``store_kv`` (the CPU path): no boolean indexing, no host read.
+
+    A skipped row (slot < 0) is redirected to the first valid row's slot *with that row's
+    value*, so the duplicate write is identical and harmless; with no valid row at all, it
+    rewrites slot 0 with its own current value. Slots must already be validated.
+    """
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    first = torch.argmax(valid.to(torch.int32))  # 0-d; index of the first valid row (0 if none)
+    any_valid = valid.any()
+    src = torch.where(valid, torch.arange(n, device=slots.device), first)  # [N]
+    dst = torch.where(valid, slots, torch.where(any_valid, slots[first], torch.zeros_like(slots[first])))
+    blk, row = dst // block_size, dst % block_size
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        vals = torch.where(any_valid, new[src].to(cache.dtype), cache[blk, row])
+        cache.index_put_((blk, row), vals)
+
+
+def merge_attention_states_ref(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of two partial attentions over disjoint key sets.
+
+    Parameters
+    ----------
+    out_a, out_b : ``[N, H, D]``.
+    lse_a, lse_b : ``[N, H]`` natural-log sum-exp of each part (``-inf`` = empty part).
+
+    Returns
+    -------
+    ``(out [N, H, D] in out_a's dtype, lse [N, H] fp32 (fp64 for fp64))``.
+    """
+    acc = _acc_dtype(out_a.dtype)
+    la, lb = lse_a.to(acc), lse_b.to(acc)
+    m = torch.maximum(la, lb)
+    m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    wa, wb = torch.exp(la - m_safe), torch.exp(lb - m_safe)  # [N, H]
+    total = wa + wb
+    empty = total == 0
+    denom = torch.where(empty, torch.ones_like(total), total)
+    zero = torch.zeros((), dtype=acc, device=out_a.device)
+    # An empty part contributes nothing even if its out holds garbage.
+    part_a = torch.where((wa > 0)[..., None], out_a.to(acc) * wa[..., None], zero)
+    part_b = torch.where((wb > 0)[..., None], out_b.to(acc) * wb[..., None], zero)
+    out = ((part_a + part_b) / denom[..., None]).to(out_a.dtype)
+    lse = torch.where(empty, torch.full_like(m, float("-inf")), m_safe + torch.log(denom))
+    return out, lse
+
+
+# The merge is already sync-free and batched: the CPU path is the oracle itself.
+merge_attention_states_torch = merge_attention_states_ref
