@@ -1,0 +1,319 @@
+"""``FeatureCache``: encoder outputs reused across requests by content hash.
+
+Entries are keyed by :attr:`CacheKey.hash`, so a key partitions by component,
+input content, weights version, adapter stack and every other staleness field.
+The cache enforces ``policy.max_bytes`` by evicting least-recently-used entries,
+with exact byte accounting (see :mod:`kvarena.cache._bytes` for what a value
+counts). It is safe to call from several threads (one lock; the ``fn`` of
+:meth:`FeatureCache.get_or_compute` runs outside it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from kvarena.cache._bytes import ByteLRU, detached, value_nbytes
+from kvarena.cache.keys import CacheKey, CachePolicy, _iter_names
+
+__all__ = ["FeatureCache"]
+
+
+def _check_key(key: Any) -> str:
+    if not isinstance(key, CacheKey):
+        raise TypeError(f"key must be a CacheKey, got {type(key).__qualname__}")
+    return key.hash
+
+
+class FeatureCache:
+    """Content-hash keyed LRU cache of component outputs under a byte budget.
+
+    Parameters
+    ----------
+    policy : CachePolicy
+        ``max_bytes`` is the budget; ``reuse_across_requests=False`` disables the
+        cache (every ``put`` is rejected, every ``get`` misses).
+
+    Attributes
+    ----------
+    policy : CachePolicy
+    used_bytes : int
+        Bytes of the stored values (exact; never above ``policy.max_bytes``).
+    hits, misses, evictions, rejected : int
+        Counters: lookups that found / did not find a value, entries evicted for
+        room, puts not stored (value larger than the budget, or reuse disabled).
+
+    Notes
+    -----
+    Stored tensors are detached (no autograd graph is kept alive) but not copied:
+    ``get`` returns the stored object itself, which callers must treat as
+    read-only. A ``put`` never raises for size: a value larger than the budget is
+    simply not stored and evicts nothing. After ``put(key, value)``, ``get(key)``
+    returns ``value`` or misses, never an older value of that key (so a rejected
+    put also drops the key's previous entry).
+    """
+
+    def __init__(self, policy: CachePolicy) -> None:
+        if not isinstance(policy, CachePolicy):
+            raise TypeError(f"policy must be a CachePolicy, got {type(policy).__qualname__}")
+        self._policy = policy
+        self._lock = threading.Lock()
+        self._lru = ByteLRU(policy.max_bytes)
+        self._hits = 0
+        self._misses = 0
+        self._evictions = 0
+        self._rejected = 0
+
+    # -- read-only state -------------------------------------------------------------
+    @property
+    def policy(self) -> CachePolicy:
+        """CachePolicy: the policy the cache was built with."""
+        return self._policy
+
+    @property
+    def max_bytes(self) -> int:
+        """int: the byte budget (``policy.max_bytes``)."""
+        return self._policy.max_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """int: bytes of the values currently stored."""
+        return self._lru.used
+
+    @property
+    def hits(self) -> int:
+        """int: lookups that found a value."""
+        return self._hits
+
+    @property
+    def misses(self) -> int:
+        """int: lookups that found nothing."""
+        return self._misses
+
+    @property
+    def evictions(self) -> int:
+        """int: entries evicted to make room (not counting replacements or invalidations)."""
+        return self._evictions
+
+    @property
+    def rejected(self) -> int:
+        """int: puts that stored nothing."""
+        return self._rejected
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is stored (does not count as a lookup, nor touch LRU order)."""
+        if not isinstance(key, CacheKey):
+            return False
+        with self._lock:
+            return key.hash in self._lru.entries
+
+    def keys(self) -> list[CacheKey]:
+        """Return the stored keys, least recently used first.
+
+        Returns
+        -------
+        list of CacheKey
+        """
+        with self._lock:
+            return [item[1] for item, _nb in self._lru.entries.values()]
+
+    # -- lookups -----------------------------------------------------------------------
+    def get(self, key: CacheKey, default: Any = None) -> Any:
+        """Return the value stored under ``key`` (making it most recently used).
+
+        Parameters
+        ----------
+        key : CacheKey
+        default : object, default None
+            Returned on a miss (the seed's ``get`` returned ``None``).
+
+        Returns
+        -------
+        object
+            The stored value, or ``default``.
+
+        Raises
+        ------
+        TypeError
+            If ``key`` is not a ``CacheKey``.
+        """
+        h = _check_key(key)
+        with self._lock:
+            if self._policy.reuse_across_requests:
+                found, item = self._lru.lookup(h)
+                if found:
+                    self._hits += 1
+                    return item[0]
+            self._misses += 1
+            return default
+
+    def put(self, key: CacheKey, value: Any) -> bool:
+        """Store ``value`` under ``key``, replacing any previous value of that key.
+
+        Least-recently-used entries are evicted until the budget holds.
+
+        Parameters
+        ----------
+        key : CacheKey
+        value : object
+            A tensor, a nested tuple/list/dict of tensors, or any other object
+            (see :mod:`kvarena.cache._bytes` for its byte count).
+
+        Returns
+        -------
+        bool
+            Whether the value was stored. ``False`` when reuse is disabled by the
+            policy or when the value alone exceeds ``max_bytes`` (then nothing else
+            is evicted, and the key's previous entry, if any, is dropped).
+
+        Raises
+        ------
+        TypeError
+            If ``key`` is not a ``CacheKey``.
+        """
+        h = _check_key(key)
+        if not self._policy.reuse_across_requests:
+            with self._lock:
+                self._rejected += 1
+            return False
+        value = detached(value)
+        nb = value_nbytes(value)
+        with self._lock:
+            if nb > self._lru.max_bytes:
+                self._lru.remove(h)
+                self._rejected += 1
+                return False
+            self._evictions += len(self._lru.insert(h, (value, key), nb))
+            return True
+
+    def get_or_compute(self, key: CacheKey, fn: Callable[[], Any]) -> Any:
+        """Return the value under ``key``, computing and storing it on a miss.
+
+        Parameters
+        ----------
+        key : CacheKey
+        fn : callable
+            Called with no arguments on a miss, outside the cache's lock (so it may
+            use the cache itself). Its result is stored (detached) with
+            :meth:`put` and returned as ``fn`` returned it.
+
+        Returns
+        -------
+        object
+
+        Raises
+        ------
+        TypeError
+            If ``key`` is not a ``CacheKey`` or ``fn`` is not callable.
+
+        Notes
+        -----
+        Two threads missing the same key at once both call ``fn``; the last put
+        wins. An exception from ``fn`` propagates and leaves the cache unchanged
+        (the miss stays counted).
+        """
+        h = _check_key(key)
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__qualname__}")
+        with self._lock:
+            if self._policy.reuse_across_requests:
+                found, item = self._lru.lookup(h)
+                if found:
+                    self._hits += 1
+                    return item[0]
+            self._misses += 1
+        value = fn()
+        self.put(key, value)
+        return value
+
+    # -- invalidation ---------------------------------------------------------------
+    def invalidate_weights(self, version: str) -> int:
+        """Drop every entry whose ``weights_version`` differs from ``version``.
+
+        Called after a weight update (e.g. an RL ``update_weights``) with the new
+        version: entries computed with any other version are stale.
+
+        Parameters
+        ----------
+        version : str
+            The current weights version.
+
+        Returns
+        -------
+        int
+            Number of entries dropped.
+
+        Raises
+        ------
+        TypeError
+            If ``version`` is not a str.
+        """
+        if not isinstance(version, str):
+            raise TypeError(f"version must be a str, got {type(version).__qualname__}")
+        return self._drop(lambda k: k.weights_version != version)
+
+    def invalidate_components(self, names: Iterable[str]) -> int:
+        """Drop only the entries produced by the named components.
+
+        A transformer-only weight sync must not evict text-encoder embeddings:
+        entries of other components stay.
+
+        Parameters
+        ----------
+        names : iterable of str
+            Component ids (a set, list, ...; a bare str is rejected).
+
+        Returns
+        -------
+        int
+            Number of entries dropped.
+
+        Raises
+        ------
+        TypeError
+            If ``names`` is a str or not an iterable of str.
+        """
+        wanted = frozenset(_iter_names("names", names))
+        return self._drop(lambda k: k.component_id in wanted)
+
+    def clear(self) -> int:
+        """Drop every entry (counters are kept); return how many were dropped."""
+        with self._lock:
+            return self._lru.clear()
+
+    def _drop(self, predicate: Callable[[CacheKey], bool]) -> int:
+        with self._lock:
+            drop = [h for h, (item, _nb) in self._lru.entries.items() if predicate(item[1])]
+            for h in drop:
+                self._lru.remove(h)
+            return len(drop)
+
+    # -- stats ------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """Return a consistent snapshot of the counters.
+
+        Returns
+        -------
+        dict
+            ``hits, misses, evictions, rejected, entries, used_bytes, max_bytes``.
+        """
+        with self._lock:
+            return {
+                "hits": self._hits,
+                "misses": self._misses,
+                "evictions": self._evictions,
+                "rejected": self._rejected,
+                "entries": len(self._lru),
+                "used_bytes": self._lru.used,
+                "max_bytes": self._lru.max_bytes,
+            }
+
+    def __repr__(self) -> str:
+        return (
+            f"FeatureCache(entries={len(self._lru)}, used_bytes={self._lru.used}, "
+            f"max_bytes={self._lru.max_bytes})"
+        )

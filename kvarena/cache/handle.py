@@ -1,0 +1,277 @@
+"""The pool registry (``make_pool``) and ``CacheHandle``, one pool per cache class.
+
+There is no single unified block pool: the cache classes differ by orders of
+magnitude in natural granularity, so each class gets a statically budgeted pool.
+The registry resolves classes lazily (``"module:Class"``), so importing this module
+imports neither the KV pools nor triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable, Iterator, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from kvarena.cache.keys import CachePolicy
+
+__all__ = ["CacheHandle", "make_pool"]
+
+DICT_CLASSES = ("feature", "residual")
+KV_CLASSES = ("slab_kv", "paged_kv")
+
+
+class _LazyRegistry(Mapping):
+    """Read-only ``class_name -> class`` mapping that imports a class on first access."""
+
+    def __init__(self, specs: Mapping[str, str]) -> None:
+        self._specs = dict(specs)
+        self._loaded: dict[str, type] = {}
+
+    def __getitem__(self, name: str) -> type:
+        cls = self._loaded.get(name)
+        if cls is None:
+            module, _, attr = self._specs[name].partition(":")
+            cls = getattr(importlib.import_module(module), attr)
+            self._loaded[name] = cls
+        return cls
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def spec(self, name: str) -> str:
+        """Return the ``"module:Class"`` string of ``name`` without importing it."""
+        return self._specs[name]
+
+    def __repr__(self) -> str:
+        return f"_LazyRegistry({self._specs!r})"
+
+
+_CLASS_REGISTRY = _LazyRegistry(
+    {
+        "feature": "kvarena.cache.feature:FeatureCache",
+        "residual": "kvarena.cache.residual:ResidualCache",
+        "slab_kv": "kvarena.cache.slab:SlabKVCache",
+        "paged_kv": "kvarena.cache.paged:PagedKVCache",
+    }
+)
+
+
+def _check_policy(name: str, policy: Any) -> CachePolicy:
+    if not isinstance(policy, CachePolicy):
+        raise TypeError(f"{name} must be a CachePolicy, got {type(policy).__qualname__}")
+    if policy.class_name not in _CLASS_REGISTRY:
+        raise KeyError(
+            f"unknown cache class {policy.class_name!r} in {name}.class_name "
+            f"(known: {', '.join(_CLASS_REGISTRY)})"
+        )
+    return policy
+
+
+def make_pool(policy: CachePolicy, **kwargs: Any) -> Any:
+    """Build the pool of ``policy.class_name`` (the seed's registry).
+
+    Parameters
+    ----------
+    policy : CachePolicy
+    **kwargs
+        Passed to the class constructor (e.g. ``layout=``, ``device=`` for the KV
+        pools).
+
+    Returns
+    -------
+    FeatureCache or ResidualCache or SlabKVCache or PagedKVCache
+
+    Raises
+    ------
+    TypeError
+        If ``policy`` is not a ``CachePolicy`` (or the class rejects a keyword).
+    KeyError
+        If ``policy.class_name`` is not a registered class; the message lists the
+        known ones.
+    """
+    _check_policy("policy", policy)
+    return _CLASS_REGISTRY[policy.class_name](policy, **kwargs)
+
+
+def _collect_policies(policies: Any) -> dict[str, CachePolicy]:
+    if isinstance(policies, CachePolicy):
+        items: list[tuple[str | None, Any]] = [(None, policies)]
+    elif isinstance(policies, Mapping):
+        items = list(policies.items())
+    elif isinstance(policies, Iterable) and not isinstance(policies, (str, bytes)):
+        items = [(None, p) for p in policies]
+    else:
+        raise TypeError(
+            "policies must be an iterable of CachePolicy or a dict class_name -> CachePolicy, "
+            f"got {type(policies).__qualname__}"
+        )
+    out: dict[str, CachePolicy] = {}
+    for label, policy in items:
+        where = "policies" if label is None else f"policies[{label!r}]"
+        _check_policy(where, policy)
+        if label is not None and label != policy.class_name:
+            raise ValueError(
+                f"{where} has class_name {policy.class_name!r}; the dict key must equal it"
+            )
+        if policy.class_name in out:
+            raise ValueError(f"policies has two policies for class {policy.class_name!r}")
+        out[policy.class_name] = policy
+    return out
+
+
+class CacheHandle:
+    """One statically budgeted pool per cache class, behind one object.
+
+    Parameters
+    ----------
+    policies : iterable of CachePolicy, or mapping of str to CachePolicy
+        At most one policy per class (``"feature"``, ``"residual"``, ``"slab_kv"``,
+        ``"paged_kv"``); a mapping's keys must equal the policies' class names.
+    layouts : mapping of str to KVLayout, optional
+        Per KV class layout (``{"slab_kv": ..., "paged_kv": ...}``).
+    device : str or torch.device, optional
+        Device of the KV arena.
+    slab_tokens : int, optional
+        Tokens per slab of the ``slab_kv`` pool.
+    block_size : int, default 16
+        Tokens per block of the ``paged_kv`` pool.
+
+    Attributes
+    ----------
+    feature : FeatureCache or None
+    residual : ResidualCache or None
+    slab_kv : SlabKVCache or None
+    paged_kv : PagedKVCache or None
+        ``None`` for a class without a policy.
+    arena : KVArena or None
+        The single device allocation of the KV classes; ``None`` when only dict
+        classes are configured.
+    policies : mapping of str to CachePolicy
+        Read-only.
+
+    Raises
+    ------
+    TypeError, ValueError, KeyError
+        For a malformed argument, two policies of one class, or an unknown class.
+    NotImplementedError
+        When a KV class is configured: it needs the shared arena (a later issue).
+    """
+
+    def __init__(
+        self,
+        policies: Iterable[CachePolicy] | Mapping[str, CachePolicy],
+        *,
+        layouts: Mapping[str, Any] | None = None,
+        device: Any = None,
+        slab_tokens: int | None = None,
+        block_size: int = 16,
+    ) -> None:
+        by_class = _collect_policies(policies)
+        if layouts is not None:
+            if not isinstance(layouts, Mapping):
+                raise TypeError(
+                    "layouts must be a dict {'slab_kv': KVLayout, 'paged_kv': KVLayout} or "
+                    f"None, got {type(layouts).__qualname__}"
+                )
+            for cls_name in layouts:
+                if cls_name not in KV_CLASSES:
+                    raise KeyError(
+                        f"layouts has key {cls_name!r}; expected one of {', '.join(KV_CLASSES)}"
+                    )
+                if cls_name not in by_class:
+                    raise ValueError(
+                        f"layouts[{cls_name!r}] is given but policies has no {cls_name!r} policy"
+                    )
+        if slab_tokens is not None and (
+            not isinstance(slab_tokens, int) or isinstance(slab_tokens, bool) or slab_tokens < 1
+        ):
+            raise ValueError(f"slab_tokens must be an int >= 1 or None, got {slab_tokens!r}")
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+
+        self._policies = MappingProxyType(by_class)
+        self._layouts = dict(layouts or {})
+        self._device = device
+        self._slab_tokens = slab_tokens
+        self._block_size = block_size
+        self.feature: Any = None
+        self.residual: Any = None
+        self.slab_kv: Any = None
+        self.paged_kv: Any = None
+        self.arena: Any = None
+
+        for cls_name in DICT_CLASSES:
+            if cls_name in by_class:
+                setattr(self, cls_name, make_pool(by_class[cls_name]))
+        if any(cls_name in by_class for cls_name in KV_CLASSES):
+            self._build_kv_pools(by_class)
+
+    def _build_kv_pools(self, by_class: Mapping[str, CachePolicy]) -> None:
+        # The KV pools share one kvarena.cache.arena.KVArena carved into statically
+        # budgeted regions; that wiring lands with the arena issue.
+        raise NotImplementedError("KV classes in CacheHandle arrive with the arena issue")
+
+    @property
+    def policies(self) -> Mapping[str, CachePolicy]:
+        """mapping of str to CachePolicy: the configured policies, by class name."""
+        return self._policies
+
+    def pools(self) -> dict[str, Any]:
+        """Return the configured pools by class name."""
+        return {
+            name: getattr(self, name)
+            for name in (*DICT_CLASSES, *KV_CLASSES)
+            if getattr(self, name) is not None
+        }
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Return each configured pool's statistics, by class name.
+
+        Returns
+        -------
+        dict
+            ``{class_name: pool.stats()}``; a pool without ``stats()`` reports
+            ``used_bytes`` and its policy's ``max_bytes``.
+        """
+        out: dict[str, dict[str, Any]] = {}
+        for name, pool in self.pools().items():
+            stats = getattr(pool, "stats", None)
+            if callable(stats):
+                out[name] = dict(stats())
+            else:
+                out[name] = {
+                    "used_bytes": int(getattr(pool, "used_bytes", 0)),
+                    "max_bytes": self._policies[name].max_bytes,
+                }
+        return out
+
+    def end_request(self, namespace: str) -> None:
+        """Release ``namespace`` everywhere: residuals, slabs and paged blocks.
+
+        The feature cache is shared across requests and is left as is. Unknown
+        namespaces are a no-op.
+
+        Parameters
+        ----------
+        namespace : str
+
+        Raises
+        ------
+        TypeError
+            If ``namespace`` is not a str.
+        """
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace must be a str, got {type(namespace).__qualname__}")
+        if self.residual is not None:
+            self.residual.clear_namespace(namespace)
+        if self.slab_kv is not None:
+            self.slab_kv.clear_namespace(namespace)
+        if self.paged_kv is not None:
+            self.paged_kv.free_namespace(namespace)
+
+    def __repr__(self) -> str:
+        return f"CacheHandle(classes={list(self._policies)})"

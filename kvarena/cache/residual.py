@@ -1,0 +1,298 @@
+"""``ResidualCache``: step-to-step residuals (DBCache style), per request and per branch.
+
+Entries are keyed by ``(namespace, branch, name)``: the namespace is the request
+(or loop) id and the branch the CFG branch (``"cond"``/``"uncond"``) or any other
+explicit id, so two interleaved requests, or the two halves of a CFG batch, never
+see each other's residuals. The cache enforces ``policy.max_bytes`` by evicting
+least-recently-used entries across all namespaces; a miss is always safe (the
+caller recomputes). Safe to call from several threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from kvarena.cache._bytes import ByteLRU, detached, value_nbytes
+from kvarena.cache.keys import CachePolicy
+
+__all__ = ["ResidualCache"]
+
+
+def _check_namespace(namespace: Any) -> None:
+    if not isinstance(namespace, str):
+        raise TypeError(
+            f"namespace must be a str (a request id), got {type(namespace).__qualname__}"
+        )
+
+
+def _check_entry(namespace: Any, branch: Any, name: Any) -> tuple[str, str, str]:
+    _check_namespace(namespace)
+    if not isinstance(branch, str):
+        raise TypeError(
+            "branch must be a non-empty str naming the CFG branch (e.g. 'cond'), got "
+            f"{type(branch).__qualname__}"
+        )
+    if not branch:
+        raise ValueError("branch must be a non-empty str naming the CFG branch (e.g. 'cond')")
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__qualname__}")
+    return (namespace, branch, name)
+
+
+class ResidualCache:
+    """Per-request, per-branch residual store under a byte budget.
+
+    Parameters
+    ----------
+    policy : CachePolicy
+        ``max_bytes`` is the budget (shared by all namespaces).
+
+    Attributes
+    ----------
+    policy : CachePolicy
+    used_bytes : int
+        Bytes of the stored values (exact; never above ``policy.max_bytes``).
+    hits, misses, evictions, rejected : int
+        Lookups that found / did not find a value, entries evicted for room, puts
+        of a value larger than the whole budget (not stored).
+
+    Notes
+    -----
+    Values are detached but not copied; ``get`` returns the stored object. After
+    ``put(ns, branch, name, value)``, ``get`` of that entry returns ``value`` or
+    misses, never an older residual: a rejected put drops the previous one.
+    """
+
+    def __init__(self, policy: CachePolicy) -> None:
+        if not isinstance(policy, CachePolicy):
+            raise TypeError(f"policy must be a CachePolicy, got {type(policy).__qualname__}")
+        self._policy = policy
+        self._lock = threading.Lock()
+        self._lru = ByteLRU(policy.max_bytes)
+        # namespace -> keys stored under it (dict used as an ordered set)
+        self._by_ns: dict[str, dict[tuple[str, str, str], None]] = {}
+        self._hits = 0
+        self._misses = 0
+        self._evictions = 0
+        self._rejected = 0
+
+    # -- read-only state ------------------------------------------------------------
+    @property
+    def policy(self) -> CachePolicy:
+        """CachePolicy: the policy the cache was built with."""
+        return self._policy
+
+    @property
+    def max_bytes(self) -> int:
+        """int: the byte budget (``policy.max_bytes``)."""
+        return self._policy.max_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """int: bytes of the values currently stored."""
+        return self._lru.used
+
+    @property
+    def hits(self) -> int:
+        """int: lookups that found a value."""
+        return self._hits
+
+    @property
+    def misses(self) -> int:
+        """int: lookups that found nothing."""
+        return self._misses
+
+    @property
+    def evictions(self) -> int:
+        """int: entries evicted to make room."""
+        return self._evictions
+
+    @property
+    def rejected(self) -> int:
+        """int: puts of a value larger than the budget."""
+        return self._rejected
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def keys(self) -> list[tuple[str, str, str]]:
+        """Return the stored ``(namespace, branch, name)`` keys, least recently used first."""
+        with self._lock:
+            return list(self._lru.entries)
+
+    def namespaces(self) -> list[str]:
+        """Return the namespaces that currently hold entries."""
+        with self._lock:
+            return list(self._by_ns)
+
+    # -- operations -------------------------------------------------------------------
+    def put(self, namespace: str, branch: str, name: str, value: Any) -> bool:
+        """Store ``value`` under ``(namespace, branch, name)``.
+
+        Parameters
+        ----------
+        namespace : str
+            The request / loop id.
+        branch : str
+            Explicit, non-empty branch id (e.g. ``"cond"``, ``"uncond"``).
+        name : str
+            What the value is (e.g. ``"block_5.residual"``).
+        value : object
+            Usually a tensor; nested containers of tensors are accounted too.
+
+        Returns
+        -------
+        bool
+            Whether the value was stored (``False``: larger than ``max_bytes``; then
+            nothing else is evicted and the entry's previous value is dropped).
+
+        Raises
+        ------
+        TypeError
+            If ``namespace``, ``branch`` or ``name`` is not a str.
+        ValueError
+            If ``branch`` is empty.
+        """
+        key = _check_entry(namespace, branch, name)
+        value = detached(value)
+        nb = value_nbytes(value)
+        with self._lock:
+            if nb > self._lru.max_bytes:
+                self._remove(key)
+                self._rejected += 1
+                return False
+            evicted = self._lru.insert(key, value, nb)
+            self._by_ns.setdefault(namespace, {})[key] = None
+            for old in evicted:
+                self._unindex(old)
+            self._evictions += len(evicted)
+            return True
+
+    def get(self, namespace: str, branch: str, name: str, default: Any = None) -> Any:
+        """Return the value under ``(namespace, branch, name)`` (most recently used now).
+
+        Parameters
+        ----------
+        namespace, branch, name : str
+            As for :meth:`put`.
+        default : object, default None
+            Returned on a miss (the seed returned ``None``).
+
+        Returns
+        -------
+        object
+
+        Raises
+        ------
+        TypeError, ValueError
+            As for :meth:`put`.
+        """
+        key = _check_entry(namespace, branch, name)
+        with self._lock:
+            found, value = self._lru.lookup(key)
+            if found:
+                self._hits += 1
+                return value
+            self._misses += 1
+            return default
+
+    def clear_namespace(self, namespace: str) -> int:
+        """Drop every entry of ``namespace`` (all branches); unknown namespaces are a no-op.
+
+        Costs O(entries of that namespace).
+
+        Parameters
+        ----------
+        namespace : str
+
+        Returns
+        -------
+        int
+            Number of entries dropped.
+
+        Raises
+        ------
+        TypeError
+            If ``namespace`` is not a str.
+        """
+        _check_namespace(namespace)
+        with self._lock:
+            keys = self._by_ns.pop(namespace, None)
+            if not keys:
+                return 0
+            for key in keys:
+                self._lru.remove(key)
+            return len(keys)
+
+    @contextmanager
+    def scope(self, namespace: str) -> Iterator[ResidualCache]:
+        """Context manager that clears ``namespace`` on exit, exceptions included.
+
+        Parameters
+        ----------
+        namespace : str
+            The request id whose residuals live inside the ``with`` block.
+
+        Yields
+        ------
+        ResidualCache
+            This cache.
+
+        Raises
+        ------
+        TypeError
+            If ``namespace`` is not a str (raised on entry).
+        """
+        _check_namespace(namespace)
+        try:
+            yield self
+        finally:
+            self.clear_namespace(namespace)
+
+    def clear(self) -> int:
+        """Drop every entry (counters are kept); return how many were dropped."""
+        with self._lock:
+            self._by_ns.clear()
+            return self._lru.clear()
+
+    def _remove(self, key: tuple[str, str, str]) -> None:
+        if self._lru.remove(key):
+            self._unindex(key)
+
+    def _unindex(self, key: tuple[str, str, str]) -> None:
+        keys = self._by_ns.get(key[0])
+        if keys is not None:
+            keys.pop(key, None)
+            if not keys:
+                del self._by_ns[key[0]]
+
+    # -- stats ----------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """Return a consistent snapshot of the counters.
+
+        Returns
+        -------
+        dict
+            ``hits, misses, evictions, rejected, entries, namespaces, used_bytes,
+            max_bytes``.
+        """
+        with self._lock:
+            return {
+                "hits": self._hits,
+                "misses": self._misses,
+                "evictions": self._evictions,
+                "rejected": self._rejected,
+                "entries": len(self._lru),
+                "namespaces": len(self._by_ns),
+                "used_bytes": self._lru.used,
+                "max_bytes": self._lru.max_bytes,
+            }
+
+    def __repr__(self) -> str:
+        return (
+            f"ResidualCache(entries={len(self._lru)}, namespaces={len(self._by_ns)}, "
+            f"used_bytes={self._lru.used}, max_bytes={self._lru.max_bytes})"
+        )
