@@ -286,26 +286,25 @@ def paged_attention(
     )
     _opt_int("num_splits", num_splits, 1)
     chosen = _resolve_backend(backend, q.device, needs_grad)
-    if chosen == "triton":
-        if q.dtype not in _KERNEL_DTYPES:
-            raise TypeError(f"q: the Triton kernels take float16, bfloat16 or float32, got {q.dtype}")
-        from kvarena.kernels.paged_attention import paged_attention_fwd
-
-        result = torch.empty_like(q) if out is None else out
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
-        paged_attention_fwd(
-            q, k_cache, v_cache, block_table, seq_lens, args.cu_seqlens_q, kv_start, result, lse,
+    if chosen == "triton" and q.dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"q: the Triton kernels take float16, bfloat16 or float32, got {q.dtype}")
+    if needs_grad:
+        # Differentiable path: plain torch ops that autograd (and dynamo) trace through.
+        result, lse = reference.paged_attention_torch(
+            q, k_cache, v_cache, block_table, seq_lens, args.cu_seqlens_q,
             scale=args.scale, causal=causal, chunk_size=args.chunk_size, window_left=args.window_left,
-            sink_tokens=args.sink_tokens, softcap=args.softcap, max_seqlen_q=args.max_seqlen_q,
-            max_seqlen_k=args.max_seqlen_k, num_splits=num_splits, deterministic=deterministic,
+            sink_tokens=args.sink_tokens, softcap=args.softcap, kv_start=kv_start,
+            max_seqlen_q=args.max_seqlen_q, max_seqlen_k=args.max_seqlen_k,
         )
-        return (result, lse) if return_lse else result
-    result, lse = reference.paged_attention_torch(
-        q, k_cache, v_cache, block_table, seq_lens, args.cu_seqlens_q,
-        scale=args.scale, causal=causal, chunk_size=args.chunk_size, window_left=args.window_left,
-        sink_tokens=args.sink_tokens, softcap=args.softcap, kv_start=kv_start,
-        max_seqlen_q=args.max_seqlen_q, max_seqlen_k=args.max_seqlen_k,
-    )
+    else:
+        # Under torch.compile: one opaque custom op with a fake impl. Eager calls the body
+        # directly, skipping the ~10-20 us of custom-op dispatch per layer.
+        op = torch.ops.kvarena.paged_attention if torch.compiler.is_compiling() else _paged_attention_impl
+        result, lse = op(
+            q, k_cache, v_cache, block_table, seq_lens, args.cu_seqlens_q, kv_start,
+            args.scale, causal, args.chunk_size, args.window_left, args.sink_tokens, args.softcap,
+            args.max_seqlen_q, args.max_seqlen_k, num_splits, deterministic, chosen,
+        )
     if out is not None:
         out.copy_(result)
         result = out
@@ -364,13 +363,8 @@ def store_kv(
     """
     _validate_store(k, v, k_cache, v_cache, slot_mapping, (not _trusted) and _check_values(k_cache))
     chosen = _resolve_backend(backend, k_cache.device, needs_grad=False)
-    if chosen == "triton":
-        from kvarena.kernels.store import store_kv_fwd
-
-        store_kv_fwd(k, v, k_cache, v_cache, slot_mapping)
-        return
-    with torch.no_grad():
-        reference.store_kv_torch(k.detach(), v.detach(), k_cache, v_cache, slot_mapping)
+    op = torch.ops.kvarena.store_kv if torch.compiler.is_compiling() else _store_kv_impl
+    op(k.detach(), v.detach(), k_cache, v_cache, slot_mapping, chosen)
 
 
 def merge_attention_states(
@@ -409,9 +403,101 @@ def merge_attention_states(
             raise ValueError(f"{name}: expected out_a's device {out_a.device}, got {t.device}")
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (out_a, lse_a, out_b, lse_b))
     chosen = _resolve_backend(backend, out_a.device, needs_grad)
-    if chosen == "triton":
-        if out_a.dtype not in _KERNEL_DTYPES:
-            raise TypeError(f"out_a: the Triton kernels take float16, bfloat16 or float32, got {out_a.dtype}")
+    if chosen == "triton" and out_a.dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"out_a: the Triton kernels take float16, bfloat16 or float32, got {out_a.dtype}")
+    if needs_grad:
+        return reference.merge_attention_states_torch(out_a, lse_a, out_b, lse_b)
+    op = torch.ops.kvarena.merge_attention_states if torch.compiler.is_compiling() else _merge_impl
+    return op(out_a, lse_a, out_b, lse_b, chosen)
+
+
+# --- custom ops -------------------------------------------------------------------------
+# Each op takes the already-validated, normalized arguments plus the resolved backend, so
+# the op body is pure dispatch. Fake impls give shapes only, for torch.compile/FakeTensor.
+
+
+def _paged_attention_impl(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_start: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    chunk_size: int | None,
+    window_left: int | None,
+    sink_tokens: int,
+    softcap: float | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    num_splits: int | None,
+    deterministic: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if backend == "triton":
+        from kvarena.kernels.paged_attention import paged_attention_fwd
+
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        paged_attention_fwd(
+            q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse,
+            scale=scale, causal=causal, chunk_size=chunk_size, window_left=window_left,
+            sink_tokens=sink_tokens, softcap=softcap, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, num_splits=num_splits, deterministic=deterministic,
+        )
+        return out, lse
+    return reference.paged_attention_torch(
+        q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
+        scale=scale, causal=causal, chunk_size=chunk_size, window_left=window_left,
+        sink_tokens=sink_tokens, softcap=softcap, kv_start=kv_start,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+    )
+
+
+_paged_attention_op = torch.library.custom_op(
+    "kvarena::paged_attention", _paged_attention_impl, mutates_args=()
+)
+
+
+@_paged_attention_op.register_fake
+def _(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, scale, causal, chunk_size,
+      window_left, sink_tokens, softcap, max_seqlen_q, max_seqlen_k, num_splits, deterministic, backend):
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=lse_dtype)
+
+
+def _store_kv_impl(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    backend: str,
+) -> None:
+    if backend == "triton":
+        from kvarena.kernels.store import store_kv_fwd
+
+        store_kv_fwd(k, v, k_cache, v_cache, slot_mapping)
+        return
+    reference.store_kv_torch(k, v, k_cache, v_cache, slot_mapping)
+
+
+_store_kv_op = torch.library.custom_op(
+    "kvarena::store_kv", _store_kv_impl, mutates_args=("k_cache", "v_cache")
+)
+
+
+@_store_kv_op.register_fake
+def _(k, v, k_cache, v_cache, slot_mapping, backend):
+    return None
+
+
+def _merge_impl(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor, backend: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if backend == "triton":
         from kvarena.kernels.merge import merge_attention_states_fwd
 
         out = torch.empty_like(out_a)
@@ -419,3 +505,14 @@ def merge_attention_states(
         merge_attention_states_fwd(out_a, lse_a, out_b, lse_b, out, lse)
         return out, lse
     return reference.merge_attention_states_torch(out_a, lse_a, out_b, lse_b)
+
+
+_merge_op = torch.library.custom_op(
+    "kvarena::merge_attention_states", _merge_impl, mutates_args=()
+)
+
+
+@_merge_op.register_fake
+def _(out_a, lse_a, out_b, lse_b, backend):
+    lse_dtype = torch.float64 if out_a.dtype == torch.float64 else torch.float32
+    return torch.empty_like(out_a), out_a.new_empty(out_a.shape[:2], dtype=lse_dtype)
