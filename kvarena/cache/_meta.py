@@ -1,0 +1,103 @@
+"""Helpers shared by the KV pools: host->device metadata uploads and argument checks."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from kvarena.cache.arena import ArenaRegion, KVArena, KVLayout
+
+__all__ = [
+    "StaleMetadataError",
+    "check_forward_tensor",
+    "check_attn_kwargs",
+    "next_version",
+    "pick_region",
+    "upload",
+]
+
+
+class StaleMetadataError(RuntimeError):
+    """Metadata used after one of its namespaces was planned again, truncated or freed."""
+
+
+_versions = itertools.count(1)
+
+
+def next_version() -> int:
+    """A process-wide increasing stamp (never reused, so a freed and re-made namespace differs)."""
+    return next(_versions)
+
+
+def upload(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list/tensor as a device tensor without blocking on the device queue.
+
+    On CUDA the host copy is pinned and copied with ``non_blocking=True`` (the caching
+    host allocator keeps the pinned block alive until the copy has run).
+    """
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def check_attn_kwargs(kwargs: dict, reserved: Sequence[str]) -> None:
+    """Reject attention keywords the pool sets itself."""
+    for name in reserved:
+        if name in kwargs:
+            raise TypeError(
+                f"{name}: set by the pool from its metadata; do not pass it to forward()"
+            )
+
+
+def check_forward_tensor(
+    name: str, t, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, what: str
+) -> None:
+    """Shape/dtype/device check with a message naming the argument and the expectation."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected shape {shape} ({what}), got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected the layout's dtype {dtype}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected the cache's device {device}, got {t.device}")
+
+
+def pick_region(arena: KVArena, region: str | None, class_name: str, default: str) -> ArenaRegion:
+    """The region a pool uses inside a shared arena.
+
+    ``region`` when given; else the arena's only region; else the region named like the
+    policy's class, else ``default``.
+    """
+    if not isinstance(arena, KVArena):
+        raise TypeError(f"arena: expected a KVArena, got {type(arena).__name__}")
+    if region is not None:
+        return arena[region]
+    if len(arena.regions) == 1:
+        return next(iter(arena.regions.values()))
+    for name in (class_name, default):
+        if name in arena.regions:
+            return arena.regions[name]
+    raise ValueError(
+        f"region: the arena has regions {list(arena.regions)}; pass region=<name> "
+        f"(none is named {class_name!r} or {default!r})"
+    )
+
+
+def check_layout_match(given: KVLayout | None, region: ArenaRegion) -> KVLayout:
+    """A layout given next to an arena must be the region's."""
+    if given is not None:
+        if not isinstance(given, KVLayout):
+            raise TypeError(f"layout: expected a KVLayout, got {type(given).__name__}")
+        if given != region.layout:
+            raise ValueError(
+                f"layout: {given} differs from the arena region {region.name!r}'s {region.layout}"
+            )
+    return region.layout

@@ -1,0 +1,452 @@
+"""One device allocation carved into statically budgeted KV regions, plus block allocators.
+
+A :class:`KVArena` makes exactly one ``torch.empty(total_bytes, dtype=torch.uint8)``
+allocation and carves it into named regions (one per KV pool: ``"slab_kv"``,
+``"paged_kv"``, ...). Each region has its own :class:`KVLayout` and block size and is
+viewed, without copies, as::
+
+    data : [num_blocks, num_layers, 2, block_tokens, H_kv, D]   (layout.dtype)
+
+with the per-layer key/value caches the attention ops take as strided views::
+
+    region.k(layer), region.v(layer) : [num_blocks, block_tokens, H_kv, D]
+
+Region offsets are 256-byte aligned and regions never overlap. Each region owns a
+:class:`BlockAllocator` (O(1) alloc/free from a stack, reference counts for forked
+sequences, all-or-nothing multi-block allocation, thread-safe).
+
+Construction::
+
+    arena = KVArena(
+        {"slab_kv": RegionSpec(layout_dit, block_tokens=4680, max_bytes=8 << 30),
+         "paged_kv": RegionSpec(layout_lm, block_tokens=16, max_bytes=4 << 30)},
+        device="cuda",
+    )
+    arena["paged_kv"].k(3)            # layer 3 keys, [num_blocks, 16, H_kv, D]
+
+A region holds ``max_bytes // layout.block_bytes(block_tokens)`` blocks (whole
+blocks only; the remainder of the budget is not allocated).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "ALIGN_BYTES",
+    "ArenaRegion",
+    "BlockAllocator",
+    "CacheFullError",
+    "KVArena",
+    "KVLayout",
+    "RegionSpec",
+]
+
+#: Byte alignment of every region's offset inside the arena.
+ALIGN_BYTES = 256
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class CacheFullError(RuntimeError):
+    """An allocation the budget cannot hold. The pool is exactly as before the call."""
+
+
+def _check_pos_int(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of the K/V one model writes per token.
+
+    Parameters
+    ----------
+    num_layers : int
+        Attention layers that write K/V, ``>= 1``.
+    num_kv_heads : int
+        KV heads per layer (``H_kv``), ``>= 1``.
+    head_dim : int
+        Head dimension ``D``, ``>= 1`` (the attention ops take multiples of 8 up to 256).
+    dtype : torch.dtype
+        float16, bfloat16, float32 or float64.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For a field of the wrong type or value (the message names the field).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        _check_pos_int("num_layers", self.num_layers)
+        _check_pos_int("num_kv_heads", self.num_kv_heads)
+        _check_pos_int("head_dim", self.head_dim)
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"dtype: expected a torch.dtype, got {self.dtype!r}")
+        if self.dtype not in _FLOAT_DTYPES:
+            raise ValueError(
+                f"dtype: expected float16, bfloat16, float32 or float64, got {self.dtype}"
+            )
+
+    @property
+    def element_size(self) -> int:
+        """int: bytes per element of ``dtype``."""
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def token_bytes(self) -> int:
+        """int: bytes of K and V of one token over all layers (``L * 2 * H_kv * D * elsize``)."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.element_size
+
+    def block_bytes(self, block_tokens: int) -> int:
+        """Bytes of one block of ``block_tokens`` tokens (all layers, K and V).
+
+        Parameters
+        ----------
+        block_tokens : int
+            Tokens per block, ``>= 1``.
+
+        Returns
+        -------
+        int
+            ``num_layers * 2 * block_tokens * H_kv * D * elsize``.
+        """
+        _check_pos_int("block_tokens", block_tokens)
+        return block_tokens * self.token_bytes
+
+    @classmethod
+    def from_kv(cls, k: torch.Tensor) -> KVLayout:
+        """The layout of a ``[num_layers, T, H_kv, D]`` K (or V) tensor."""
+        if not isinstance(k, torch.Tensor) or k.dim() != 4:
+            shape = tuple(k.shape) if isinstance(k, torch.Tensor) else type(k).__name__
+            raise ValueError(f"k: expected a [num_layers, T, H_kv, D] tensor, got {shape}")
+        return cls(int(k.shape[0]), int(k.shape[2]), int(k.shape[3]), k.dtype)
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    """Static budget of one arena region.
+
+    Parameters
+    ----------
+    layout : KVLayout
+        What one token of this region holds.
+    block_tokens : int
+        Tokens per block (a paged pool's ``block_size``, a slab pool's ``slab_tokens``).
+    max_bytes : int
+        Byte budget; the region holds ``max_bytes // layout.block_bytes(block_tokens)``
+        whole blocks.
+    """
+
+    layout: KVLayout
+    block_tokens: int
+    max_bytes: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, KVLayout):
+            raise TypeError(f"layout: expected a KVLayout, got {type(self.layout).__name__}")
+        _check_pos_int("block_tokens", self.block_tokens)
+        _check_pos_int("max_bytes", self.max_bytes, 0)
+
+    @property
+    def block_bytes(self) -> int:
+        """int: bytes per block."""
+        return self.layout.block_bytes(self.block_tokens)
+
+    @property
+    def num_blocks(self) -> int:
+        """int: whole blocks the budget holds."""
+        return self.max_bytes // self.block_bytes
+
+
+class BlockAllocator:
+    """Reference-counted allocator of ``num_blocks`` block ids ``0 .. num_blocks-1``.
+
+    Free ids sit on a stack (O(1) alloc and free; a freed id is the next one handed
+    out, which keeps re-planned rollouts on the same blocks). Every call is
+    all-or-nothing and thread-safe.
+
+    Parameters
+    ----------
+    num_blocks : int
+        Number of blocks, ``>= 0``.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = _check_pos_int("num_blocks", num_blocks, 0)
+        self._lock = threading.Lock()
+        self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() yields 0, 1, 2, ...
+        self._ref = [0] * self.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        """int: blocks not allocated."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """int: blocks allocated (refcount >= 1)."""
+        return self.num_blocks - len(self._free)
+
+    def refcount(self, block: int) -> int:
+        """Reference count of ``block`` (0 when free)."""
+        self._check_id(block)
+        return self._ref[block]
+
+    def alloc(self, n: int = 1) -> list[int]:
+        """Allocate ``n`` blocks, each with refcount 1.
+
+        Returns
+        -------
+        list of int
+            The block ids (``[]`` for ``n = 0``).
+
+        Raises
+        ------
+        CacheFullError
+            Fewer than ``n`` blocks are free (nothing is allocated).
+        ValueError
+            ``n < 0``.
+        """
+        n = _check_pos_int("n", n, 0)
+        with self._lock:
+            if n > len(self._free):
+                raise CacheFullError(
+                    f"need {n} blocks, only {len(self._free)} of {self.num_blocks} are free"
+                )
+            out = [self._free.pop() for _ in range(n)]
+            for b in out:
+                self._ref[b] = 1
+            return out
+
+    def incref(self, blocks: Iterable[int]) -> None:
+        """Add one reference to each allocated block (a fork). All-or-nothing.
+
+        Raises
+        ------
+        ValueError
+            A block id out of range or not allocated (the message names it).
+        """
+        blocks = list(blocks)
+        with self._lock:
+            for b in blocks:
+                self._check_id(b)
+                if self._ref[b] == 0:
+                    raise ValueError(f"block {b} is not allocated (incref of a free block)")
+            for b in blocks:
+                self._ref[b] += 1
+
+    def decref(self, blocks: Iterable[int]) -> list[int]:
+        """Drop one reference per listed id (an id may repeat); free blocks reaching 0.
+
+        Validated before anything changes: a double free, or more drops than
+        references, raises and leaves every refcount as it was.
+
+        Returns
+        -------
+        list of int
+            The ids that became free, in the order they were pushed on the free stack.
+
+        Raises
+        ------
+        ValueError
+            An id out of range, or freed more often than it is referenced.
+        """
+        blocks = list(blocks)
+        with self._lock:
+            drops: dict[int, int] = {}
+            for b in blocks:
+                self._check_id(b)
+                drops[b] = drops.get(b, 0) + 1
+                if drops[b] > self._ref[b]:
+                    raise ValueError(
+                        f"block {b} freed more often than referenced (refcount "
+                        f"{self._ref[b]}): double free or foreign block id"
+                    )
+            freed = []
+            for b in blocks:
+                self._ref[b] -= 1
+                if self._ref[b] == 0:
+                    self._free.append(b)
+                    freed.append(b)
+            return freed
+
+    free = decref
+
+    def _check_id(self, block) -> None:
+        if isinstance(block, bool) or not isinstance(block, int):
+            raise TypeError(f"block id: expected an int, got {block!r}")
+        if not 0 <= block < self.num_blocks:
+            raise ValueError(f"block id {block} out of range [0, {self.num_blocks})")
+
+
+class ArenaRegion:
+    """One named region of a :class:`KVArena` (create through the arena).
+
+    Attributes
+    ----------
+    name : str
+    layout : KVLayout
+    block_tokens : int
+    num_blocks : int
+    block_bytes : int
+    offset : int
+        Byte offset inside the arena buffer (multiple of 256).
+    data : torch.Tensor
+        ``[num_blocks, num_layers, 2, block_tokens, H_kv, D]`` view of the arena.
+    allocator : BlockAllocator
+    """
+
+    def __init__(self, name: str, spec: RegionSpec, buffer: torch.Tensor, offset: int) -> None:
+        self.name = name
+        self.layout = spec.layout
+        self.block_tokens = spec.block_tokens
+        self.block_bytes = spec.block_bytes
+        self.num_blocks = spec.num_blocks
+        self.offset = offset
+        self.nbytes = self.num_blocks * self.block_bytes
+        lay = spec.layout
+        raw = buffer[offset : offset + self.nbytes]
+        self.data = raw.view(lay.dtype).view(
+            self.num_blocks, lay.num_layers, 2, self.block_tokens, lay.num_kv_heads, lay.head_dim
+        )
+        # Per-layer views are made once: forward() runs per layer and should not re-slice.
+        self._k = [self.data[:, layer, 0] for layer in range(lay.num_layers)]
+        self._v = [self.data[:, layer, 1] for layer in range(lay.num_layers)]
+        self.allocator = BlockAllocator(self.num_blocks)
+
+    def _layer(self, layer) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"layer: expected an int, got {type(layer).__name__}")
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(
+                f"layer: expected 0 <= layer < {self.layout.num_layers}, got {layer}"
+            )
+        return layer
+
+    def k(self, layer: int) -> torch.Tensor:
+        """Keys of ``layer``: strided view ``[num_blocks, block_tokens, H_kv, D]``."""
+        return self._k[self._layer(layer)]
+
+    def v(self, layer: int) -> torch.Tensor:
+        """Values of ``layer``: strided view ``[num_blocks, block_tokens, H_kv, D]``."""
+        return self._v[self._layer(layer)]
+
+    @property
+    def reserved_bytes(self) -> int:
+        """int: bytes of all blocks of the region."""
+        return self.nbytes
+
+    @property
+    def used_bytes(self) -> int:
+        """int: bytes of allocated blocks."""
+        return self.allocator.num_used * self.block_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        """int: bytes of free blocks."""
+        return self.allocator.num_free * self.block_bytes
+
+    def __repr__(self) -> str:
+        return (
+            f"ArenaRegion({self.name!r}, blocks={self.num_blocks}, block_tokens="
+            f"{self.block_tokens}, offset={self.offset}, layout={self.layout})"
+        )
+
+
+class KVArena:
+    """A single device allocation carved into named, statically budgeted KV regions.
+
+    Parameters
+    ----------
+    regions : mapping of str to RegionSpec
+        Region name -> budget, laid out in the mapping's order at 256-byte aligned
+        offsets.
+    device : torch.device or str, optional
+        Where the arena lives (default CPU).
+
+    Attributes
+    ----------
+    buffer : torch.Tensor
+        The one ``uint8 [nbytes]`` allocation.
+    regions : dict of str to ArenaRegion
+    device : torch.device
+    """
+
+    def __init__(self, regions: Mapping[str, RegionSpec], *, device=None) -> None:
+        if not isinstance(regions, Mapping):
+            raise TypeError(
+                f"regions: expected a mapping of name -> RegionSpec, got {type(regions).__name__}"
+            )
+        offsets: list[tuple[str, RegionSpec, int]] = []
+        total = 0
+        for name, spec in regions.items():
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"regions: names must be non-empty str, got {name!r}")
+            if not isinstance(spec, RegionSpec):
+                raise TypeError(
+                    f"regions[{name!r}]: expected a RegionSpec, got {type(spec).__name__}"
+                )
+            total = -(-total // ALIGN_BYTES) * ALIGN_BYTES
+            offsets.append((name, spec, total))
+            total += spec.num_blocks * spec.block_bytes
+        self.nbytes = -(-total // ALIGN_BYTES) * ALIGN_BYTES
+        self.buffer = torch.empty(
+            self.nbytes, dtype=torch.uint8, device=torch.device("cpu" if device is None else device)
+        )
+        # The allocation's own device: "cuda" normalizes to "cuda:0", as on the views.
+        self.device = self.buffer.device
+        self.regions: dict[str, ArenaRegion] = {
+            name: ArenaRegion(name, spec, self.buffer, off) for name, spec, off in offsets
+        }
+
+    @classmethod
+    def single(
+        cls, name: str, layout: KVLayout, block_tokens: int, max_bytes: int, *, device=None
+    ) -> KVArena:
+        """An arena with one region (what a pool makes when given no arena)."""
+        return cls({name: RegionSpec(layout, block_tokens, max_bytes)}, device=device)
+
+    def __getitem__(self, name: str) -> ArenaRegion:
+        try:
+            return self.regions[name]
+        except KeyError:
+            raise KeyError(f"region {name!r} not in this arena (have {list(self.regions)})") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.regions
+
+    def data_ptr(self) -> int:
+        """int: address of the arena buffer (constant for the arena's life)."""
+        return self.buffer.data_ptr()
+
+    @property
+    def reserved_bytes(self) -> int:
+        """int: bytes of all regions' blocks (excludes alignment padding)."""
+        return sum(r.reserved_bytes for r in self.regions.values())
+
+    @property
+    def used_bytes(self) -> int:
+        """int: bytes of allocated blocks over all regions."""
+        return sum(r.used_bytes for r in self.regions.values())
+
+    @property
+    def free_bytes(self) -> int:
+        """int: bytes of free blocks over all regions."""
+        return sum(r.free_bytes for r in self.regions.values())
+
+    def __repr__(self) -> str:
+        return f"KVArena({self.nbytes} bytes on {self.device}, regions={list(self.regions)})"
