@@ -1,0 +1,709 @@
+"""Paged KV cache for autoregressive decode: fixed-size blocks in one arena region.
+
+Each namespace (a request, or a fork of one) owns a list of block ids and a row of a
+persistent device block table ``[max_seqs, max_blocks_per_seq]``. ``plan`` reserves
+slots for one step's new tokens (all-or-nothing over the batch), writes only the table
+entries that changed (one ``index_put_``), gathers the batch's rows and returns
+:class:`PagedMetadata`; ``forward`` then stores each layer's new K/V and runs causal
+(bottom-right aligned) block-table attention with it, with no host-device sync.
+
+Forks share blocks by reference count. A shared block that a namespace is about to
+write into (the partial last block after a fork, or a full one after a ``truncate``)
+is copied first (copy-on-write at plan time: a new block gets the whole
+``[num_layers, 2, block_size, H_kv, D]`` contents and the old one is dereferenced).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from kvarena.attention.ops import debug_enabled, paged_attention, store_kv
+from kvarena.cache._meta import (
+    StaleMetadataError,
+    check_attn_kwargs,
+    check_forward_tensor,
+    check_layout_match,
+    next_version,
+    pick_region,
+    upload,
+)
+from kvarena.cache.arena import BlockAllocator, CacheFullError, KVArena, KVLayout
+
+__all__ = ["PagedKVCache", "PagedMetadata"]
+
+_RESERVED_KWARGS = ("causal", "kv_start", "cu_seqlens_q", "max_seqlen_q", "max_seqlen_k", "_trusted")
+_DEFAULT_MAX_SEQS = 256
+_DEFAULT_MAX_BLOCKS = 512
+
+
+@dataclass(frozen=True, eq=False)
+class PagedMetadata:
+    """One step's batch, as built by :meth:`PagedKVCache.plan`; reused by every layer.
+
+    Attributes
+    ----------
+    slot_mapping : Tensor, int32 (int64 past 2**31 slots) ``[total_q]``
+        Cache slot of each new token (``block * block_size + row``; ``-1`` = padding).
+    block_table : Tensor, int32 ``[num_seqs, max_blocks]``
+        Blocks of each sequence in logical order (entries past a sequence's blocks are
+        padding and never read).
+    seq_lens : Tensor, int32 ``[num_seqs]``
+        Tokens of each sequence after this step (0 for padding rows).
+    cu_seqlens_q : Tensor, int32 ``[num_seqs + 1]``
+        Query offsets; a sequence's queries are its newest tokens.
+    max_seqlen_q, max_seqlen_k, total_q, num_seqs : int
+        Host bounds / sizes (under CUDA-graph capacity: the fixed capacity values).
+    namespaces : tuple
+        The rows' namespaces, in the order of the mapping given to ``plan``.
+    num_tokens : int
+        Real new tokens (``total_q`` minus padding).
+    """
+
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    total_q: int
+    num_seqs: int
+    namespaces: tuple
+    num_tokens: int
+    _owner: weakref.ref = field(repr=False)
+    _versions: tuple = field(repr=False)
+    _graph_gen: int | None = field(default=None, repr=False)
+
+
+class _Seq:
+    __slots__ = ("blocks", "seq_len", "row", "version")
+
+    def __init__(self, row: int) -> None:
+        self.blocks: list[int] = []
+        self.seq_len = 0
+        self.row = row
+        self.version = next_version()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_count(name: str, n, minimum: int) -> int:
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"{name}: expected an int >= {minimum}, got {n!r}")
+    if n < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {n}")
+    return n
+
+
+class PagedKVCache:
+    """Arena-backed paged KV pool (AR decode), the seed's ``PagedKVCache`` made real.
+
+    Parameters
+    ----------
+    policy : CachePolicy
+        ``max_bytes`` is the budget (``total_blocks = max_bytes // block_bytes``);
+        ``block_bytes`` is 0 (derived from ``layout``) or must equal
+        ``layout.block_bytes(block_size)``. Without a layout it must be ``> 0`` and the
+        pool does block bookkeeping only.
+    layout : KVLayout, optional
+        Per-token K/V shape; required for :meth:`forward`.
+    block_size : int, optional
+        Tokens per block (default 16; with ``arena``, the region's block size).
+    device : torch.device or str, optional
+        Device of the pool's own arena and metadata (default CPU; with ``arena``, the
+        arena's device).
+    arena : KVArena, optional
+        A shared arena; the pool uses ``region`` of it (default: the only region, else
+        the one named after ``policy.class_name``, else ``"paged_kv"``), and that
+        region's block count is ``total_blocks``. Without one the pool makes its own.
+    region : str, optional
+        Region name inside ``arena``.
+    max_seqs, max_blocks_per_seq : int, optional
+        Initial size of the persistent device block table (defaults
+        ``min(total_blocks, 256)`` and ``min(total_blocks, 512)``); both double when
+        exceeded (a re-allocation between steps).
+    graph_capacity : tuple, optional
+        ``(max_batch, max_blocks)`` or ``(max_batch, max_blocks, q_per_seq)``: makes
+        fixed persistent metadata buffers for CUDA-graph replay, filled by
+        ``plan(..., graph=True)`` (see :meth:`plan`). ``q_per_seq`` defaults to 1
+        (decode).
+
+    Attributes
+    ----------
+    total_blocks : int
+    free : int
+        Free blocks (the seed's attribute).
+    used_bytes, free_bytes : int
+    hits, misses : int
+        Kept for the seed's interface; always 0.
+    allocator : BlockAllocator
+    arena : KVArena or None
+    layout : KVLayout or None
+    """
+
+    def __init__(
+        self,
+        policy,
+        *,
+        layout: KVLayout | None = None,
+        block_size: int | None = None,
+        device=None,
+        arena: KVArena | None = None,
+        region: str | None = None,
+        max_seqs: int | None = None,
+        max_blocks_per_seq: int | None = None,
+        graph_capacity: tuple | None = None,
+    ) -> None:
+        self.policy = policy
+        self.hits = 0
+        self.misses = 0
+        self._lock = threading.RLock()
+        self._self_ref = weakref.ref(self)
+        if block_size is not None:
+            _check_count("block_size", block_size, 1)
+        policy_bb = int(getattr(policy, "block_bytes", 0))
+        if arena is not None:
+            reg = pick_region(arena, region, getattr(policy, "class_name", ""), "paged_kv")
+            layout = check_layout_match(layout, reg)
+            if block_size is not None and block_size != reg.block_tokens:
+                raise ValueError(
+                    f"block_size: {block_size} differs from the arena region {reg.name!r}'s "
+                    f"block_tokens {reg.block_tokens}"
+                )
+            if device is not None and torch.empty(0, device=device).device != arena.device:
+                raise ValueError(f"device: {device} differs from the arena's device {arena.device}")
+            if policy_bb and policy_bb != reg.block_bytes:
+                raise ValueError(
+                    f"policy.block_bytes: {policy_bb} differs from the region's block bytes "
+                    f"{reg.block_bytes} ({reg.layout}, block_size {reg.block_tokens})"
+                )
+            block_size = reg.block_tokens
+        elif layout is not None:
+            if not isinstance(layout, KVLayout):
+                raise TypeError(f"layout: expected a KVLayout, got {type(layout).__name__}")
+            if region is not None:
+                raise ValueError("region: only meaningful together with arena=")
+            block_size = 16 if block_size is None else block_size
+            bb = layout.block_bytes(block_size)
+            if policy_bb not in (0, bb):
+                raise ValueError(
+                    f"policy.block_bytes: expected 0 (derived) or {bb} = layout.block_bytes"
+                    f"({block_size}), got {policy_bb}"
+                )
+            arena = KVArena.single("paged_kv", layout, block_size, policy.max_bytes, device=device)
+            reg = arena["paged_kv"]
+        else:
+            if region is not None:
+                raise ValueError("region: only meaningful together with arena=")
+            if policy_bb <= 0:
+                raise ValueError(
+                    "policy.block_bytes: a PagedKVCache without a layout needs block_bytes > 0 "
+                    "(or pass layout=KVLayout(...) to derive it)"
+                )
+            block_size = 16 if block_size is None else block_size
+            reg = None
+        self.arena = arena
+        self.layout = layout
+        self.block_size = block_size
+        self._region = reg
+        if reg is not None:
+            self.allocator = reg.allocator
+            self.block_bytes = reg.block_bytes
+            self.device = arena.device
+        else:
+            self.block_bytes = policy_bb
+            self.allocator = BlockAllocator(policy.max_bytes // policy_bb)
+            self.device = torch.empty(0, device=device).device
+        total = self.allocator.num_blocks
+        self._slot_dtype = torch.int32 if total * block_size < 2**31 else torch.int64
+        rows = _check_count("max_seqs", max_seqs, 1) if max_seqs is not None else None
+        cols = (
+            _check_count("max_blocks_per_seq", max_blocks_per_seq, 1)
+            if max_blocks_per_seq is not None
+            else None
+        )
+        rows = rows or max(1, min(total, _DEFAULT_MAX_SEQS))
+        cols = cols or max(1, min(total, _DEFAULT_MAX_BLOCKS))
+        self._table = torch.zeros(rows, cols, dtype=torch.int32, device=self.device)
+        self._free_rows = list(range(rows - 1, -1, -1))
+        self._pending: dict[tuple[int, int], int] = {}
+        self._seqs: dict[Hashable, _Seq] = {}
+        self._graph = None
+        self._graph_gen = 0
+        if graph_capacity is not None:
+            self._graph = self._make_graph_buffers(graph_capacity)
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def total_blocks(self) -> int:
+        """int: blocks in the pool's budget."""
+        return self.allocator.num_blocks
+
+    @property
+    def free(self) -> int:
+        """int: free blocks."""
+        return self.allocator.num_free
+
+    @property
+    def used_bytes(self) -> int:
+        """int: bytes of allocated blocks."""
+        return self.allocator.num_used * self.block_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        """int: bytes of free blocks."""
+        return self.allocator.num_free * self.block_bytes
+
+    def __contains__(self, namespace: object) -> bool:
+        return namespace in self._seqs
+
+    def namespaces(self) -> list:
+        """The live namespaces, in creation order."""
+        with self._lock:
+            return list(self._seqs)
+
+    def block_ids(self, namespace: Hashable) -> list[int]:
+        """A copy of ``namespace``'s block ids in logical order (``KeyError`` if unknown)."""
+        with self._lock:
+            return list(self._get(namespace).blocks)
+
+    def seq_len(self, namespace: Hashable) -> int:
+        """Tokens held by ``namespace``.
+
+        Raises
+        ------
+        KeyError
+            Unknown namespace.
+        """
+        with self._lock:
+            return self._get(namespace).seq_len
+
+    def _get(self, namespace) -> _Seq:
+        seq = self._seqs.get(namespace)
+        if seq is None:
+            raise KeyError(f"namespace {namespace!r} is not in this PagedKVCache")
+        return seq
+
+    # ------------------------------------------------------------------ table rows
+    def _new_seq(self) -> _Seq:
+        if not self._free_rows:
+            old = self._table
+            rows = old.shape[0]
+            self._table = torch.zeros(2 * rows, old.shape[1], dtype=torch.int32, device=self.device)
+            self._table[:rows] = old
+            self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
+        return _Seq(self._free_rows.pop())
+
+    def _ensure_cols(self, n_blocks: int) -> None:
+        cols = self._table.shape[1]
+        if n_blocks <= cols:
+            return
+        while cols < n_blocks:
+            cols *= 2
+        old = self._table
+        self._table = torch.zeros(old.shape[0], cols, dtype=torch.int32, device=self.device)
+        self._table[:, : old.shape[1]] = old
+
+    def _set_entries(self, seq: _Seq, start: int) -> None:
+        for j in range(start, len(seq.blocks)):
+            self._pending[(seq.row, j)] = seq.blocks[j]
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        keys = list(self._pending.items())
+        self._pending.clear()
+        packed = upload(
+            [[r for (r, _c), _b in keys], [c for (_r, c), _b in keys], [b for _k, b in keys]],
+            torch.int64,
+            self.device,
+        )
+        self._table.index_put_((packed[0], packed[1]), packed[2].to(torch.int32))
+
+    def _release(self, seq: _Seq) -> None:
+        if seq.blocks:
+            self.allocator.decref(seq.blocks)
+        seq.blocks = []
+        self._free_rows.append(seq.row)
+
+    # ------------------------------------------------------------------ seed API
+    def allocate(self, namespace: Hashable, n_blocks: int) -> bool:
+        """Reserve ``n_blocks`` more blocks for ``namespace`` (created if new).
+
+        Reserved blocks sit after the namespace's tokens and are used by its next
+        ``plan`` calls before any new block is taken.
+
+        Returns
+        -------
+        bool
+            False (and nothing changes) when fewer blocks are free; ``n_blocks = 0`` is
+            a no-op returning True.
+
+        Raises
+        ------
+        ValueError
+            ``n_blocks < 0``.
+        """
+        _check_count("n_blocks", n_blocks, 0)
+        if n_blocks == 0:
+            return True
+        with self._lock:
+            if n_blocks > self.allocator.num_free:
+                return False
+            seq = self._seqs.get(namespace)
+            created = seq is None
+            if created:
+                seq = self._new_seq()
+            self._ensure_cols(len(seq.blocks) + n_blocks)
+            start = len(seq.blocks)
+            seq.blocks.extend(self.allocator.alloc(n_blocks))
+            if created:
+                self._seqs[namespace] = seq
+            self._set_entries(seq, start)
+            return True
+
+    def free_namespace(self, namespace: Hashable) -> None:
+        """Release ``namespace``'s blocks (shared ones lose one reference). Unknown: no-op."""
+        with self._lock:
+            seq = self._seqs.pop(namespace, None)
+            if seq is not None:
+                self._release(seq)
+
+    # ------------------------------------------------------------------ fork / truncate
+    def fork(self, src: Hashable, dst: Hashable) -> None:
+        """Make ``dst`` a copy of ``src`` that shares its blocks (by reference count).
+
+        Only the blocks covering ``src``'s tokens are shared (not its reserved ones).
+        Either side writing into a shared block later copies it first.
+
+        Raises
+        ------
+        KeyError
+            Unknown ``src``.
+        ValueError
+            ``dst`` already exists.
+        """
+        with self._lock:
+            s = self._get(src)
+            if dst in self._seqs:
+                raise ValueError(f"dst: namespace {dst!r} already exists")
+            shared = s.blocks[: _cdiv(s.seq_len, self.block_size)]
+            d = self._new_seq()
+            self.allocator.incref(shared)
+            d.blocks = list(shared)
+            d.seq_len = s.seq_len
+            self._seqs[dst] = d
+            self._set_entries(d, 0)
+
+    def truncate(self, namespace: Hashable, n_tokens: int) -> None:
+        """Roll ``namespace`` back to its first ``n_tokens`` tokens, freeing unneeded blocks.
+
+        Blocks past ``ceil(n_tokens / block_size)`` (reserved ones included) are
+        dereferenced. Metadata planned earlier for this namespace becomes stale.
+
+        Raises
+        ------
+        KeyError
+            Unknown namespace.
+        ValueError
+            ``n_tokens`` outside ``[0, seq_len]``.
+        """
+        with self._lock:
+            seq = self._get(namespace)
+            if isinstance(n_tokens, bool) or not isinstance(n_tokens, int):
+                raise TypeError(f"n_tokens: expected an int, got {n_tokens!r}")
+            if not 0 <= n_tokens <= seq.seq_len:
+                raise ValueError(
+                    f"n_tokens: expected 0 <= n_tokens <= seq_len ({seq.seq_len}), got {n_tokens}"
+                )
+            keep = _cdiv(n_tokens, self.block_size)
+            if len(seq.blocks) > keep:
+                self.allocator.decref(seq.blocks[keep:])
+                del seq.blocks[keep:]
+            seq.seq_len = n_tokens
+            seq.version = next_version()
+
+    # ------------------------------------------------------------------ plan
+    def _make_graph_buffers(self, capacity) -> dict:
+        if not isinstance(capacity, (tuple, list)) or len(capacity) not in (2, 3):
+            raise TypeError(
+                "graph_capacity: expected (max_batch, max_blocks) or "
+                f"(max_batch, max_blocks, q_per_seq), got {capacity!r}"
+            )
+        max_batch = _check_count("graph_capacity[0] (max_batch)", capacity[0], 1)
+        max_blocks = _check_count("graph_capacity[1] (max_blocks)", capacity[1], 1)
+        q_per = _check_count("graph_capacity[2] (q_per_seq)", capacity[2], 1) if len(capacity) == 3 else 1
+        dev = self.device
+        return {
+            "max_batch": max_batch,
+            "max_blocks": max_blocks,
+            "q_per_seq": q_per,
+            "slot_mapping": torch.full((max_batch * q_per,), -1, dtype=self._slot_dtype, device=dev),
+            "block_table": torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=dev),
+            "seq_lens": torch.zeros(max_batch, dtype=torch.int32, device=dev),
+            # Every row (padding included) owns q_per_seq query rows: constant offsets.
+            "cu_seqlens_q": torch.arange(0, (max_batch + 1) * q_per, q_per, dtype=torch.int32, device=dev),
+        }
+
+    def plan(self, batch: Mapping[Hashable, int], *, graph: bool = False) -> PagedMetadata:
+        """Reserve slots for this step's new tokens and build the step's metadata.
+
+        Parameters
+        ----------
+        batch : mapping of namespace to int
+            New tokens per namespace (``>= 1``; a prefill chunk or 1 for decode).
+            Unknown namespaces are created. Rows follow the mapping's order.
+        graph : bool, default False
+            Write into the persistent buffers made by ``graph_capacity`` (their
+            ``data_ptr`` never changes): rows past the batch are padding with
+            ``seq_len`` 0 and ``q_per_seq`` queries each (out 0), padding slots are -1,
+            and the host maxima are the capacity's (``max_seqlen_q = q_per_seq``,
+            ``max_seqlen_k = max_blocks * block_size``), so one captured graph serves
+            every step. Every namespace must add exactly ``q_per_seq`` tokens.
+
+        Returns
+        -------
+        PagedMetadata
+
+        Raises
+        ------
+        CacheFullError
+            Not enough free blocks for the whole batch (new blocks plus copy-on-write
+            copies); nothing changed.
+        TypeError, ValueError
+            Bad counts, an empty batch, or a batch over the graph capacity.
+        """
+        if not isinstance(batch, Mapping):
+            raise TypeError(f"batch: expected a mapping of namespace -> n_new_tokens, got {type(batch).__name__}")
+        if not batch:
+            raise ValueError("batch: expected at least one namespace")
+        items = [(ns, _check_count(f"batch[{ns!r}]", n, 1)) for ns, n in batch.items()]
+        bs = self.block_size
+        g = self._graph
+        if graph:
+            if g is None:
+                raise ValueError("graph: this PagedKVCache was made without graph_capacity=")
+            if len(items) > g["max_batch"]:
+                raise ValueError(f"batch: {len(items)} namespaces exceed graph_capacity max_batch {g['max_batch']}")
+            for ns, n in items:
+                if n != g["q_per_seq"]:
+                    raise ValueError(f"batch[{ns!r}]: graph plans take exactly q_per_seq = {g['q_per_seq']} tokens, got {n}")
+        with self._lock:
+            # 1. What the step needs, without changing anything.
+            need = 0
+            pending_drop: dict[int, int] = {}
+            max_blocks = 0
+            for ns, n in items:
+                seq = self._seqs.get(ns)
+                old, blocks = (seq.seq_len, seq.blocks) if seq is not None else (0, [])
+                n_blocks = _cdiv(old + n, bs)
+                max_blocks = max(max_blocks, n_blocks)
+                need += max(0, n_blocks - len(blocks))
+                for j in range(old // bs, min(len(blocks), n_blocks)):
+                    b = blocks[j]
+                    if self.allocator.refcount(b) - pending_drop.get(b, 0) > 1:
+                        need += 1
+                        pending_drop[b] = pending_drop.get(b, 0) + 1
+            if graph and max_blocks > g["max_blocks"]:
+                raise ValueError(
+                    f"batch: a sequence needs {max_blocks} blocks, over graph_capacity max_blocks {g['max_blocks']}"
+                )
+            if need > self.allocator.num_free:
+                raise CacheFullError(
+                    f"plan needs {need} blocks, only {self.allocator.num_free} of {self.total_blocks} are free"
+                )
+            # 2. Apply: new namespaces, copy-on-write, new blocks.
+            self._ensure_cols(max_blocks)
+            copies_src: list[int] = []
+            copies_dst: list[int] = []
+            old_lens = []
+            for ns, n in items:
+                seq = self._seqs.get(ns)
+                if seq is None:
+                    seq = self._seqs[ns] = self._new_seq()
+                old = seq.seq_len
+                n_blocks = _cdiv(old + n, bs)
+                for j in range(old // bs, min(len(seq.blocks), n_blocks)):
+                    b = seq.blocks[j]
+                    if self.allocator.refcount(b) > 1:
+                        (nb,) = self.allocator.alloc(1)
+                        self.allocator.decref([b])
+                        copies_src.append(b)
+                        copies_dst.append(nb)
+                        seq.blocks[j] = nb
+                        self._pending[(seq.row, j)] = nb
+                start = len(seq.blocks)
+                if n_blocks > start:
+                    seq.blocks.extend(self.allocator.alloc(n_blocks - start))
+                    self._set_entries(seq, start)
+                old_lens.append(old)
+                seq.seq_len = old + n
+                seq.version = next_version()
+            if copies_src and self._region is not None:
+                src = upload(copies_src, torch.int64, self.device)
+                dst = upload(copies_dst, torch.int64, self.device)
+                data = self._region.data
+                data.index_copy_(0, dst, data.index_select(0, src))
+            self._flush()
+            # 3. Metadata.
+            return self._build_meta(items, old_lens, max_blocks, graph)
+
+    def _build_meta(self, items, old_lens, max_blocks, graph) -> PagedMetadata:
+        bs = self.block_size
+        nseq = len(items)
+        seqs = [self._seqs[ns] for ns, _n in items]
+        cu = [0]
+        for _ns, n in items:
+            cu.append(cu[-1] + n)
+        total_q = cu[-1]
+        lens = [s.seq_len for s in seqs]
+        # One upload: rows | seq_lens | old_lens | cu_seqlens_q.
+        packed = upload([s.row for s in seqs] + lens + old_lens + cu, torch.int32, self.device)
+        rows = packed[:nseq]
+        seq_lens = packed[nseq : 2 * nseq]
+        olds = packed[2 * nseq : 3 * nseq]
+        cu_t = packed[3 * nseq :]
+        table = self._table[:, :max_blocks].index_select(0, rows.long())  # [B, max_blocks]
+        # Slot of every new token, on the device: token i of row b sits at position
+        # old_len[b] + i - cu[b] and goes to block_table[b, pos // bs], row pos % bs.
+        q_lens = cu_t[1:] - cu_t[:-1]
+        dev = self.device
+        row_of = torch.repeat_interleave(torch.arange(nseq, device=dev), q_lens, output_size=total_q)
+        pos = torch.arange(total_q, device=dev) - cu_t[:-1].long()[row_of] + olds.long()[row_of]
+        slots = table.long()[row_of, pos // bs] * bs + pos % bs
+        versions = tuple(s.version for s in seqs)
+        namespaces = tuple(ns for ns, _n in items)
+        if not graph:
+            return PagedMetadata(
+                slot_mapping=slots.to(self._slot_dtype),
+                block_table=table,
+                seq_lens=seq_lens,
+                cu_seqlens_q=cu_t,
+                max_seqlen_q=max(n for _ns, n in items),
+                max_seqlen_k=max(lens),
+                total_q=total_q,
+                num_seqs=nseq,
+                namespaces=namespaces,
+                num_tokens=total_q,
+                _owner=self._self_ref,
+                _versions=versions,
+            )
+        g = self._graph
+        g["slot_mapping"][:total_q].copy_(slots)
+        g["slot_mapping"][total_q:].fill_(-1)
+        g["block_table"][:nseq, : table.shape[1]].copy_(table)
+        g["block_table"][nseq:].zero_()
+        g["seq_lens"][:nseq].copy_(seq_lens)
+        g["seq_lens"][nseq:].zero_()
+        self._graph_gen += 1
+        return PagedMetadata(
+            slot_mapping=g["slot_mapping"],
+            block_table=g["block_table"],
+            seq_lens=g["seq_lens"],
+            cu_seqlens_q=g["cu_seqlens_q"],
+            max_seqlen_q=g["q_per_seq"],
+            max_seqlen_k=g["max_blocks"] * bs,
+            total_q=g["max_batch"] * g["q_per_seq"],
+            num_seqs=g["max_batch"],
+            namespaces=namespaces,
+            num_tokens=total_q,
+            _owner=self._self_ref,
+            _versions=versions,
+            _graph_gen=self._graph_gen,
+        )
+
+    # ------------------------------------------------------------------ forward
+    def check_metadata(self, meta: PagedMetadata) -> None:
+        """Raise unless ``meta`` was planned by this cache and is still current.
+
+        Raises
+        ------
+        TypeError
+            Not a PagedMetadata.
+        ValueError
+            Planned by another cache.
+        StaleMetadataError
+            A namespace of it was planned again, truncated or freed since (or a later
+            graph plan overwrote its buffers).
+        """
+        if not isinstance(meta, PagedMetadata):
+            raise TypeError(f"meta: expected a PagedMetadata, got {type(meta).__name__}")
+        if meta._owner is not self._self_ref:
+            raise ValueError("meta: this metadata was planned by another PagedKVCache")
+        if meta._graph_gen is not None and meta._graph_gen != self._graph_gen:
+            raise StaleMetadataError("meta: a later plan(graph=True) has overwritten its buffers")
+        for ns, ver in zip(meta.namespaces, meta._versions):
+            seq = self._seqs.get(ns)
+            if seq is None or seq.version != ver:
+                what = "freed" if seq is None else "planned again or truncated"
+                raise StaleMetadataError(f"meta: stale, namespace {ns!r} was {what} since this plan")
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: PagedMetadata,
+        layer: int,
+        **attn_kwargs,
+    ):
+        """Store one layer's new K/V, then attend (causal, bottom-right aligned).
+
+        Parameters
+        ----------
+        q : Tensor ``[total_q, H_q, D]``
+            Queries of the step's new tokens, rows as in ``meta`` (``H_q % H_kv == 0``).
+        k, v : Tensor ``[total_q, H_kv, D]``
+            The new tokens' keys/values (stored detached).
+        meta : PagedMetadata
+            From this cache's :meth:`plan`.
+        layer : int
+            Layer index in ``[0, num_layers)``.
+        **attn_kwargs
+            Passed to :func:`kvarena.attention.paged_attention` (``scale``,
+            ``window_left``, ``sink_tokens``, ``softcap``, ``return_lse``, ``out``,
+            ``backend``, ...). ``backend`` also selects the store path.
+
+        Returns
+        -------
+        Tensor ``[total_q, H_q, D]`` (or ``(out, lse)`` with ``return_lse=True``).
+        """
+        region = self._region
+        if region is None:
+            raise RuntimeError(
+                "forward: this PagedKVCache has no layout (block bookkeeping only); "
+                "construct it with layout=KVLayout(...) to store and attend"
+            )
+        if not isinstance(meta, PagedMetadata) or meta._owner is not self._self_ref or debug_enabled():
+            self.check_metadata(meta)
+        kc, vc = region.k(layer), region.v(layer)
+        lay = self.layout
+        if not isinstance(q, torch.Tensor) or q.dim() != 3:
+            shape = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+            raise ValueError(f"q: expected a [total_q, H_q, D] tensor, got {shape}")
+        h_q = q.shape[1]
+        if h_q == 0 or h_q % lay.num_kv_heads:
+            raise ValueError(f"q: H_q ({h_q}) must be a positive multiple of the layout's H_kv ({lay.num_kv_heads})")
+        n, d = meta.total_q, lay.head_dim
+        check_forward_tensor("q", q, (n, h_q, d), lay.dtype, self.device, "[total_q, H_q, D] of the plan/layout")
+        check_forward_tensor("k", k, (n, lay.num_kv_heads, d), lay.dtype, self.device, "[total_q, H_kv, D]")
+        check_forward_tensor("v", v, (n, lay.num_kv_heads, d), lay.dtype, self.device, "[total_q, H_kv, D]")
+        check_attn_kwargs(attn_kwargs, _RESERVED_KWARGS)
+        store_kv(k, v, kc, vc, meta.slot_mapping, backend=attn_kwargs.get("backend", "auto"), _trusted=True)
+        return paged_attention(
+            q, kc, vc, meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
+            causal=True, max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+            _trusted=True, **attn_kwargs,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVCache(blocks={self.total_blocks}, free={self.free}, block_size="
+            f"{self.block_size}, namespaces={len(self._seqs)}, layout={self.layout})"
+        )
