@@ -1,0 +1,493 @@
+"""Block-table gather attention (decode, chunked prefill, whole-chunk queries) and split-KV.
+
+One kernel family serves the paged pool (16-token pages) and the slab pool (a slab is one
+big page of up to ~12k tokens); ``block_size`` need not be a power of two nor divide the
+key tile, so every key finds its block with ``t // block_size`` and a gathered block id.
+
+Tiles
+-----
+* Query tile ``[BLOCK_M, HEAD_DIM_PAD]``: its rows are *(query position, head-in-group)*
+  pairs of ONE kv head, flattened as ``j = position * GROUP + head`` (GQA packing). A
+  decode step of a 32/8-head model fills 4 rows of one tile per kv head and reads each K/V
+  byte once for the 4 heads, instead of once per query head.
+* Key tile ``[BLOCK_N]`` keys, aligned to absolute multiples of ``BLOCK_N`` (so the
+  summation order of a row does not depend on which tile its query landed in). Only the
+  tiles that the masks leave visible to at least one row are visited: the sink range
+  ``[kv_start, sink_hi)`` first, then the window range ``[lo, hi)``.
+* Online softmax in the exp2 domain, fp32 accumulation; fp16/bf16 dots take the input
+  dtype (tensor cores) and fp32 dots are full IEEE fp32 (no TF32).
+
+Grid: ``(q_tiles * B * H_kv, num_splits)``. Axis 0 enumerates q tiles fastest, heaviest
+(last) tile first so that causal prefill's long tiles start early; a program whose tile
+lies past its sequence's queries exits at once. Axis 1 splits the key range (flash-
+decoding): each split writes a normalized fp32 partial and its log2-sum-exp to scratch and
+``_split_reduce_kernel`` combines them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# ----------------------------------------------------------------------------- constants
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# H100/H200 have 132 SMs; read from the device on CUDA, assumed on CPU (interpreter).
+_DEFAULT_SM_COUNT = 132
+# Split-KV: each split covers at least 256 keys. Below that, the per-split fixed cost
+# (q tile load, epilogue, 2 * D * 4 bytes of fp32 partial per row) stops being small
+# next to the 256 * 2 * D * 2 bytes of K/V the split reads (4x at D = 128, bf16).
+_MIN_SPLIT_KEYS = 256
+# At most 64 splits: 132 SMs are filled by 64 splits of just 3 programs (e.g. B = 1, 3 kv
+# heads); the fp32 scratch then holds 64 partial rows per query row.
+_MAX_SPLITS = 64
+# Split only if the unsplit grid is below 2 waves of programs; then pick the smallest
+# split count whose wave efficiency is within 85% of the best (FlashAttention-2's rule).
+_SPLIT_WAVE_EFFICIENCY = 0.85
+# Deterministic mode: fixed 4096 keys per split, whatever the batch, so a sequence's
+# result never depends on which other sequences share the launch. 4096 keys keep the
+# scratch at 1/16 of K/V bytes per query row at D = 128 ... and 32 splits at 128K keys.
+_DET_SPLIT_KEYS = 4096
+# Reduce / interpreter tile: ~4096 fp32 elements per program (32 per thread at 4 warps).
+_REDUCE_TILE_ELEMS = 4096
+# The sentinel window for "no sliding window": row_lo = p - 2**30 < 0 for any p < 2**30.
+_NO_WINDOW = 1 << 30
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _tanh(x):
+    # tl has no tanh in every supported Triton version; exp2 saturates cleanly:
+    # x -> +inf gives 1 - 2/inf = 1, x -> -inf gives 1 - 2/1 = -1.
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+    block_table_ptr, seq_lens_ptr, cu_q_ptr, kv_start_ptr,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_os, stride_ot, stride_oh, stride_od,
+    stride_ls, stride_lt, stride_lh,
+    stride_bt,
+    scale_log2, softcap_inv, softcap_log2,
+    block_size, chunk_size, window_left, sink_tokens,
+    num_kv_heads, num_q_tiles, tiles_per_split,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_KV_START: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split_id = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    # Heaviest q tile (latest queries, most keys under causal) first.
+    q_tile = num_q_tiles - 1 - pid % num_q_tiles
+    bh = pid // num_q_tiles
+    b = bh // num_kv_heads
+    kvh = bh % num_kv_heads
+
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    m0 = q_tile * BLOCK_M
+    n_rows = q_len * GROUP
+    if m0 >= n_rows:
+        return
+    if HAS_KV_START:
+        kv_lo = tl.load(kv_start_ptr + b)
+    else:
+        kv_lo = 0
+
+    # ---- rows: (query position, head-in-group) pairs
+    j = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    row_ok = j < n_rows
+    pos_idx = j // GROUP
+    head = kvh * GROUP + j % GROUP
+    pos_base = seq_len - q_len
+    p = pos_base + pos_idx  # [BLOCK_M] key-space position of each row's query
+    if CAUSAL:
+        # chunk_size = 1 is plain causal: t <= p  <=>  t < (p // 1 + 1) * 1.
+        row_hi = tl.minimum((p // chunk_size + 1) * chunk_size, seq_len)
+    else:
+        row_hi = tl.zeros_like(p) + seq_len
+    row_lo = p - window_left  # window: t >= p - window_left (or t < sink_tokens)
+
+    # ---- key range of the whole tile (scalars): rows are monotone in p
+    p_min = pos_base + m0 // GROUP
+    p_max = pos_base + (tl.minimum(m0 + BLOCK_M, n_rows) - 1) // GROUP
+    if CAUSAL:
+        hi = tl.minimum((p_max // chunk_size + 1) * chunk_size, seq_len)
+    else:
+        hi = seq_len
+    lo = tl.maximum(kv_lo, p_min - window_left)
+    # The tightest row bounds of the tile (for the interior-tile test below).
+    if CAUSAL:
+        hi_min = tl.minimum((p_min // chunk_size + 1) * chunk_size, seq_len)
+    else:
+        hi_min = seq_len
+    lo_max = p_max - window_left
+    sink_hi = tl.minimum(tl.minimum(sink_tokens, lo), hi)
+    sink_base = (kv_lo // BLOCK_N) * BLOCK_N
+    main_base = (lo // BLOCK_N) * BLOCK_N
+    n_sink = tl.where(sink_hi > kv_lo, tl.cdiv(sink_hi - sink_base, BLOCK_N), 0)
+    n_main = tl.where(hi > lo, tl.cdiv(hi - main_base, BLOCK_N), 0)
+    n_tiles = n_sink + n_main
+    if SPLIT:
+        # tiles_per_split > 0: fixed split size (deterministic); 0: divide evenly.
+        tps = tl.where(tiles_per_split > 0, tiles_per_split, tl.cdiv(n_tiles, num_splits))
+        i_begin = split_id * tps
+        i_end = tl.minimum(i_begin + tps, n_tiles)
+    else:
+        i_begin = 0
+        i_end = n_tiles
+
+    # ---- query tile
+    d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
+    d_ok = d < HEAD_DIM
+    tok = (q_start + pos_idx).to(tl.int64)
+    q_off = tok[:, None] * stride_qt + head[:, None].to(tl.int64) * stride_qh + d[None, :] * stride_qd
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    bt_row = block_table_ptr + b.to(tl.int64) * stride_bt
+    k_head = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_head = v_ptr + kvh.to(tl.int64) * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    n_off = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+
+    for i in range(i_begin, i_end):
+        in_sink = i < n_sink
+        t0 = tl.where(in_sink, sink_base + i * BLOCK_N, main_base + (i - n_sink) * BLOCK_N)
+        key_lo = tl.where(in_sink, kv_lo, lo)
+        key_hi = tl.where(in_sink, sink_hi, hi)
+        t = t0 + n_off  # [BLOCK_N]
+        key_ok = (t >= key_lo) & (t < key_hi)
+        # Straddling tiles: each key gathers its own block id. The id load is masked to
+        # keys below seq_len, so table padding (possibly garbage ids) is never followed.
+        blk = tl.load(bt_row + t // block_size, mask=key_ok, other=0).to(tl.int64)
+        row_in_blk = (t % block_size).to(tl.int64)
+        k_off = blk * stride_kb + row_in_blk * stride_kt  # [BLOCK_N] int64
+        v_off = blk * stride_vb + row_in_blk * stride_vt
+        kt = tl.load(k_head + k_off[None, :] + d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        s = tl.dot(q, kt, input_precision="ieee")  # [BLOCK_M, BLOCK_N] fp32
+        if softcap_log2 > 0:
+            s = softcap_log2 * _tanh(s * softcap_inv)
+        else:
+            s = s * scale_log2
+        # Interior tiles (every key visible to every row) skip the per-element mask: at
+        # 128 x 64 it is ~8 integer ops per score, as many issue slots as the exp2/max/sum.
+        t_end = t0 + BLOCK_N
+        interior = (t0 >= key_lo) & (t_end <= key_hi) & (t_end <= hi_min)
+        interior = interior & ((t0 >= lo_max) | (t_end <= sink_tokens))
+        if not interior:
+            vis = key_ok[None, :] & (t[None, :] < row_hi[:, None])
+            vis = vis & ((t[None, :] >= row_lo[:, None]) | (t[None, :] < sink_tokens))
+            s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead
+        # keeps exp2(-inf - (-inf)) = NaN out of alpha and p.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M]
+        pr = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(pr, 1)
+        v = tl.load(v_head + v_off[:, None] + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    # ---- epilogue: rows that saw no key give 0 and lse = -inf
+    has_key = l_i > 0.0
+    inv_l = tl.where(has_key, 1.0 / tl.where(has_key, l_i, 1.0), 0.0)
+    o = acc * inv_l[:, None]  # [BLOCK_M, HEAD_DIM_PAD]
+    o_off = tok[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + d[None, :] * stride_od
+    o_base = o_ptr + split_id.to(tl.int64) * stride_os
+    tl.store(o_base + o_off, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if WRITE_LSE:
+        lse2 = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("-inf"))
+        if not SPLIT:
+            lse2 = lse2 * 0.6931471805599453  # natural log for the caller
+        l_off = split_id.to(tl.int64) * stride_ls + tok * stride_lt + head.to(tl.int64) * stride_lh
+        tl.store(lse_ptr + l_off, lse2, mask=row_ok)
+
+
+@triton.jit
+def _split_reduce_kernel(
+    part_ptr, part_lse_ptr, o_ptr, lse_ptr,
+    stride_ps, stride_pt, stride_ph,
+    stride_qs, stride_qt, stride_qh,
+    stride_ot, stride_oh, stride_od,
+    stride_lt, stride_lh,
+    n_rows, num_heads, num_splits,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    # Rows r = token * num_heads + head, BLOCK_R of them per program.
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    r_ok = r < n_rows
+    tok = (r // num_heads).to(tl.int64)
+    head = (r % num_heads).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    lse_off = tok * stride_qt + head * stride_qh  # [BLOCK_R]
+    p_off = tok[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :]  # [BLOCK_R, HEAD_DIM_PAD]
+
+    # Pass 1: the largest partial lse (log2 units) of each row.
+    # Split s is reached by advancing 64-bit pointers (s * stride may pass 2**31).
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    lse_p = part_lse_ptr + lse_off  # [BLOCK_R] pointers
+    for _ in range(0, num_splits):
+        ls = tl.load(lse_p, mask=r_ok, other=float("-inf"))
+        m = tl.maximum(m, ls)
+        lse_p += stride_qs
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    # Pass 2: weighted sum. An empty split (lse = -inf) has weight 0 and its partial is
+    # not even loaded, so nothing it holds can leak.
+    acc = tl.zeros([BLOCK_R, HEAD_DIM_PAD], tl.float32)
+    tot = tl.zeros([BLOCK_R], tl.float32)
+    lse_p = part_lse_ptr + lse_off
+    part_p = part_ptr + p_off  # [BLOCK_R, HEAD_DIM_PAD] pointers
+    for _ in range(0, num_splits):
+        ls = tl.load(lse_p, mask=r_ok, other=float("-inf"))
+        w = tl.exp2(ls - m_safe)  # [BLOCK_R]
+        live = w > 0.0
+        part = tl.load(part_p, mask=(r_ok & live)[:, None] & d_ok[None, :], other=0.0)
+        acc += part * w[:, None]
+        tot += w
+        lse_p += stride_qs
+        part_p += stride_ps
+    has_key = tot > 0.0
+    inv = tl.where(has_key, 1.0 / tl.where(has_key, tot, 1.0), 0.0)
+    o = acc * inv[:, None]
+    o_off = tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
+    tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+    if WRITE_LSE:
+        lse = tl.where(has_key, (m_safe + tl.log2(tl.where(has_key, tot, 1.0))) * 0.6931471805599453, float("-inf"))
+        tl.store(lse_ptr + tok * stride_lt + head * stride_lh, lse, mask=r_ok)
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | None) -> dict:
+    """Tile sizes, warps and stages of one attention launch: a pure function of its args.
+
+    ``q_len_max=None`` means "any": the deterministic mode pins one config per
+    (head_dim, group, dtype) so a sequence's rounding never depends on its batch.
+    ``kvarena check`` compiles exactly the configs this returns.
+
+    Register budget (255 per thread, no spills): the fp32 accumulator alone takes
+    ``BLOCK_M * HEAD_DIM_PAD / (32 * num_warps)`` registers, the score tile
+    ``BLOCK_M * BLOCK_N / (32 * num_warps)``. E.g. 128 x 128 with 8 warps = 64 + 32.
+    Shared memory: ``num_stages * BLOCK_N * HEAD_DIM_PAD * 2 * elem_bytes`` (K and V)
+    plus the q tile; 163 KiB on sm_80, 227 KiB on sm_90a.
+    """
+    d_pad = max(16, _next_pow2(head_dim))
+    rows = None if q_len_max is None else max(1, q_len_max) * group
+    decode = rows is not None and rows <= 16
+    if elem_bytes >= 4:
+        # fp32 dots are IEEE FMA loops with both operands in registers: small tiles, and
+        # 8 warps wherever 4 would spill (32 x 32 at D = 128 needs 80 registers over 8
+        # warps; 16 x 32 at D = 256 needs 100-126 over 8 warps, 4 warps spill).
+        if d_pad <= 128 and decode:
+            return dict(BLOCK_M=16, BLOCK_N=32, HEAD_DIM_PAD=d_pad, num_warps=4, num_stages=2)
+        if d_pad <= 128:
+            return dict(BLOCK_M=32, BLOCK_N=32, HEAD_DIM_PAD=d_pad, num_warps=8, num_stages=2)
+        return dict(BLOCK_M=16, BLOCK_N=32, HEAD_DIM_PAD=d_pad, num_warps=8, num_stages=2)
+    if decode:
+        # Decode: 16 rows is the smallest MMA tile. Memory-bound: 3 stages let the block ids
+        # run two tiles ahead and K/V one tile (64 keys x D x 2 bytes each) ahead.
+        return dict(BLOCK_M=16, BLOCK_N=64 if d_pad <= 128 else 32, HEAD_DIM_PAD=d_pad, num_warps=4, num_stages=3)
+    if d_pad >= 256:
+        # 64 x 256 fp32 accumulator over 8 warps = 64 registers/thread; K+V per stage at
+        # 32 keys = 32 KiB: 2 stages + the 32 KiB q tile stay under 100 KiB of shared memory.
+        return dict(BLOCK_M=64, BLOCK_N=32, HEAD_DIM_PAD=d_pad, num_warps=8, num_stages=2)
+    if rows is None or rows <= 64:
+        # 64 x 64 at 4 warps spills on sm_80 (the A operand lives in registers there);
+        # 8 warps: ~175 registers, no spills.
+        return dict(BLOCK_M=64, BLOCK_N=64, HEAD_DIM_PAD=d_pad, num_warps=8, num_stages=2)
+    # Chunk / prefill: 128 x 128 fp32 accumulator over 8 warps = 64 registers/thread.
+    return dict(BLOCK_M=128, BLOCK_N=64, HEAD_DIM_PAD=d_pad, num_warps=8, num_stages=2)
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device_index: int | None) -> int:
+    if device_index is None or not torch.cuda.is_available():
+        return _DEFAULT_SM_COUNT
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _pick_num_splits(programs: int, max_seqlen_k: int, sm_count: int) -> int:
+    """Split-KV count for an unsplit grid of ``programs`` (= B * H_kv * q tiles).
+
+    Splitting pays only when the grid leaves SMs idle: at >= 2 waves (264 programs on an
+    H100/H200) the tail wave costs at most a third, and a split adds a partial write plus
+    a reduce launch. Below that, each split count s gives ``w = programs * s / SMs`` waves
+    with efficiency ``w / ceil(w)``; take the smallest s within 85% of the best, with at
+    least 256 keys per split and at most 64 splits. Examples on 132 SMs: B=1, 8 kv heads,
+    decode at 32K keys -> 8 programs -> 14 splits (112 programs, 2340 keys each); B=4 ->
+    32 programs -> 4 splits (128); B=16 -> 128 programs -> 1 (a full wave already).
+    """
+    if programs <= 0 or programs >= 2 * sm_count:
+        return 1
+    s_max = min(_MAX_SPLITS, max_seqlen_k // _MIN_SPLIT_KEYS)
+    if s_max <= 1:
+        return 1
+    eff = []
+    for s in range(1, s_max + 1):
+        waves = programs * s / sm_count
+        eff.append(waves / math.ceil(waves))
+    best = max(eff)
+    for s, e in enumerate(eff, start=1):
+        if e >= _SPLIT_WAVE_EFFICIENCY * best:
+            return s
+    return 1  # pragma: no cover - the best itself always qualifies
+
+
+def _attn_constexprs(cfg: dict, group: int, head_dim: int, *, causal: bool, has_kv_start: bool,
+                     write_lse: bool, split: bool, upcast: bool) -> dict:
+    """The constexpr arguments of ``_paged_attn_kernel`` (shared with ``kvarena check``)."""
+    return dict(
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, HAS_KV_START=has_kv_start, WRITE_LSE=write_lse,
+        SPLIT=split, UPCAST=upcast,
+    )
+
+
+def _reduce_block_rows(head_dim_pad: int) -> int:
+    return max(1, _REDUCE_TILE_ELEMS // head_dim_pad)
+
+
+def paged_attention_fwd(
+    q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse, *,
+    scale, causal, chunk_size, window_left, sink_tokens, softcap, max_seqlen_q, max_seqlen_k,
+    num_splits=None, deterministic=False,
+) -> None:
+    """Launch block-table attention; writes ``out`` and (if not None) ``lse`` in place.
+
+    Arguments are validated by ``kvarena.attention.ops``. No host read of device data:
+    the grid comes from ``max_seqlen_q`` / ``max_seqlen_k`` alone.
+    """
+    total_q, h_q, head_dim = q.shape
+    b_count = seq_lens.shape[0]
+    h_kv = k_cache.shape[2]
+    group = h_q // h_kv
+    if total_q == 0 or b_count == 0 or max_seqlen_q == 0:
+        return  # no query row exists
+    cfg = _pick_config(head_dim, group, q.element_size(), None if deterministic else max_seqlen_q)
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    num_q_tiles = triton.cdiv(max_seqlen_q * group, block_m)
+    programs = num_q_tiles * b_count * h_kv
+
+    has_sinks = window_left is not None and sink_tokens > 0
+    # Most key tiles one program can visit: the sink and window phases may share a tile.
+    max_tiles = triton.cdiv(max(max_seqlen_k, 1), block_n) + (1 if has_sinks else 0)
+    tiles_per_split = 0
+    if num_splits is None:
+        if deterministic:
+            tiles_per_split = _DET_SPLIT_KEYS // block_n
+            num_splits = triton.cdiv(max_tiles, tiles_per_split)
+        else:
+            dev = q.device.index if q.device.type == "cuda" else None
+            if q.device.type == "cuda" and dev is None:
+                dev = torch.cuda.current_device()
+            num_splits = _pick_num_splits(programs, max_seqlen_k, _sm_count(dev))
+    # More splits than key tiles would only add empty partials; 65535 is grid axis 1's cap.
+    num_splits = max(1, min(num_splits, max_tiles, 65535))
+    if deterministic and tiles_per_split == 0 and num_splits > 1:
+        tiles_per_split = triton.cdiv(max_tiles, num_splits)  # an explicit count, fixed size
+
+    if softcap:
+        softcap_inv, softcap_log2 = scale / softcap, softcap * LOG2E
+    else:
+        softcap_inv, softcap_log2 = 0.0, 0.0
+    causal_chunk = (chunk_size if chunk_size is not None else 1) if causal else 1
+    window = _NO_WINDOW if window_left is None else window_left
+    sinks = sink_tokens if window_left is not None else 0
+    split = num_splits > 1
+    write_lse = lse is not None or split
+    upcast = _interpreting()
+    meta = _attn_constexprs(cfg, group, head_dim, causal=causal, has_kv_start=kv_start is not None,
+                            write_lse=write_lse, split=split, upcast=upcast)
+    # 1-D metadata is read with unit stride; .contiguous() is free when it already is.
+    seq_lens, cu_seqlens_q = seq_lens.contiguous(), cu_seqlens_q.contiguous()
+    kv_start_arg = kv_start.contiguous() if kv_start is not None else seq_lens  # else never read
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
+
+    if split:
+        part = torch.empty((num_splits, total_q, h_q, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_splits, total_q, h_q), dtype=torch.float32, device=q.device)
+        o_arg, lse_arg = part, part_lse
+        o_strides = (part.stride(0), part.stride(1), part.stride(2), part.stride(3))
+        l_strides = part_lse.stride()
+    else:
+        o_arg = out
+        o_strides = (0, out.stride(0), out.stride(1), out.stride(2))
+        lse_arg = lse if lse is not None else out  # never written when WRITE_LSE is False
+        l_strides = (0, lse.stride(0), lse.stride(1)) if lse is not None else (0, 0, 0)
+
+    grid = (programs, num_splits)
+    _paged_attn_kernel[grid](
+        q, k_cache, v_cache, o_arg, lse_arg,
+        block_table, seq_lens, cu_seqlens_q, kv_start_arg,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *o_strides, *l_strides,
+        block_table.stride(0),
+        scale * LOG2E, softcap_inv, softcap_log2,
+        k_cache.shape[1], causal_chunk, window, sinks,
+        h_kv, num_q_tiles, tiles_per_split,
+        **meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if not split:
+        return
+    block_r = _reduce_block_rows(cfg["HEAD_DIM_PAD"])
+    n_rows = total_q * h_q
+    lse_out = lse if lse is not None else part_lse  # dummy pointer when not written
+    lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+    _split_reduce_kernel[(triton.cdiv(n_rows, block_r),)](
+        part, part_lse, out, lse_out,
+        part.stride(0), part.stride(1), part.stride(2),
+        part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        *lse_strides,
+        n_rows, h_q, num_splits,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_R=block_r,
+        WRITE_LSE=lse is not None, num_warps=4,
+    )
