@@ -6,8 +6,8 @@ Accounting rule (what ``used_bytes`` counts for one stored value):
   view of a large storage counts only its own elements);
 * any other object with an integer ``nbytes`` attribute (a numpy array) counts it;
 * ``bytes``/``bytearray``/``memoryview`` count their length, ``str`` its UTF-8 length;
-* tuples, lists, mappings (keys and values) and dataclass instances
-  are walked recursively and count the sum of their parts;
+* tuples, lists, mappings (their values; keys are labels and count 0) and dataclass
+  instances are walked recursively and count the sum of their parts;
 * everything else (numbers, ``None``, opaque objects) counts 0.
 
 The same object reached twice inside one value (e.g. one tensor in two places of a
@@ -59,9 +59,7 @@ def value_nbytes(value: Any) -> int:
         elif isinstance(obj, (tuple, list)):
             stack.extend(obj)
         elif isinstance(obj, Mapping):
-            for k, v in obj.items():
-                stack.append(k)
-                stack.append(v)
+            stack.extend(obj.values())
         elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             stack.extend(getattr(obj, f.name) for f in dataclasses.fields(obj))
         else:

@@ -36,6 +36,10 @@ class _LazyRegistry(Mapping):
             self._loaded[name] = cls
         return cls
 
+    def __contains__(self, name: object) -> bool:
+        # Mapping's default would call __getitem__, importing the class.
+        return name in self._specs
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._specs)
 
