@@ -116,6 +116,31 @@ def test_rejected_put_never_leaves_a_stale_residual() -> None:
     assert cache.used_bytes == 0 and cache.namespaces() == []
 
 
+class _CountingStr(str):
+    """A str that counts how often it is compared for equality."""
+
+    comparisons = 0
+
+    def __eq__(self, other: object) -> bool:
+        type(self).comparisons += 1
+        return str.__eq__(self, other)
+
+    __hash__ = str.__hash__
+
+
+def test_clear_namespace_does_not_scan_other_namespaces() -> None:
+    cache = _cache(1 << 20)
+    for i in range(2000):
+        cache.put(f"other{i % 50}", "cond", f"b{i}", None)
+    for i in range(3):
+        cache.put("mine", "cond", f"b{i}", _blob(1))
+    _CountingStr.comparisons = 0
+    assert cache.clear_namespace(_CountingStr("mine")) == 3
+    # an index lookup compares a handful of keys; a scan would compare ~2000
+    assert _CountingStr.comparisons <= 3
+    assert len(cache) == 2000 and cache.used_bytes == 0
+
+
 def test_eviction_updates_the_namespace_index() -> None:
     cache = _cache(20)
     cache.put("old", "cond", "a", _blob(20))
