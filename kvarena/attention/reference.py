@@ -300,7 +300,8 @@ def store_kv_torch(
     first = torch.argmax(valid.to(torch.int32))  # 0-d; index of the first valid row (0 if none)
     any_valid = valid.any()
     src = torch.where(valid, torch.arange(n, device=slots.device), first)  # [N]
-    dst = torch.where(valid, slots, torch.where(any_valid, slots[first], torch.zeros_like(slots[first])))
+    first_slot = slots.index_select(0, first.view(1))  # [1]; a 0-d tensor index would read the host
+    dst = torch.where(valid, slots, torch.where(any_valid, first_slot, torch.zeros_like(first_slot)))
     blk, row = dst // block_size, dst % block_size
     for new, cache in ((k, k_cache), (v, v_cache)):
         vals = torch.where(any_valid, new[src].to(cache.dtype), cache[blk, row])
