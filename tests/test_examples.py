@@ -1,0 +1,84 @@
+"""The two example models as tests (small sizes), and ``kvarena demo``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvarena.examples.ar_decode import run_ar_decode
+from kvarena.examples.causal_dit import run_causal_dit
+
+# fp32 everywhere on CPU; both examples compare against fp64/fp32 dense recomputation
+TOL = {torch.float32: 1e-4, torch.float64: 1e-9}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_causal_dit_rollout_matches_dense_sink_window(dtype):
+    rep = run_causal_dit(num_chunks=7, rollouts=2, steps=3, sinks=1, window=3, dtype=dtype, seed=3)
+    assert rep.checked_passes == rep.passes == 7 * 4, "every pass must be checked when reuse is off"
+    assert rep.max_err <= TOL[dtype], f"max abs err vs dense sink+window recomputation: {rep.max_err:.3e}"
+    assert rep.arena_ptr_stable, "the arena was reallocated during the rollout"
+    assert rep.retained_bytes_moved == 0, f"{rep.retained_bytes_moved} bytes of retained KV moved"
+    assert len(rep.arena_used_bytes_after_window) == 7 - 4 and len(set(rep.arena_used_bytes_after_window)) == 1, (
+        f"memory not flat after the window filled: {rep.arena_used_bytes_after_window}"
+    )
+    # text K/V: computed once per distinct prompt (2 videos + the shared null prompt), then served
+    assert rep.text_cache_misses == 3 and rep.text_cache_hits > 0
+
+
+def test_causal_dit_residual_reuse_skips_layers_and_commit_stays_exact():
+    rep = run_causal_dit(num_chunks=4, steps=4, residual_threshold=0.5, seed=5)
+    assert rep.skipped_layer_evals > 0, "threshold 0.5 should let some denoising steps reuse residuals"
+    # commit passes never skip, so they are always checked (plus the unskipped denoising steps)
+    assert rep.checked_passes >= 4
+    assert rep.max_err <= TOL[torch.float32]
+
+
+def test_ar_decode_matches_dense_and_forks():
+    rep = run_ar_decode(prompt_lens=(5, 17, 30), new_tokens=5, prefill_chunk=8, block_size=16, seed=2)
+    assert rep.max_logit_err <= TOL[torch.float32], f"max logit err vs dense: {rep.max_logit_err:.3e}"
+    assert rep.greedy_match
+    fork, base = rep.outputs["r0.fork"], rep.outputs["r0"]
+    assert fork[:5] == base[:5] and fork[5] != base[5], "the fork shares the prompt and diverges after it"
+    assert all(len(rep.outputs[f"r{i}"]) == n + 5 for i, n in enumerate((5, 17, 30)))
+
+
+@pytest.mark.parametrize("block_size", [3, 48], ids=["bs3", "bs48"])
+def test_ar_decode_odd_block_sizes(block_size):
+    rep = run_ar_decode(prompt_lens=(1, 17, 100), new_tokens=3, prefill_chunk=33, block_size=block_size,
+                        num_blocks=200, seed=4)
+    assert rep.max_logit_err <= TOL[torch.float32] and rep.greedy_match
+
+
+def _run_cli(*args, env_extra=None, timeout=600):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "kvarena", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def test_demo_cli_prints_table():
+    res = _run_cli("demo", "--chunks", "5", "--new-tokens", "4")
+    assert res.returncode == 0, res.stdout + res.stderr
+    for needle in ("tokens processed", "arena reserved", "retained KV bytes moved", "max error vs dense",
+                   "wall time", "result: OK"):
+        assert needle in res.stdout, f"{needle!r} missing from:\n{res.stdout}"
+
+
+@pytest.mark.slow
+def test_demo_cli_triton_interpreter():
+    res = _run_cli("demo", "--backend", "triton", "--chunks", "2", "--new-tokens", "2",
+                   env_extra={"TRITON_INTERPRET": "1"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "result: OK" in res.stdout
+
+
+def test_version_cli():
+    from kvarena import __version__
+
+    res = _run_cli("--version")
+    assert res.returncode == 0 and __version__ in res.stdout
