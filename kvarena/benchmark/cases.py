@@ -1,0 +1,226 @@
+"""The registry of benchmark cases and of the providers that run on them.
+
+One registry serves both front ends: ``kvarena bench`` (``kvarena.benchmark.cli``) and
+the pytest-benchmark suite under ``bench/``. Cases are plain frozen dataclasses with no
+torch objects (dtypes are names), so this module is importable without torch.
+
+Case kinds
+----------
+decode
+    AR decode over a paged cache: one query per sequence, ``batch`` sequences of
+    ``context`` keys each, pages of ``block_size`` tokens scattered at random in the
+    arena (so "paged" is not secretly contiguous).
+chunk
+    Slab chunk attention of a causal video DiT: a chunk of ``chunk`` queries attends to
+    ``sinks`` sink slabs plus the ``window`` newest slabs, its own included (full
+    attention: every key is visible). A slab is one page of ``chunk`` tokens.
+store
+    Storing one chunk's K/V of one layer into the cache (kvarena's in-place slab write)
+    against a plain ``copy_`` (the floor) and the shift-left copy window (the baseline
+    of Self-Forcing/LongLive, which moves the retained window every chunk).
+
+Sets
+----
+quick
+    Tiny CPU shapes (2-4 heads, head_dim 64, 64-512 keys) that run in seconds, for the
+    smoke test and for a laptop.
+gpu
+    DESIGN.md's realistic shapes, sized so that one H200 finishes the whole set in about
+    three minutes (``bench/gpu.sh`` gives the benchmarks a 3-minute slot).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = [
+    "Case",
+    "PROVIDERS",
+    "BASELINE",
+    "SETS",
+    "cases",
+    "providers_for",
+    "default_set",
+]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark shape.
+
+    Parameters
+    ----------
+    kind : {"decode", "chunk", "store"}
+    name : str
+        Unique, filterable with ``--cases`` (substring match).
+    h_q, h_kv, head_dim : int
+        Query heads, KV heads (GQA when they differ) and head dimension.
+    dtype : str
+        A ``torch`` dtype name, e.g. ``"bfloat16"``.
+    batch : int
+        Sequences (decode) or rollouts (chunk, store).
+    context : int
+        Keys per sequence (decode only).
+    block_size : int
+        Page size in tokens (decode); chunk cases use ``chunk`` as the page size.
+    chunk : int
+        Tokens per chunk = slab (chunk, store).
+    window : int
+        Chunks attended and kept, the newest included (chunk, store).
+    sinks : int
+        Sink chunks kept forever (chunk, store).
+    model : str
+        A label for the table and the plot (e.g. ``"wan1.3b"``).
+    """
+
+    kind: str
+    name: str
+    h_q: int
+    h_kv: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    batch: int = 1
+    context: int = 0
+    block_size: int = 16
+    chunk: int = 0
+    window: int = 0
+    sinks: int = 0
+    model: str = ""
+
+    @property
+    def kv_tokens(self) -> int:
+        """Keys each query row reads: the context (decode) or sinks + window chunks."""
+        if self.kind == "decode":
+            return self.context
+        return (self.sinks + self.window) * self.chunk
+
+    @property
+    def page(self) -> int:
+        """Tokens per page of the arena: ``block_size`` for decode, the slab otherwise."""
+        return self.block_size if self.kind == "decode" else self.chunk
+
+    def as_dict(self) -> dict:
+        """The fields plus ``kv_tokens``, for reports."""
+        d = asdict(self)
+        d["kv_tokens"] = self.kv_tokens
+        return d
+
+
+# Providers per kind, kvarena first: its output is the reference the others are checked
+# against, so it must run before them.
+PROVIDERS: dict[str, tuple[str, ...]] = {
+    "decode": (
+        "kvarena",
+        "gather_sdpa",
+        "gather_sdpa_flash",
+        "gather_sdpa_efficient",
+        "gather_flex",
+        "flash_attn",
+        "flashinfer",
+    ),
+    "chunk": (
+        "kvarena",
+        "sdpa_contiguous",
+        "gather_sdpa",
+        "gather_sdpa_flash",
+        "gather_sdpa_efficient",
+        "flex_contiguous",
+        "flash_attn",
+        "flashinfer",
+    ),
+    "store": ("kvarena", "copy_", "shift_left"),
+}
+
+# The same-run baseline each kind's ratio column is computed against (speedup =
+# baseline time / provider time). Chunk: DESIGN.md's target is >= 0.9x SDPA on
+# contiguous data (flash backend on CUDA).
+BASELINE: dict[str, str] = {
+    "decode": "gather_sdpa",
+    "chunk": "sdpa_contiguous",
+    "store": "shift_left",
+}
+
+
+def _decode(batch: int, context: int, *, h_q=32, h_kv=8, head_dim=128, dtype="bfloat16",
+            block_size=16, model="decode-32q8kv") -> Case:
+    ctx = f"{context // 1024}k" if context >= 1024 and context % 1024 == 0 else str(context)
+    return Case("decode", f"decode-b{batch}-ctx{ctx}", h_q, h_kv, head_dim, dtype, batch=batch,
+                context=context, block_size=block_size, model=model)
+
+
+def _chunk(model: str, h_q: int, h_kv: int, chunk: int, window: int, *, sinks=1, head_dim=128,
+           dtype="bfloat16", kind="chunk") -> Case:
+    return Case(kind, f"{kind}-{model}-w{window}", h_q, h_kv, head_dim, dtype, chunk=chunk,
+                window=window, sinks=sinks, model=model)
+
+
+def _gpu_set() -> list[Case]:
+    out: list[Case] = []
+    # AR decode, 32 q / 8 kv heads, d128, page 16. batch x context <= 2M tokens (8 GiB of
+    # bf16 K+V per layer at 8 x 128 x 2 B x 2); B x ctx >= 256K is where DESIGN.md's 85%
+    # of copy bandwidth target applies.
+    k = 1024
+    for batch, contexts in (
+        (1, (1 * k, 4 * k, 16 * k, 64 * k, 128 * k)),
+        (16, (1 * k, 4 * k, 16 * k, 64 * k, 128 * k)),
+        (64, (1 * k, 4 * k, 16 * k, 32 * k)),
+        (256, (1 * k, 2 * k, 4 * k, 8 * k)),
+    ):
+        out += [_decode(batch, c) for c in contexts]
+    # Slab chunk attention: Wan-1.3B (12 heads, chunk 3 frames x 1560 = 4680) over a
+    # window sweep, then one point per other model; one sink chunk each.
+    out += [_chunk("wan1.3b", 12, 12, 4680, w) for w in (2, 4, 8)]
+    out.append(_chunk("wan5b", 24, 24, 7040, 4))
+    out.append(_chunk("matrixgame", 12, 12, 2640, 6))
+    out.append(_chunk("magi1", 24, 8, 12150, 4))
+    # Storing one chunk of one layer (the recycling step in isolation).
+    out.append(_chunk("wan1.3b", 12, 12, 4680, 4, kind="store"))
+    out.append(_chunk("magi1", 24, 8, 12150, 4, kind="store"))
+    return out
+
+
+def _quick_set() -> list[Case]:
+    # Tiny CPU shapes: 4 q / 2 kv heads (GQA stays exercised), d64, fp32 accumulation on
+    # bf16 data as on the GPU. Each provider call takes well under 10 ms on 2 cores.
+    tiny = dict(h_q=4, h_kv=2, head_dim=64, model="tiny")
+    out = [_decode(2, c, **tiny) for c in (128, 256, 512)]
+    out += [_chunk("tiny", 4, 2, 64, w, head_dim=64) for w in (2, 3)]
+    out.append(_chunk("tiny", 4, 2, 64, 3, head_dim=64, kind="store"))
+    return out
+
+
+SETS = {"quick": _quick_set, "gpu": _gpu_set}
+
+
+def default_set(device: str) -> str:
+    """``"gpu"`` for a CUDA device, ``"quick"`` otherwise (realistic shapes do not fit a CPU)."""
+    return "gpu" if str(device).startswith("cuda") else "quick"
+
+
+def cases(set_name: str = "quick", only: str | list[str] | None = None) -> list[Case]:
+    """The cases of one set, optionally filtered.
+
+    Parameters
+    ----------
+    set_name : {"quick", "gpu"}
+    only : str or list of str, optional
+        Keep cases whose name contains any of these substrings (a comma-separated string
+        is split).
+
+    Returns
+    -------
+    list of Case
+    """
+    if set_name not in SETS:
+        raise KeyError(f"set_name: expected one of {sorted(SETS)}, got {set_name!r}")
+    selected = SETS[set_name]()
+    if only:
+        parts = [p.strip() for p in (only.split(",") if isinstance(only, str) else only)]
+        parts = [p for p in parts if p]
+        selected = [c for c in selected if any(p in c.name for p in parts)]
+    return selected
+
+
+def providers_for(case: Case) -> tuple[str, ...]:
+    """Providers that run on ``case``, kvarena (the reference) first."""
+    return PROVIDERS[case.kind]

@@ -1,0 +1,436 @@
+"""Provider implementations: the data of a case and one callable per provider.
+
+Every provider of a case reads the *same* tensors: one arena of K/V pages with the
+sequence's pages scattered at random (``make_data``). A provider is built once per case
+by ``build(provider, case, data)``, which returns a :class:`Bench`: ``fn()`` is what gets
+timed, ``to_ref(out)`` turns its result into kvarena's layout for the correctness check
+(outside the timing). ``build`` raises :class:`Skip` with a reason when a provider cannot
+run here (library not installed, backend refused, ...).
+
+What each provider times
+------------------------
+kvarena
+    The public op (``paged_attention`` / ``store_kv``): Triton on CUDA, the PyTorch path
+    on CPU. Host maxima are passed, as the pools do, so the call never reads the device.
+gather_sdpa[_flash|_efficient]
+    Gather the block table's pages into contiguous K/V (``index_select``), then
+    ``scaled_dot_product_attention``; the suffixed ones force one backend through
+    ``torch.nn.attention.sdpa_kernel``. The gather is timed: it is what a framework
+    without a paged kernel pays.
+sdpa_contiguous
+    SDPA on K/V that are already contiguous (gathered once, untimed): DESIGN.md's 0.9x
+    target baseline for chunk attention. On CUDA it forces the flash backend.
+gather_flex, flex_contiguous
+    FlexAttention (compiled on CUDA, eager on CPU where it materializes the scores).
+flash_attn
+    ``flash_attn_with_kvcache`` when importable: paged when the page is a multiple of
+    256 tokens (FlashAttention-2's requirement), else on the contiguous K/V.
+flashinfer
+    FlashInfer's paged decode / prefill wrappers on the same arena (NHD layout).
+copy_, shift_left (store cases)
+    ``slab.copy_(k)``: the floor for writing one chunk. ``shift_left``: Self-Forcing's
+    window buffer (see :mod:`kvarena.benchmark.recycle`): clone the retained non-sink
+    tokens one chunk to the left, then write the new chunk at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvarena.benchmark.cases import Case
+
+__all__ = ["Skip", "Bench", "CaseData", "make_data", "build", "work_of", "rel_err"]
+
+
+class Skip(Exception):
+    """A provider that cannot run here; ``str(exc)`` is the reason for the report."""
+
+
+@dataclass
+class Bench:
+    """A built provider.
+
+    Attributes
+    ----------
+    fn : callable
+        The timed call; returns the provider's raw output.
+    to_ref : callable
+        Maps ``fn()``'s output to kvarena's layout (untimed, for the error check).
+    note : str
+        Shown in the report (e.g. "contiguous KV (paged needs page % 256 == 0)").
+    """
+
+    fn: Callable[[], Any]
+    to_ref: Callable[[Any], torch.Tensor] = lambda out: out
+    note: str = ""
+
+
+@dataclass
+class CaseData:
+    """The tensors every provider of one case reads.
+
+    Attributes
+    ----------
+    q : ``[total_q, H_q, D]`` (decode: one row per sequence; chunk: ``batch * chunk``).
+    k_cache, v_cache : ``[num_pages, page, H_kv, D]`` arena views.
+    block_table : int32 ``[B, pages_per_seq]`` (random page order).
+    seq_lens : int32 ``[B]``; cu_seqlens_q : int32 ``[B + 1]`` or None (decode).
+    new_k, new_v : ``[B * chunk, H_kv, D]`` (store cases only).
+    """
+
+    case: Case
+    device: torch.device
+    q: torch.Tensor | None
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor | None
+    new_k: torch.Tensor | None = None
+    new_v: torch.Tensor | None = None
+    _contig: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _bt_long: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def q_len(self) -> int:
+        """Queries per sequence (1 for decode, the chunk otherwise)."""
+        return 1 if self.case.kind == "decode" else self.case.chunk
+
+    @property
+    def bt_long(self) -> torch.Tensor:
+        """The block table flattened as int64 (what ``index_select`` wants), built once."""
+        if self._bt_long is None:
+            self._bt_long = self.block_table.reshape(-1).long()
+        return self._bt_long
+
+    def gather(self, cache: torch.Tensor) -> torch.Tensor:
+        """Pages of every sequence copied contiguously: ``[B, H_kv, L, D]`` (a view of
+        a ``[B, L, H_kv, D]`` tensor; the last dim stays contiguous, as SDPA needs)."""
+        b = self.block_table.shape[0]
+        _, page, h_kv, d = cache.shape
+        g = cache.index_select(0, self.bt_long).view(b, -1, h_kv, d)
+        return g[:, : self.case.kv_tokens].transpose(1, 2)
+
+    def contiguous(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V gathered once and kept (``[B, H_kv, L, D]``), for the contiguous baselines."""
+        if self._contig is None:
+            self._contig = (self.gather(self.k_cache), self.gather(self.v_cache))
+        return self._contig
+
+    def q_sdpa(self) -> torch.Tensor:
+        """q as ``[B, H_q, q_len, D]`` (a view)."""
+        b = self.block_table.shape[0]
+        _, h_q, d = self.q.shape
+        return self.q.view(b, self.q_len, h_q, d).transpose(1, 2)
+
+    def from_sdpa(self, out: torch.Tensor) -> torch.Tensor:
+        """``[B, H_q, q_len, D]`` back to kvarena's ``[total_q, H_q, D]``."""
+        return out.transpose(1, 2).reshape(self.q.shape)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"case dtype: expected a torch dtype name, got {name!r}")
+    return dt
+
+
+def make_data(case: Case, device: str | torch.device, *, seed: int = 0) -> CaseData:
+    """Random data of one case on ``device``.
+
+    The arena holds exactly the pages the batch needs plus one spare, shuffled: page
+    ``i`` of sequence ``b`` sits at a random arena position, so a provider that silently
+    assumed contiguity would read the wrong keys and show up in the error column.
+    """
+    device = torch.device(device)
+    dtype = _dtype(case.dtype)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    b, page, d = case.batch, case.page, case.head_dim
+    if case.kind == "decode":
+        pages_per_seq = -(-case.context // page)
+    else:
+        pages_per_seq = case.sinks + case.window
+    num_pages = b * pages_per_seq + 1
+    perm = torch.randperm(num_pages, generator=gen)[: b * pages_per_seq]
+    block_table = perm.view(b, pages_per_seq).to(torch.int32).to(device)
+
+    def randn(*shape):
+        # Generated on the device: 8 GiB of decode KV would take minutes through the host.
+        return torch.randn(*shape, device=device, dtype=dtype)
+
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)
+    k_cache = randn(num_pages, page, case.h_kv, d)
+    v_cache = randn(num_pages, page, case.h_kv, d)
+    seq_lens = torch.full((b,), case.kv_tokens, dtype=torch.int32, device=device)
+    if case.kind == "decode":
+        q = randn(b, case.h_q, d)
+        return CaseData(case, device, q, k_cache, v_cache, block_table, seq_lens, None)
+    cu = torch.arange(0, (b + 1) * case.chunk, case.chunk, dtype=torch.int32, device=device)
+    if case.kind == "chunk":
+        q = randn(b * case.chunk, case.h_q, d)
+        return CaseData(case, device, q, k_cache, v_cache, block_table, seq_lens, cu)
+    new_k = randn(b * case.chunk, case.h_kv, d)
+    new_v = randn(b * case.chunk, case.h_kv, d)
+    return CaseData(case, device, None, k_cache, v_cache, block_table, seq_lens, cu, new_k, new_v)
+
+
+def work_of(case: Case) -> dict[str, float]:
+    """Bytes and FLOPs one call of ``case`` must touch, for the throughput columns.
+
+    Returns
+    -------
+    dict
+        ``kv_bytes``: K+V bytes read (decode, chunk); ``flops``: 4 * q * k * H_q * D
+        (QK^T and PV, every key visible); ``store_bytes``: the new chunk's K+V bytes,
+        read once and written once (store).
+    """
+    el = _dtype(case.dtype).itemsize
+    kv = 2 * case.batch * case.kv_tokens * case.h_kv * case.head_dim * el
+    if case.kind == "decode":
+        return {"kv_bytes": kv, "flops": 4.0 * case.batch * case.kv_tokens * case.h_q * case.head_dim}
+    if case.kind == "chunk":
+        return {"kv_bytes": kv, "flops": 4.0 * case.batch * case.chunk * case.kv_tokens * case.h_q * case.head_dim}
+    chunk_kv = 2 * case.batch * case.chunk * case.h_kv * case.head_dim * el
+    return {"store_bytes": 2 * chunk_kv, "new_bytes": chunk_kv}
+
+
+# --- providers ---------------------------------------------------------------------------
+
+
+def _kvarena(case: Case, data: CaseData) -> Bench:
+    from kvarena.attention.ops import paged_attention, store_kv
+
+    if case.kind == "store":
+        slab = int(data.block_table[0, -1])  # the slot a ring would recycle next
+        slots = (slab * case.chunk + torch.arange(case.chunk, device=data.device)).to(torch.int32)
+
+        def fn():
+            store_kv(data.new_k, data.new_v, data.k_cache, data.v_cache, slots)
+            return data.k_cache[slab]
+
+        return Bench(fn, to_ref=lambda out: out.reshape(data.new_k.shape))
+    kwargs = dict(max_seqlen_q=data.q_len, max_seqlen_k=case.kv_tokens)
+    if case.kind == "chunk":
+        kwargs["chunk_size"] = case.chunk  # block-causal: the chunk sees itself fully
+
+    def fn():
+        return paged_attention(data.q, data.k_cache, data.v_cache, data.block_table, data.seq_lens,
+                               data.cu_seqlens_q, **kwargs)
+
+    return Bench(fn)
+
+
+_SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+
+
+def _sdpa_ctx(backend: str | None):
+    if backend is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, _SDPA_BACKENDS[backend])])
+
+
+def _sdpa(case: Case, data: CaseData, *, gather: bool, backend: str | None) -> Bench:
+    import torch.nn.functional as F
+
+    if case.kind == "store":
+        raise Skip("not a store provider")
+    gqa = case.h_q != case.h_kv
+    q = data.q_sdpa()
+    if not gather:
+        k, v = data.contiguous()
+
+    def fn():
+        kk, vv = (data.gather(data.k_cache), data.gather(data.v_cache)) if gather else (k, v)
+        with _sdpa_ctx(backend):
+            # Every key is visible in both kinds (decode's one query is the last position;
+            # a chunk sees sinks + window + itself fully), so no mask and no causal flag.
+            return F.scaled_dot_product_attention(q, kk, vv, enable_gqa=gqa)
+
+    note = f"{backend} backend forced" if backend else "default SDPA dispatch"
+    return Bench(fn, to_ref=data.from_sdpa, note=note)
+
+
+_FLEX = {}
+
+
+def _flex_fn(device: torch.device):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention  # eager: unfused, materializes the scores (no C++ build on CPU)
+    if "cuda" not in _FLEX:
+        _FLEX["cuda"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["cuda"]
+
+
+def _flex(case: Case, data: CaseData, *, gather: bool) -> Bench:
+    if case.kind == "store":
+        raise Skip("not a store provider")
+    try:
+        flex = _flex_fn(data.device)
+    except ImportError as exc:
+        raise Skip(f"FlexAttention unavailable: {exc}") from exc
+    gqa = case.h_q != case.h_kv
+    q = data.q_sdpa()
+    if not gather:
+        k, v = data.contiguous()
+
+    def fn():
+        kk, vv = (data.gather(data.k_cache), data.gather(data.v_cache)) if gather else (k, v)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "called without torch.compile()" on CPU, once per call
+            return flex(q, kk, vv, enable_gqa=gqa)
+
+    note = "torch.compile" if data.device.type == "cuda" else "eager (unfused, CPU)"
+    return Bench(fn, to_ref=data.from_sdpa, note=note)
+
+
+def _flash_attn(case: Case, data: CaseData) -> Bench:
+    if case.kind == "store":
+        raise Skip("not a store provider")
+    if data.device.type != "cuda":
+        raise Skip("flash_attn needs CUDA")
+    try:
+        from flash_attn import flash_attn_with_kvcache
+    except ImportError as exc:
+        raise Skip(f"flash_attn not installed ({exc})") from exc
+    b = data.block_table.shape[0]
+    q = data.q.view(b, data.q_len, case.h_q, case.head_dim)
+    if case.page % 256 == 0:
+        def fn():
+            return flash_attn_with_kvcache(q, data.k_cache, data.v_cache, cache_seqlens=data.seq_lens,
+                                           block_table=data.block_table, causal=False)
+        note = "paged"
+    else:
+        k, v = data.contiguous()
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, L, H_kv, D], as flash_attn wants
+
+        def fn():
+            return flash_attn_with_kvcache(q, k, v, cache_seqlens=data.seq_lens, causal=False)
+        note = "contiguous KV (paged needs page % 256 == 0)"
+    return Bench(fn, to_ref=lambda out: out.reshape(data.q.shape), note=note)
+
+
+def _flashinfer(case: Case, data: CaseData) -> Bench:
+    if case.kind == "store":
+        raise Skip("not a store provider")
+    if data.device.type != "cuda":
+        raise Skip("flashinfer needs CUDA")
+    try:
+        import flashinfer
+    except ImportError as exc:
+        raise Skip(f"flashinfer not installed ({exc})") from exc
+    b, per_seq = data.block_table.shape
+    dev = data.device
+    indptr = torch.arange(0, (b + 1) * per_seq, per_seq, dtype=torch.int32, device=dev)
+    indices = data.block_table.reshape(-1).contiguous()
+    last = case.kv_tokens - (per_seq - 1) * case.page
+    last_len = torch.full((b,), last, dtype=torch.int32, device=dev)
+    workspace = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=dev)
+    dt = data.q.dtype
+    if case.kind == "decode":
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        args = (indptr, indices, last_len, case.h_q, case.h_kv, case.head_dim, case.page)
+    else:
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        args = (data.cu_seqlens_q, indptr, indices, last_len, case.h_q, case.h_kv, case.head_dim, case.page)
+    try:
+        extra = {} if case.kind == "decode" else {"causal": False}
+        w.plan(*args, q_data_type=dt, kv_data_type=dt, **extra)
+    except TypeError:  # flashinfer < 0.2 names it data_type
+        w.plan(*args, data_type=dt, **({} if case.kind == "decode" else {"causal": False}))
+
+    def fn():
+        return w.run(data.q, (data.k_cache, data.v_cache))
+
+    return Bench(fn, note="paged, NHD")
+
+
+def _store_copy(case: Case, data: CaseData) -> Bench:
+    if case.kind != "store":
+        raise Skip("store cases only")
+    slab = int(data.block_table[0, -1])
+    kc, vc = data.k_cache[slab], data.v_cache[slab]
+
+    def fn():
+        kc.copy_(data.new_k.view_as(kc))
+        vc.copy_(data.new_v.view_as(vc))
+        return kc
+
+    return Bench(fn, to_ref=lambda out: out.reshape(data.new_k.shape), note="contiguous copy: the floor")
+
+
+def _store_shift_left(case: Case, data: CaseData) -> Bench:
+    if case.kind != "store":
+        raise Skip("store cases only")
+    from kvarena.benchmark.recycle import ShiftLeftKVCache
+
+    cache = ShiftLeftKVCache(1, case.batch, case.chunk, window=case.window, sinks=case.sinks,
+                             num_kv_heads=case.h_kv, head_dim=case.head_dim, dtype=data.new_k.dtype,
+                             device=data.device)
+    # Fill the window once (untimed) so that every timed call takes the shifting branch.
+    k = data.new_k.view(case.batch, case.chunk, case.h_kv, case.head_dim)
+    v = data.new_v.view_as(k)
+    for _ in range(case.sinks + case.window):
+        cache.store(k, v, 0)
+
+    def fn():
+        cache.store(k, v, 0)
+        return cache.k[0][:, -case.chunk:]
+
+    rolled = (case.window - 1) * case.chunk
+    return Bench(fn, to_ref=lambda out: out.reshape(data.new_k.shape),
+                 note=f"clones {rolled} retained tokens per K and V per chunk")
+
+
+_BUILDERS: dict[str, Callable[[Case, CaseData], Bench]] = {
+    "kvarena": _kvarena,
+    "gather_sdpa": lambda c, d: _sdpa(c, d, gather=True, backend=None),
+    "gather_sdpa_flash": lambda c, d: _sdpa(c, d, gather=True, backend="flash"),
+    "gather_sdpa_efficient": lambda c, d: _sdpa(c, d, gather=True, backend="efficient"),
+    # On CUDA the contiguous baseline is the flash backend (DESIGN.md's target); on CPU
+    # the default dispatch (the CPU flash kernel when it applies).
+    "sdpa_contiguous": lambda c, d: _sdpa(c, d, gather=False,
+                                          backend="flash" if d.device.type == "cuda" else None),
+    "gather_flex": lambda c, d: _flex(c, d, gather=True),
+    "flex_contiguous": lambda c, d: _flex(c, d, gather=False),
+    "flash_attn": _flash_attn,
+    "flashinfer": _flashinfer,
+    "copy_": _store_copy,
+    "shift_left": _store_shift_left,
+}
+
+
+def build(provider: str, case: Case, data: CaseData) -> Bench:
+    """Build ``provider`` for ``case`` on ``data``.
+
+    Raises
+    ------
+    KeyError
+        For an unknown provider name.
+    Skip
+        When the provider cannot run here (the reason is the message).
+    """
+    if provider not in _BUILDERS:
+        raise KeyError(f"provider: expected one of {sorted(_BUILDERS)}, got {provider!r}")
+    return _BUILDERS[provider](case, data)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max |out - ref| / max |ref|`` in fp32 (nan when shapes differ)."""
+    if tuple(out.shape) != tuple(ref.shape):
+        return math.nan
+    o, r = out.float(), ref.float()
+    denom = r.abs().max().item()
+    return (o - r).abs().max().item() / (denom if denom > 0 else 1.0)
