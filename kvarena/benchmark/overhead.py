@@ -1,0 +1,267 @@
+"""Host overhead: microseconds per ``plan()`` and per-layer ``forward()`` call.
+
+Shapes are tiny on purpose (2 layers, 4 q / 2 kv heads, head_dim 64, bf16; decode with
+16-token pages and 17-30 keys per sequence; slab chunks of 16 tokens, window 3, one
+sink), so that what is measured is the Python and dispatch cost that DESIGN.md bounds
+(<= 30 us of Python per layer at decode), not attention arithmetic.
+
+Rows
+----
+``*.plan``
+    One ``plan`` per step (all layers share it), timed call by call.
+``*.forward``
+    One layer's ``forward`` (store + attend), timed call by call. On CPU this includes
+    the PyTorch path's arithmetic; on CUDA the calls are not synchronized one by one, so
+    it is the host time to issue them (launches are asynchronous).
+``*.forward, ops stubbed``
+    The same call with the pool module's ``store_kv`` / ``paged_attention`` /
+    ``merge_attention_states`` replaced by stubs that return at once: the pool's own
+    Python (argument checks, metadata checks, commit bookkeeping), independent of the
+    device and of the kernels.
+``paged_attention validated / _trusted, impl stubbed``
+    The public op with its implementation stubbed out: the cost of the wrapper with
+    value checks (which read ``seq_lens`` etc.: on CPU tensors always, on CUDA only under
+    ``KVARENA_DEBUG=1``) and with ``_trusted=True`` (what the pools call).
+
+The stubs are module-attribute patches restored on exit; if the names move, those rows
+are reported as skipped rather than silently measuring something else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvarena.benchmark.runner import quantiles, sync
+
+__all__ = ["run_overhead", "BATCHES"]
+
+BATCHES = (1, 64, 256)
+_LAYERS, _H_Q, _H_KV, _D = 2, 4, 2, 64
+_DTYPE = torch.bfloat16
+
+
+def _row(what: str, batch: int, device, samples_s: list[float], note: str = "") -> dict[str, Any]:
+    us = [1e6 * s for s in samples_s]
+    med, p20, p80 = quantiles(us, (0.5, 0.2, 0.8))
+    return {"what": what, "batch": batch, "device": str(device), "status": "ok", "us_median": med,
+            "us_p20": p20, "us_p80": p80, "us_min": min(us), "n": len(us), "note": note}
+
+
+def _skipped(what: str, batch: int, device, reason: str) -> dict[str, Any]:
+    return {"what": what, "batch": batch, "device": str(device), "status": "skipped", "reason": reason}
+
+
+def _reason(exc: BaseException) -> str:
+    msg = str(exc).strip().splitlines()
+    return f"error: {type(exc).__name__}: {msg[0][:160] if msg else ''}"
+
+
+def _time_call(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _rnd(device):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    return lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=_DTYPE)
+
+
+def _stub_attention(q, *args, return_lse=False, **kwargs):
+    if return_lse:
+        return q, q.new_zeros(q.shape[:2], dtype=torch.float32)
+    return q
+
+
+def _stub_store(*args, **kwargs):
+    return None
+
+
+def _stub_merge(out_a, lse_a, out_b, lse_b, **kwargs):
+    return out_a, lse_a
+
+
+@contextlib.contextmanager
+def _patched(module: str, **stubs):
+    """Replace ``module.<name>`` by the given stubs for the duration (names must exist)."""
+    mod = importlib.import_module(module)
+    missing = [n for n in stubs if not hasattr(mod, n)]
+    if missing:
+        raise AttributeError(f"{module} has no {missing} to stub (the pool's imports changed)")
+    saved = {n: getattr(mod, n) for n in stubs}
+    try:
+        for n, f in stubs.items():
+            setattr(mod, n, f)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(mod, n, f)
+
+
+def _layout():
+    from kvarena.cache.arena import KVLayout
+
+    return KVLayout(_LAYERS, _H_KV, _D, _DTYPE)
+
+
+def _paged(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]:
+    from kvarena.attention import ops
+    from kvarena.cache.keys import CachePolicy
+    from kvarena.cache.paged import PagedKVCache
+
+    lay = _layout()
+    steps = warm + reps
+    blocks_per_seq = -(-(16 + 2 * steps + 1) // 16) + 1
+    policy = CachePolicy("paged_kv", max_bytes=batch * blocks_per_seq * lay.block_bytes(16))
+    pool = PagedKVCache(policy, layout=lay, block_size=16, device=device)
+    names = [f"s{i}" for i in range(batch)]
+    rnd = _rnd(device)
+    # Prefill one page per sequence (untimed), so decode attends over 17+ keys.
+    meta = pool.plan(dict.fromkeys(names, 16))
+    qp, kp = rnd(batch * 16, _H_Q, _D), rnd(batch * 16, _H_KV, _D)
+    for layer in range(_LAYERS):
+        pool.forward(qp, kp, kp, meta, layer)
+    q, k, v = rnd(batch, _H_Q, _D), rnd(batch, _H_KV, _D), rnd(batch, _H_KV, _D)
+    step = dict.fromkeys(names, 1)
+
+    def decode(t_plan, t_fwd):
+        nonlocal meta
+        for i in range(steps):
+            t0 = time.perf_counter()
+            meta = pool.plan(step)
+            dt = time.perf_counter() - t0
+            if i >= warm and t_plan is not None:
+                t_plan.append(dt)
+            for layer in range(_LAYERS):
+                dt = _time_call(lambda layer=layer, meta=meta: pool.forward(q, k, v, meta, layer))
+                if i >= warm:
+                    t_fwd.append(dt)
+            sync(device)
+
+    t_plan, t_fwd, t_stub = [], [], []
+    decode(t_plan, t_fwd)
+    rows = [
+        _row("paged.plan (decode step)", batch, device, t_plan, "once per step, all layers"),
+        _row("paged.forward (per layer)", batch, device, t_fwd,
+             f"store + attend, up to {pool.seq_len(names[0])} keys/seq"),
+    ]
+    try:
+        with _patched("kvarena.cache.paged", store_kv=_stub_store, paged_attention=_stub_attention):
+            decode(None, t_stub)
+        rows.append(_row("paged.forward, ops stubbed", batch, device, t_stub, "the pool's own Python"))
+    except Exception as exc:
+        rows.append(_skipped("paged.forward, ops stubbed", batch, device, _reason(exc)))
+
+    region = next(iter(pool.arena.regions.values()))
+    args = (q, region.k(0), region.v(0), meta.block_table, meta.seq_lens, meta.cu_seqlens_q)
+    kw = dict(max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k)
+    t_val, t_tr = [], []
+    try:
+        with _patched("kvarena.attention.ops", _paged_attention_impl=lambda q, *a: (q, None)):
+            for i in range(steps):
+                dt_v = _time_call(lambda: ops.paged_attention(*args, **kw))
+                dt_t = _time_call(lambda: ops.paged_attention(*args, **kw, _trusted=True))
+                if i >= warm:
+                    t_val.append(dt_v)
+                    t_tr.append(dt_t)
+        checks = "value checks on" if device.type == "cpu" or ops.debug_enabled() else "no value checks (CUDA)"
+        rows.append(_row("paged_attention validated, impl stubbed", batch, device, t_val, checks))
+        rows.append(_row("paged_attention _trusted, impl stubbed", batch, device, t_tr, "what the pools call"))
+    except Exception as exc:
+        rows.append(_skipped("paged_attention wrapper", batch, device, _reason(exc)))
+    return rows
+
+
+def _slab(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]:
+    from kvarena.cache.keys import CachePolicy
+    from kvarena.cache.slab import SlabKVCache
+
+    lay = _layout()
+    chunk, window, sinks = 16, 3, 1
+    policy = CachePolicy("slab_kv", max_bytes=batch * (sinks + window) * lay.block_bytes(chunk),
+                         per_component={"window": window, "sinks": sinks})
+    pool = SlabKVCache(policy, layout=lay, slab_tokens=chunk, device=device)
+    names = [f"r{i}" for i in range(batch)]
+    rnd = _rnd(device)
+    q, k, v = rnd(batch, chunk, _H_Q, _D), rnd(batch, chunk, _H_KV, _D), rnd(batch, chunk, _H_KV, _D)
+    first = sinks + window
+    nxt = 0
+
+    def rollout(n_chunks, t_plan, t_fwd, timed_from):
+        nonlocal nxt
+        for i in range(n_chunks):
+            c = nxt
+            nxt += 1
+            t0 = time.perf_counter()
+            meta = pool.plan(dict.fromkeys(names, c))
+            dt = time.perf_counter() - t0
+            if i >= timed_from and t_plan is not None:
+                t_plan.append(dt)
+            for layer in range(_LAYERS):
+                dt = _time_call(lambda layer=layer, meta=meta: pool.forward(q, k, v, meta, layer, commit=True))
+                if i >= timed_from:
+                    t_fwd.append(dt)
+            sync(device)
+
+    t_plan, t_fwd, t_stub = [], [], []
+    # Timing starts once the window is full: every timed plan recycles a slab in place.
+    rollout(first + warm + reps, t_plan, t_fwd, first + warm)
+    rows = [
+        _row("slab.plan (new chunk)", batch, device, t_plan,
+             f"chunk {chunk}, window {window}, sinks {sinks}; recycles a slab"),
+        _row("slab.forward commit (per layer)", batch, device, t_fwd,
+             f"store + attend {(sinks + window) * chunk} keys"),
+    ]
+    try:
+        with _patched("kvarena.cache.slab", store_kv=_stub_store, paged_attention=_stub_attention,
+                      merge_attention_states=_stub_merge):
+            rollout(warm + reps, None, t_stub, warm)
+        rows.append(_row("slab.forward commit, ops stubbed", batch, device, t_stub, "the pool's own Python"))
+    except Exception as exc:
+        rows.append(_skipped("slab.forward commit, ops stubbed", batch, device, _reason(exc)))
+    return rows
+
+
+def run_overhead(device: str | torch.device = "cpu", *, batches=BATCHES, warm: int = 3,
+                 reps: int = 20, deadline: float = float("inf")) -> list[dict[str, Any]]:
+    """Host cost per call of the pools and of the public op, at each batch size.
+
+    Parameters
+    ----------
+    device : where the pools live.
+    batches : sequences (paged) / rollouts (slab) per step.
+    warm, reps : untimed then timed steps.
+    deadline : ``time.monotonic()`` past which the remaining rows are skipped.
+
+    Returns
+    -------
+    list of dict
+        Rows ``what, batch, device, us_median, us_p20, us_p80, us_min, n, note`` (or
+        ``status`` "skipped" with a ``reason``).
+    """
+    device = torch.device(device)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        # One thread: on tiny tensors intra-op threads only add wake-up jitter (measured
+        # here on 2 shared cores: 0.9 ms calls turning into 5-60 ms with 2 threads).
+        torch.set_num_threads(1)
+    try:
+        rows: list[dict[str, Any]] = []
+        for batch in batches:
+            for name, fn in (("paged", _paged), ("slab", _slab)):
+                if time.monotonic() > deadline:
+                    rows.append(_skipped(f"{name}.*", batch, device, "time budget exhausted"))
+                    continue
+                try:
+                    rows += fn(batch, device, warm, reps)
+                except Exception as exc:  # a pool not built yet, an API change: report, go on
+                    rows.append(_skipped(f"{name}.*", batch, device, _reason(exc)))
+        return rows
+    finally:
+        torch.set_num_threads(threads)
