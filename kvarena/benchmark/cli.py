@@ -1,0 +1,176 @@
+"""``kvarena bench``: kernel, recycling and host-overhead benchmarks against same-run baselines.
+
+Examples
+--------
+``kvarena bench --quick``                      tiny CPU set, seconds
+``kvarena bench --device cuda``                DESIGN.md's shapes (about 3 minutes on an H200)
+``kvarena bench --cases decode-b16,wan1.3b``   only cases whose name contains one of these
+``kvarena bench --sections recycle``           only the recycling comparison
+
+This module imports no torch at import time: ``kvarena.cli`` imports it to build the
+parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["add_arguments", "run", "default_out_dir"]
+
+_SECTIONS = ("kernels", "recycle", "overhead")
+
+
+def default_out_dir() -> Path:
+    """``bench/out`` inside a kvarena checkout (the current directory), else ``./kvarena-bench``."""
+    cwd = Path.cwd()
+    if (cwd / "bench").is_dir() and (cwd / "kvarena").is_dir():
+        return cwd / "bench" / "out"
+    return cwd / "kvarena-bench"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``kvarena bench``'s options to ``parser``."""
+    parser.add_argument("--quick", action="store_true",
+                        help="the tiny CPU-sized set (the default on CPU); same as --set quick")
+    parser.add_argument("--set", dest="set_name", choices=("quick", "gpu"), default=None,
+                        help="case set (default: gpu on CUDA, quick otherwise)")
+    parser.add_argument("--cases", default=None,
+                        help="comma-separated substrings; keep cases whose name contains one")
+    parser.add_argument("--providers", default=None,
+                        help="comma-separated provider names to run (default: all)")
+    parser.add_argument("--sections", default=",".join(_SECTIONS),
+                        help=f"comma-separated subset of {','.join(_SECTIONS)} (default: all)")
+    parser.add_argument("--out", default=None,
+                        help="output directory (default: bench/out in a checkout, else ./kvarena-bench)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="wall-clock budget; rows past it are reported as skipped (results still written)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU intra-op threads (default: 1 for the quick set on CPU, else torch's)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar / lines")
+    parser.add_argument("--list", action="store_true", help="list the selected cases and providers, run nothing")
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the selected sections, print tables, write JSON/CSV/PNG. Returns the exit code.
+
+    The exit code is 1 when kvarena's own provider failed with an error on some case, or
+    when the recycling sanity check (both schemes give the same attention output) failed;
+    baselines that cannot run are skipped with a reason and do not fail the run.
+    """
+    from kvarena.benchmark import cases as C
+
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    bad = [s for s in sections if s not in _SECTIONS]
+    if bad:
+        print(f"kvarena bench: --sections: unknown {bad}, expected a subset of {list(_SECTIONS)}", file=sys.stderr)
+        return 2
+    if args.quick and args.set_name not in (None, "quick"):
+        print("kvarena bench: --quick conflicts with --set gpu", file=sys.stderr)
+        return 2
+
+    import torch
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"kvarena bench: --device {device}: CUDA is not available here", file=sys.stderr)
+        return 2
+    set_name = "quick" if args.quick else (args.set_name or C.default_set(str(device)))
+    case_list = C.cases(set_name, args.cases)
+    providers = [p.strip() for p in args.providers.split(",")] if args.providers else None
+    if providers:
+        known = {p for ps in C.PROVIDERS.values() for p in ps}
+        unknown = [p for p in providers if p not in known]
+        if unknown:
+            print(f"kvarena bench: --providers: unknown {unknown}, expected some of {sorted(known)}", file=sys.stderr)
+            return 2
+    if args.list:
+        for c in case_list:
+            provs = [p for p in C.providers_for(c) if not providers or p in providers]
+            print(f"{c.name:28s} {c.kind:7s} kv_tokens={c.kv_tokens:<8d} providers={','.join(provs)}")
+        return 0
+    if set_name == "gpu" and device.type != "cuda":
+        _log("kvarena bench: note: the gpu set on a CPU materializes GiB-sized score tensors; "
+             "use --quick (or --cases) unless you mean it")
+
+    from kvarena.benchmark import report
+    from kvarena.benchmark.runner import measure_ceilings, run_kernels
+
+    threads = args.threads
+    if threads is None and device.type == "cpu" and set_name == "quick":
+        # Tiny shapes gain nothing from intra-op threads, and on a shared 2-core host the
+        # OpenMP barriers turn a 12 us 64x64 matmul into 30-50 ms at the 90th percentile
+        # (measured while writing this); one thread keeps the quick numbers readable.
+        threads = 1
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+    out_dir = Path(args.out) if args.out else default_out_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+    deadline = t_start + args.budget_s if args.budget_s else math.inf
+    show = not args.no_progress
+    results: dict = {"meta": report.run_metadata(device, set_name), "ceilings": None, "kernels": [],
+                     "recycle": None, "overhead": None, "notes": []}
+    results["meta"]["argv"] = sys.argv[1:]
+    results["meta"]["KVARENA_DEBUG"] = os.environ.get("KVARENA_DEBUG")
+    if device.type == "cpu":
+        results["notes"].append("CPU run: kvarena runs its PyTorch path (no Triton); throughput targets "
+                                "in DESIGN.md apply to the GPU run only")
+    exit_code = 0
+
+    def checkpoint() -> None:
+        # JSON/CSV after every section, so a run killed by an outer timeout keeps its numbers.
+        report.write_json(out_dir / "results.json", results)
+        report.write_csv(out_dir / "results.csv", results)
+
+    if "kernels" in sections and case_list:
+        _log(f"kvarena bench: {len(case_list)} cases ({set_name} set) on {device}; measuring ceilings ...")
+        ceil = measure_ceilings(device, quick=set_name == "quick")
+        results["ceilings"] = ceil
+        rows = run_kernels(case_list, device, ceilings=ceil, deadline=deadline, show_progress=show,
+                           providers=providers)
+        results["kernels"] = rows
+        print(report.format_table(rows, ceil), flush=True)
+        for r in rows:
+            if r["provider"] == "kvarena" and r["reason"].startswith("error"):
+                exit_code = 1
+                _log(f"kvarena bench: kvarena failed on {r['case']}: {r['reason']}")
+        checkpoint()
+    if "recycle" in sections:
+        from kvarena.benchmark.recycle import run_recycle
+
+        if time.monotonic() > deadline:
+            results["recycle"] = {"status": "skipped", "reason": "time budget exhausted"}
+        else:
+            try:
+                results["recycle"] = run_recycle(set_name, device, log=_log if show else (lambda m: None))
+                if not results["recycle"]["sanity"]["same_output"]:
+                    exit_code = 1
+            except Exception as exc:
+                results["recycle"] = {"status": "skipped", "reason": f"error: {type(exc).__name__}: {exc}"}
+                exit_code = 1
+        print("\n" + report.format_recycle(results["recycle"]), flush=True)
+        checkpoint()
+    if "overhead" in sections:
+        from kvarena.benchmark.overhead import run_overhead
+
+        reps, warm = (10, 2) if set_name == "quick" else (50, 5)
+        results["overhead"] = run_overhead(device, reps=reps, warm=warm, deadline=deadline)
+        print("\n" + report.format_overhead(results["overhead"]), flush=True)
+    results["meta"]["elapsed_s"] = time.monotonic() - t_start
+    paths = report.write_all(out_dir, results)
+    for note in results["notes"]:
+        print(f"note: {note}")
+    print(f"wrote {paths['json']}, {paths['csv']}" + (f", {paths['png']}" if paths["png"] else "")
+          + f" ({results['meta']['elapsed_s']:.1f} s)")
+    return exit_code

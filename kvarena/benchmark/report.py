@@ -1,0 +1,294 @@
+"""Reports: run metadata, the terminal table, JSON + CSV, and a PNG plot.
+
+Files written into the output directory:
+
+``results.json``
+    ``meta`` (commit, device, versions, set, wall time), ``ceilings``, ``kernels`` (one
+    row per case x provider), ``recycle``, ``overhead``, ``notes``.
+``results.csv``
+    Every row of every section in one table (a ``section`` column, the union of the
+    columns, run metadata repeated on each row so a row stands alone).
+``plot.png``
+    Time and throughput against the keys each query reads (context length), one line per
+    provider (and per batch / model), decode and chunk attention side by side. Skipped
+    with a note when matplotlib is not installed.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["run_metadata", "format_table", "format_recycle", "format_overhead", "write_json",
+           "write_csv", "write_plot", "write_all"]
+
+
+def _git(args: list[str], cwd: Path) -> str | None:
+    try:
+        r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def run_metadata(device, set_name: str) -> dict[str, Any]:
+    """Commit, device name, torch/triton/python versions, host, for the reports."""
+    import torch
+
+    import kvarena
+
+    repo = Path(kvarena.__file__).resolve().parent.parent
+    meta: dict[str, Any] = {
+        "kvarena": kvarena.__version__,
+        "commit": _git(["rev-parse", "HEAD"], repo),
+        "dirty": None,
+        "set": set_name,
+        "device": str(device),
+        "device_name": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "triton": None,
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    status = _git(["status", "--porcelain", "--untracked-files=no"], repo)
+    meta["dirty"] = None if status is None else bool(status)
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if str(device).startswith("cuda"):
+        props = torch.cuda.get_device_properties(torch.device(device))
+        meta["device_name"] = props.name
+        meta["device_memory_gib"] = round(props.total_memory / 2**30, 1)
+        meta["sm"] = f"{props.major}{props.minor}"
+    return meta
+
+
+def _fmt(x, spec: str = ".3g") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return format(x, spec)
+
+
+def _fmt_bytes(n) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def _table(headers: list[str], lines: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(ln[i]) for ln in lines)) if lines else len(h) for i, h in enumerate(headers)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)),
+           "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(ln, widths)).rstrip() for ln in lines]
+    return "\n".join(out)
+
+
+def format_table(rows: list[dict], ceilings: dict | None = None) -> str:
+    """The kernel rows as a fixed-width table (skipped rows show their reason)."""
+    headers = ["case", "provider", "ms med [p20-p80]", "GB/s", "TFLOP/s", "%ceil", "vs base",
+               "max rel err", "note / reason"]
+    lines = []
+    for r in rows:
+        if r["status"] == "ok":
+            t = f"{r['median_ms']:.4g} [{r['p20_ms']:.3g}-{r['p80_ms']:.3g}]"
+            frac = _fmt(100 * r["frac_ceiling"], ".1f") if r["frac_ceiling"] is not None else "-"
+            vs = f"{r['vs_baseline']:.2f}x" if r["vs_baseline"] is not None else "-"
+            lines.append([r["case"], r["provider"], t, _fmt(r["gbps"]), _fmt(r["tflops"]), frac, vs,
+                          _fmt(r["max_rel_err"], ".2e"), r["note"]])
+        else:
+            lines.append([r["case"], r["provider"], "skipped", "", "", "", "", "", r["reason"]])
+    text = _table(headers, lines)
+    if ceilings:
+        text += (f"\nceilings (this run): copy {ceilings['copy_gbps']:.1f} GB/s (read+write of "
+                 f"{_fmt_bytes(ceilings['copy_bytes'])}), matmul {ceilings['matmul_tflops']:.3g} TFLOP/s "
+                 f"({ceilings.get('matmul_dtype', 'bfloat16')} {ceilings['matmul_n']}^3). %ceil: decode GB/s / copy, chunk TFLOP/s / matmul, "
+                 "store GB/s / copy. vs base: baseline time / provider time (decode: gather_sdpa, "
+                 "chunk: sdpa_contiguous, store: shift_left).")
+    return text
+
+
+def format_recycle(rec: dict | None) -> str:
+    """A few lines summarizing the recycle comparison."""
+    if not rec:
+        return "recycle: not run"
+    if rec.get("status") == "skipped":
+        return f"recycle: skipped ({rec.get('reason')})"
+    cfg = rec["config"]
+    head = (f"recycle: {cfg['chunks']} chunks x {cfg['layers']} layers, chunk {cfg['chunk']} tokens, "
+            f"{cfg['h_q']}q/{cfg['h_kv']}kv heads d{cfg['head_dim']} {cfg['dtype']}, window {cfg['window']}, "
+            f"sinks {cfg['sinks']}, batch {cfg['batch']} on {rec['device']}; bytes per chunk once the window is full "
+            f"(all layers, K+V; new chunk = {_fmt_bytes(rec['new_chunk_bytes'])})")
+    lines = []
+    for name in ("kvarena", "shift_left"):
+        s = rec[name]
+        c = s["counts"]
+
+        def mean(key, c=c):
+            return c[key]["mean"] if c.get(key) else None
+
+        lines.append([
+            name, _fmt_bytes(mean("new_bytes_per_chunk")), _fmt_bytes(mean("retained_bytes_per_chunk")),
+            _fmt_bytes(mean("temp_bytes_per_chunk")), _fmt_bytes(s["memory"]["peak_kv_bytes"]),
+            _fmt(s["time"]["per_chunk_ms_median"], ".3g"), _fmt(s["time"]["total_s"], ".3g"),
+            _fmt_bytes(s["memory"].get("cuda_peak_allocated_bytes")),
+        ])
+    body = _table(["scheme", "new KV written", "retained KV moved", "KV temp copies", "peak KV mem",
+                   "ms/chunk (med)", "total s", "cuda peak"], lines)
+    san = rec["sanity"]
+    tail = (f"same attention output: {san['same_output']} (max rel err {san['max_rel_err']:.2e}, tol "
+            f"{san['tolerance']:.0e}); expected shift retained bytes/chunk "
+            f"{_fmt_bytes(rec['expected_shift_retained_bytes_per_chunk'])}")
+    return "\n".join([head, body, tail])
+
+
+def format_overhead(rows: list[dict] | None) -> str:
+    """The host-overhead rows as a table."""
+    if not rows:
+        return "overhead: not run"
+    lines = []
+    for r in rows:
+        if r.get("status") == "ok":
+            spread = f"[{_fmt(r['us_p20'], '.1f')}-{_fmt(r['us_p80'], '.1f')}]" if r["us_p20"] is not None else ""
+            lines.append([r["what"], str(r["batch"]), _fmt(r["us_median"], ".1f"), spread,
+                          _fmt(r["us_min"], ".1f"), r.get("note", "")])
+        else:
+            lines.append([r["what"], str(r.get("batch", "")), "skipped", "", "", r.get("reason", "")])
+    dev = rows[0].get("device", "")
+    return (f"host overhead on {dev} (us per call; CPU rows include the PyTorch path's arithmetic)\n"
+            + _table(["call", "batch", "us med", "[p20-p80]", "us min", "note"], lines))
+
+
+def _clean(obj):
+    """JSON-safe: NaN/inf become None, dict keys become strings."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def write_json(path: Path, results: dict) -> Path:
+    """``results`` as indented JSON."""
+    path.write_text(json.dumps(_clean(results), indent=1, sort_keys=False) + "\n")
+    return path
+
+
+def _flat_recycle(rec: dict) -> list[dict]:
+    if not rec or rec.get("status") == "skipped":
+        return []
+    rows = []
+    for name in ("kvarena", "shift_left"):
+        s = rec[name]
+        c = s["counts"]
+        row = {"section": "recycle", "provider": name, **{f"cfg_{k}": v for k, v in rec["config"].items()}}
+        for key in ("new_bytes_per_chunk", "retained_bytes_per_chunk", "temp_bytes_per_chunk"):
+            row[key] = c[key]["mean"] if c.get(key) else None
+        row.update({f"mem_{k}": v for k, v in s["memory"].items()})
+        row.update({f"time_{k}": v for k, v in s["time"].items()})
+        row["same_output"] = rec["sanity"]["same_output"]
+        row["max_rel_err"] = rec["sanity"]["max_rel_err"]
+        rows.append(row)
+    return rows
+
+
+def write_csv(path: Path, results: dict) -> Path:
+    """All sections in one CSV (a ``section`` column; metadata on every row)."""
+    meta = {f"meta_{k}": v for k, v in results.get("meta", {}).items()}
+    rows = [{"section": "kernels", **r} for r in results.get("kernels", [])]
+    rows += _flat_recycle(results.get("recycle"))
+    rows += [{"section": "overhead", **r} for r in results.get("overhead") or []]
+    rows += [{"section": "ceilings", **(results.get("ceilings") or {})}]
+    rows = [{**r, **meta} for r in rows]
+    fields: list[str] = []
+    for r in rows:
+        fields += [k for k in r if k not in fields]
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, restval="")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if v is None else v) for k, v in _clean(r).items()})
+    return path
+
+
+def write_plot(path: Path, results: dict) -> tuple[Path | None, str]:
+    """Time and throughput vs keys read, per provider. Returns ``(path or None, note)``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None, "plot skipped: matplotlib is not installed (pip install matplotlib)"
+    rows = [r for r in results.get("kernels", []) if r["status"] == "ok"]
+    kinds = [k for k in ("decode", "chunk") if any(r["kind"] == k for r in rows)]
+    if not kinds:
+        return None, "plot skipped: no decode or chunk rows ran"
+    fig, axes = plt.subplots(2, len(kinds), figsize=(7 * len(kinds), 9), squeeze=False)
+    meta = results.get("meta", {})
+    for j, kind in enumerate(kinds):
+        kr = [r for r in rows if r["kind"] == kind]
+        # One line per provider and per batch (decode) / model (chunk): x = keys read.
+        groups: dict[tuple, list[dict]] = {}
+        for r in kr:
+            sub = f"b{r['batch']}" if kind == "decode" else r["model"]
+            groups.setdefault((r["provider"], sub), []).append(r)
+        metric, label = ("gbps", "KV GB/s") if kind == "decode" else ("tflops", "TFLOP/s")
+        for (prov, sub), rs in sorted(groups.items()):
+            rs.sort(key=lambda r: r["kv_tokens"])
+            xs = [r["kv_tokens"] for r in rs]
+            style = "-o" if prov == "kvarena" else "--."
+            axes[0][j].plot(xs, [r["median_ms"] for r in rs], style, label=f"{prov} {sub}")
+            axes[1][j].plot(xs, [r[metric] for r in rs], style, label=f"{prov} {sub}")
+        ceil = results.get("ceilings") or {}
+        cval = ceil.get("copy_gbps") if kind == "decode" else ceil.get("matmul_tflops")
+        if cval:
+            axes[1][j].axhline(cval, color="k", lw=0.8, ls=":", label="ceiling (this run)")
+        axes[0][j].set_title(f"{kind}: time vs keys read")
+        axes[0][j].set_ylabel("ms (median)")
+        axes[1][j].set_title(f"{kind}: {label} vs keys read")
+        axes[1][j].set_ylabel(label)
+        for ax in (axes[0][j], axes[1][j]):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("keys per query (context / sinks+window tokens)")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=6, ncol=2)
+    fig.suptitle(f"kvarena bench ({meta.get('set')}) on {meta.get('device_name')} "
+                 f"[{meta.get('device')}], commit {str(meta.get('commit'))[:10]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path, ""
+
+
+def write_all(out_dir: str | os.PathLike, results: dict) -> dict[str, str | None]:
+    """Write JSON, CSV and PNG into ``out_dir``; returns their paths (PNG may be None)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    png, note = write_plot(out / "plot.png", results)
+    if note:
+        results.setdefault("notes", []).append(note)
+    paths = {"json": str(write_json(out / "results.json", results)),
+             "csv": str(write_csv(out / "results.csv", results)),
+             "png": str(png) if png else None}
+    return paths
