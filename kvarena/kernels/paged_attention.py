@@ -358,9 +358,11 @@ def _pick_num_splits(programs: int, max_seqlen_k: int, sm_count: int) -> int:
     H100/H200) the tail wave costs at most a third, and a split adds a partial write plus
     a reduce launch. Below that, each split count s gives ``w = programs * s / SMs`` waves
     with efficiency ``w / ceil(w)``; take the smallest s within 85% of the best, with at
-    least 256 keys per split and at most 64 splits. Examples on 132 SMs: B=1, 8 kv heads,
-    decode at 32K keys -> 8 programs -> 14 splits (112 programs, 2340 keys each); B=4 ->
-    32 programs -> 4 splits (128); B=16 -> 128 programs -> 1 (a full wave already).
+    least 256 keys per split and at most 64 splits. Examples on 132 SMs, decode with 8 kv
+    heads at 32K keys: B=1 -> 8 programs -> 15 splits (120 programs of ~2200 keys); B=4 ->
+    32 programs -> 4 splits (128 programs: 0.97 of a wave); B=16 -> 128 programs -> 1
+    (0.97 of a wave already); B=25 -> 200 programs -> 3 splits (600 programs, 4.5 waves:
+    the tail wave idles 9% of the SMs instead of 24%).
     """
     if programs <= 0 or programs >= 2 * sm_count:
         return 1

@@ -1,0 +1,465 @@
+"""Triton block-table attention vs the oracle (interpreter on CPU, the real kernels on CUDA).
+
+The option space (dtype x group x head_dim x block_size x masks x kv_start x query mode x
+lse) is covered by a generated covering array: every pair of option values appears in at
+least one case, and every triple of the mask options (causal, chunk, window/sinks,
+softcap, kv_start, query mode) too, since that is where the masks interact. Each case
+poisons with NaN everything the kernel must not read (unused blocks, slots past seq_len,
+slots below kv_start) and fills block-table padding with out-of-range ids, so a stray
+read either shows up as NaN or, in the interpreter, as a crash.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvarena.kernels.paged_attention as pa
+from kvarena.attention import paged_attention
+from kvarena.attention.reference import paged_attention_ref
+
+pytestmark = pytest.mark.interpreter
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# ||out - ref|| / ||ref|| against an fp64 reference computation; lse: |err| / (1 + |lse|).
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+LSE_TOL = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-4}
+
+# ------------------------------------------------------------------- comparison helpers
+
+
+def assert_rel_close(got: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
+    """Relative Frobenius error <= tol; NaN anywhere fails; the message says where."""
+    g, r = got.double(), ref.double()
+    assert not torch.isnan(g).any(), f"{what}: NaN at {torch.isnan(g).nonzero()[:5].tolist()}"
+    err = (g - r).abs()
+    denom = r.norm().item()
+    rel = (g - r).norm().item() / denom if denom > 0 else err.max().item()
+    if rel > tol:
+        idx = tuple(torch.unravel_index(err.argmax(), err.shape))
+        idx = tuple(int(i) for i in idx)
+        raise AssertionError(
+            f"{what}: rel err {rel:.3e} > {tol:.1e}; max abs err {err.max().item():.3e} at "
+            f"{idx} (got {g[idx].item():.6g}, ref {r[idx].item():.6g})"
+        )
+
+
+def assert_lse_close(got: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
+    g, r = got.double(), ref.double()
+    assert not torch.isnan(g).any(), f"{what}: NaN at {torch.isnan(g).nonzero()[:5].tolist()}"
+    ninf_g, ninf_r = torch.isneginf(g), torch.isneginf(r)
+    if not torch.equal(ninf_g, ninf_r):
+        bad = (ninf_g != ninf_r).nonzero()[:5].tolist()
+        raise AssertionError(f"{what}: -inf pattern differs at {bad} (got {g[ninf_g != ninf_r][:5].tolist()})")
+    fin = ~ninf_r
+    err = ((g - r).abs() / (1 + r.abs()))[fin]
+    if err.numel() and err.max().item() > tol:
+        where = fin.nonzero()[err.argmax()].tolist()
+        raise AssertionError(f"{what}: lse rel err {err.max().item():.3e} > {tol:.1e} at {where}")
+
+
+# ------------------------------------------------------------------- case construction
+
+# Query modes: lengths per sequence (a seq_len-0 padding row in the cu_seqlens modes).
+_MODES = {
+    "decode": dict(lens=[1, 17, 100, 0, 63], q_lens=[1, 1, 1, 0, 1], cu=True),
+    "decode_nocu": dict(lens=[1, 17, 100, 40], q_lens=[1, 1, 1, 1], cu=False),
+    "ragged": dict(lens=[1, 17, 100, 0, 37], q_lens=[1, 5, 13, 0, 37], cu=True),
+    "long_q": dict(lens=[200, 3], q_lens=[100, 2], cu=True),
+}
+_KV_START_PATTERN = [1, 3, 60, 0, 20]  # seq 0 loses its only key: an empty row
+
+
+def make_case(*, dtype, group, head_dim, block_size, mode, kv_start, seed, h_kv=None):
+    """Tensors of one case, laid out like the arena: per-layer strided views, NaN elsewhere."""
+    gen = torch.Generator().manual_seed(seed)
+    spec = _MODES[mode]
+    lens, q_lens = spec["lens"], spec["q_lens"]
+    b = len(lens)
+    h_kv = h_kv or (2 if group < 4 else 1)
+    h_q = h_kv * group
+    n_blocks_seq = [-(-n // block_size) for n in lens]
+    max_blocks = max(n_blocks_seq) + 2  # padding columns
+    pool = 2 * sum(n_blocks_seq) + 1
+    # Arena [num_blocks, layers=2, k/v, block_size, H_kv, D]; the case uses layer 1.
+    arena = torch.full((pool, 2, 2, block_size, h_kv, head_dim), float("nan"), dtype=dtype)
+    k_cache, v_cache = arena[:, 1, 0], arena[:, 1, 1]
+    perm = torch.randperm(pool, generator=gen).tolist()
+    table = torch.full((b, max_blocks), 0, dtype=torch.int32)
+    starts = [min(s, n) for s, n in zip(_KV_START_PATTERN, lens)] if kv_start else [0] * b
+    nxt = 0
+    for i, n in enumerate(lens):
+        for j in range(max_blocks):
+            if j < n_blocks_seq[i]:
+                table[i, j] = perm[nxt]
+                nxt += 1
+            else:  # padding: ids far out of range must never be dereferenced
+                table[i, j] = 10**8 + j if (i + j) % 2 else -(10**6)
+        for t in range(starts[i], n):
+            blk, row = int(table[i, t // block_size]), t % block_size
+            k_cache[blk, row] = torch.randn(h_kv, head_dim, generator=gen).to(dtype)
+            v_cache[blk, row] = torch.randn(h_kv, head_dim, generator=gen).to(dtype)
+    total_q = sum(q_lens)
+    # q as a strided view (as out of a fused qkv projection).
+    q_buf = torch.randn(total_q, h_q + 1, head_dim, generator=gen).to(dtype)
+    q = q_buf[:, 1:]
+    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    dev = DEVICE
+    if dev != "cpu":
+        arena = arena.to(dev)
+        k_cache, v_cache = arena[:, 1, 0], arena[:, 1, 1]
+    return dict(
+        q=q.to(dev), k_cache=k_cache, v_cache=v_cache,
+        block_table=table.to(dev), seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+        cu_seqlens_q=cu.to(dev) if spec["cu"] else None,
+        kv_start=torch.tensor(starts, dtype=torch.int32, device=dev) if kv_start else None,
+        max_seqlen_q=max(q_lens), max_seqlen_k=max(lens),
+    )
+
+
+def reference(case, **opts):
+    """fp64 oracle (fp64 for every dtype, so the kernel's own rounding is what is measured)."""
+    return paged_attention_ref(
+        case["q"].double(), case["k_cache"].double(), case["v_cache"].double(), case["block_table"],
+        case["seq_lens"], case["cu_seqlens_q"], kv_start=case["kv_start"], return_lse=True, **opts,
+    )
+
+
+@pytest.fixture
+def nan_prefilled(monkeypatch):
+    """Make the launcher see out/lse buffers full of NaN: every element must be written."""
+    real = pa.paged_attention_fwd
+
+    def wrapper(q, k_cache, v_cache, block_table, seq_lens, cu, kv_start, out, lse, **kw):
+        out.fill_(float("nan"))
+        if lse is not None:
+            lse.fill_(float("nan"))
+        return real(q, k_cache, v_cache, block_table, seq_lens, cu, kv_start, out, lse, **kw)
+
+    monkeypatch.setattr(pa, "paged_attention_fwd", wrapper)
+
+
+def run_triton(case, **opts):
+    keys = ("q", "k_cache", "v_cache", "block_table", "seq_lens", "cu_seqlens_q")
+    return paged_attention(
+        *(case[k] for k in keys), kv_start=case["kv_start"], max_seqlen_q=case["max_seqlen_q"],
+        max_seqlen_k=case["max_seqlen_k"], backend="triton", **opts,
+    )
+
+
+# ------------------------------------------------------------------- the covering array
+
+FACTORS = {
+    "dtype": ["fp32", "fp16", "bf16"],
+    "group": [1, 4, 5],
+    "head_dim": [32, 80, 128],
+    "block_size": [16, 48, 150],
+    "mode": ["decode", "decode_nocu", "ragged"],
+    "causal": [True, False],
+    "chunk": [None, 4],
+    "window": ["none", "window", "window+sinks"],
+    "softcap": [None, 2.0],
+    "kv_start": [False, True],
+    "lse": [False, True],
+}
+# Factor groups whose every triple must appear: the masks (their interactions are the
+# risky part) and the layout (how rows are packed and keys gathered).
+_TRIPLE_GROUPS = [
+    ["mode", "causal", "chunk", "window", "softcap", "kv_start"],
+    ["dtype", "group", "head_dim", "block_size", "mode"],
+]
+
+
+def covering_array(factors: dict, triple_groups: list[list[str]], seed: int = 0) -> list[dict]:
+    """Greedy covering array: all pairs of all factors + all triples within each group.
+
+    Each step samples candidate rows and keeps the one covering the most uncovered
+    tuples (AETG-style); deterministic for a given seed.
+    """
+    names = list(factors)
+    need = set()
+    for a, b in itertools.combinations(names, 2):
+        for va, vb in itertools.product(range(len(factors[a])), range(len(factors[b]))):
+            need.add(((a, va), (b, vb)))
+    triples = sorted({c for g in triple_groups for c in itertools.combinations(g, 3)})
+    for combo in triples:
+        for vals in itertools.product(*(range(len(factors[f])) for f in combo)):
+            need.add(tuple(zip(combo, vals)))
+    rng = random.Random(seed)
+    rows = []
+
+    def tuples_of(row):
+        out = set()
+        for a, b in itertools.combinations(names, 2):
+            out.add(((a, row[a]), (b, row[b])))
+        for combo in triples:
+            out.add(tuple((f, row[f]) for f in combo))
+        return out
+
+    while need:
+        target = next(iter(sorted(need)))  # seed each row with one uncovered tuple
+        best, best_gain = None, -1
+        for _ in range(60):
+            row = {f: rng.randrange(len(factors[f])) for f in names}
+            row.update(dict(target))
+            gain = len(tuples_of(row) & need)
+            if gain > best_gain:
+                best, best_gain = row, gain
+        need -= tuples_of(best)
+        rows.append({f: factors[f][v] for f, v in best.items()})
+    return rows
+
+
+def _case_id(c: dict) -> str:
+    parts = [c["dtype"], f"g{c['group']}", f"d{c['head_dim']}", f"bs{c['block_size']}", c["mode"],
+             "causal" if c["causal"] else "full"]
+    if c["chunk"]:
+        parts.append(f"chunk{c['chunk']}")
+    if c["window"] != "none":
+        parts.append(c["window"])
+    if c["softcap"]:
+        parts.append("softcap")
+    if c["kv_start"]:
+        parts.append("kvstart")
+    if c["lse"]:
+        parts.append("lse")
+    return "-".join(parts)
+
+
+COVERING = covering_array(FACTORS, _TRIPLE_GROUPS)
+
+
+def _opts_of(c: dict, index: int) -> dict:
+    window_left = [7, 0, 40][index % 3] if c["window"] != "none" else None
+    return dict(
+        causal=c["causal"], chunk_size=c["chunk"], window_left=window_left,
+        sink_tokens=[3, 70][index % 2] if c["window"] == "window+sinks" else 0, softcap=c["softcap"],
+    )
+
+
+def test_covering_array_covers_all_pairs():
+    for a, b in itertools.combinations(FACTORS, 2):
+        seen = {(c[a], c[b]) for c in COVERING}
+        assert len(seen) == len(FACTORS[a]) * len(FACTORS[b]), (a, b)
+    for group in _TRIPLE_GROUPS:
+        for a, b, d in itertools.combinations(group, 3):
+            seen = {(c[a], c[b], c[d]) for c in COVERING}
+            assert len(seen) == len(FACTORS[a]) * len(FACTORS[b]) * len(FACTORS[d]), (a, b, d)
+    assert len(COVERING) <= 80, len(COVERING)
+
+
+@pytest.mark.parametrize("index", range(len(COVERING)), ids=[_case_id(c) for c in COVERING])
+def test_attention_matches_reference(index, nan_prefilled):
+    c = COVERING[index]
+    dtype = DTYPES[c["dtype"]]
+    case = make_case(dtype=dtype, group=c["group"], head_dim=c["head_dim"], block_size=c["block_size"],
+                     mode=c["mode"], kv_start=c["kv_start"], seed=100 + index)
+    opts = _opts_of(c, index)
+    ref_out, ref_lse = reference(case, **opts)
+    out_buf = torch.full_like(case["q"], float("nan"))
+    res = run_triton(case, out=out_buf, return_lse=c["lse"], **opts)
+    out = res[0] if c["lse"] else res
+    assert out is out_buf
+    assert_rel_close(out, ref_out, TOL[dtype], f"out [{_case_id(c)}]")
+    if c["lse"]:
+        assert res[1].dtype == torch.float32
+        assert_lse_close(res[1], ref_lse, LSE_TOL[dtype], f"lse [{_case_id(c)}]")
+
+
+# ------------------------------------------------------------------- edge cases
+
+EDGES = {
+    # all rows empty: every seq_len 0 except a 1-token sequence hidden by kv_start
+    "all_empty": dict(mode="decode", kv_start=True, opts=dict(causal=True)),
+    "window0_sinks_past_window": dict(mode="ragged", kv_start=False, opts=dict(window_left=0, sink_tokens=50)),
+    "chunk_larger_than_seq": dict(mode="ragged", kv_start=True, opts=dict(chunk_size=1000)),
+    "custom_scale_softcap": dict(mode="ragged", kv_start=False, opts=dict(scale=0.3, softcap=0.5, causal=False)),
+    # keys 64..127 form one tile: sinks end inside it and the window hides part of it
+    # for the last rows, so it is not an interior tile although it starts among the sinks.
+    "sinks_end_inside_tile": dict(mode="long_q", kv_start=False, opts=dict(causal=False, window_left=36, sink_tokens=70)),
+    "chunk_window_sinks_softcap": dict(mode="ragged", kv_start=True,
+                                      opts=dict(chunk_size=7, window_left=9, sink_tokens=5, softcap=3.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(EDGES))
+def test_attention_edge_cases(name, nan_prefilled):
+    e = EDGES[name]
+    case = make_case(dtype=torch.float32, group=4, head_dim=32, block_size=48, mode=e["mode"],
+                     kv_start=e["kv_start"], seed=7)
+    if name == "all_empty":
+        case["seq_lens"].zero_()
+        case["seq_lens"][0] = 1
+        case["kv_start"].zero_()
+        case["kv_start"][0] = 1
+        case["cu_seqlens_q"] = torch.tensor([0, 1, 1, 1, 1, 1], dtype=torch.int32, device=DEVICE)
+        case["q"] = case["q"][:1]
+        case["max_seqlen_k"] = 1
+    ref_out, ref_lse = reference(case, **e["opts"])
+    out, lse = run_triton(case, return_lse=True, **e["opts"])
+    assert_rel_close(out, ref_out, TOL[torch.float32], name)
+    assert_lse_close(lse, ref_lse, LSE_TOL[torch.float32], name)
+    if name == "all_empty":
+        assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+def test_loose_host_maxima(nan_prefilled):
+    """max_seqlen_q/k may over-bound the real lengths (CUDA-graph capacity): same result."""
+    case = make_case(dtype=torch.float16, group=4, head_dim=32, block_size=16, mode="ragged",
+                     kv_start=False, seed=3)
+    ref_out, ref_lse = reference(case)
+    case["max_seqlen_q"] += 20
+    case["block_table"] = torch.cat([case["block_table"], case["block_table"][:, :4]], 1)
+    case["max_seqlen_k"] = case["block_table"].shape[1] * 16
+    out, lse = run_triton(case, return_lse=True)
+    assert_rel_close(out, ref_out, TOL[torch.float16], "loose maxima")
+    assert_lse_close(lse, ref_lse, LSE_TOL[torch.float16], "loose maxima")
+
+
+# ------------------------------------------------------------------- split-KV
+
+_SPLIT_MODES = {
+    "decode_long": dict(lens=[300, 130, 5, 0], q_lens=[1, 1, 1, 0], cu=True),
+    "ragged_long": dict(lens=[300, 70, 0], q_lens=[6, 70, 0], cu=True),
+}
+
+
+@pytest.fixture
+def split_modes(monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "_MODES", {**_MODES, **_SPLIT_MODES})
+
+
+@pytest.mark.parametrize(
+    "dtype,mode,opts",
+    [
+        (torch.float32, "decode_long", dict()),
+        (torch.bfloat16, "decode_long", dict(window_left=150, sink_tokens=20, softcap=2.0)),
+        (torch.float16, "ragged_long", dict(chunk_size=16, window_left=100, sink_tokens=70)),
+        (torch.float32, "ragged_long", dict(causal=False)),
+    ],
+    ids=["fp32-decode", "bf16-decode-window-sinks-softcap", "fp16-ragged-chunk-window-sinks", "fp32-ragged-full"],
+)
+def test_split_matches_unsplit(dtype, mode, opts, split_modes, nan_prefilled):
+    case = make_case(dtype=dtype, group=4, head_dim=32, block_size=48, mode=mode, kv_start=True, seed=11, h_kv=2)
+    ref_out, ref_lse = reference(case, **opts)
+    base_out, base_lse = run_triton(case, return_lse=True, num_splits=1, **opts)
+    assert_rel_close(base_out, ref_out, TOL[dtype], "unsplit")
+    for n in (3, 7):
+        out, lse = run_triton(case, return_lse=True, num_splits=n, **opts)
+        assert_rel_close(out, ref_out, TOL[dtype], f"num_splits={n}")
+        assert_lse_close(lse, ref_lse, LSE_TOL[dtype], f"num_splits={n}")
+        assert_rel_close(out, base_out, TOL[dtype], f"num_splits={n} vs 1")
+    # Split without an lse output (the reduce then writes out only).
+    out = run_triton(case, num_splits=3, **opts)
+    assert_rel_close(out, ref_out, TOL[dtype], "num_splits=3, no lse")
+
+
+def test_deterministic_split_is_batch_invariant(monkeypatch, split_modes):
+    """Fixed keys per split: a sequence's output is bitwise the same alone or in a batch."""
+    monkeypatch.setattr(pa, "_DET_SPLIT_KEYS", 128)  # 300 keys -> 3 splits in the interpreter
+    opts = dict(window_left=200, sink_tokens=10)
+    big = make_case(dtype=torch.bfloat16, group=4, head_dim=32, block_size=48, mode="decode_long",
+                    kv_start=False, seed=5, h_kv=2)
+    ref_out, ref_lse = reference(big, **opts)
+    out_big, lse_big = run_triton(big, return_lse=True, deterministic=True, **opts)
+    assert_rel_close(out_big, ref_out, TOL[torch.bfloat16], "deterministic")
+    assert_lse_close(lse_big, ref_lse, LSE_TOL[torch.bfloat16], "deterministic")
+    for i in range(3):  # each sequence alone (batch of 1)
+        alone = dict(big)
+        alone.update(
+            q=big["q"][i:i + 1], block_table=big["block_table"][i:i + 1], seq_lens=big["seq_lens"][i:i + 1],
+            cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+            max_seqlen_q=1, max_seqlen_k=int(big["seq_lens"][i]),
+        )
+        out1, lse1 = run_triton(alone, return_lse=True, deterministic=True, **opts)
+        assert torch.equal(out1, out_big[i:i + 1]), f"sequence {i}: deterministic output depends on the batch"
+        assert torch.equal(lse1, lse_big[i:i + 1])
+
+
+def test_split_heuristic_numbers():
+    sms = 132
+    assert pa._pick_num_splits(8, 32768, sms) == 15  # B=1, 8 kv heads decode
+    assert pa._pick_num_splits(32, 32768, sms) == 4
+    assert pa._pick_num_splits(128, 32768, sms) == 1  # a full wave already
+    assert pa._pick_num_splits(200, 32768, sms) == 3  # 1.5 waves -> 4.5 waves
+    assert pa._pick_num_splits(300, 10**6, sms) == 1  # >= 2 waves: never split
+    assert pa._pick_num_splits(8, 400, sms) == 1  # < 2 x 256 keys: not worth it
+    for programs in range(1, 2 * sms):
+        for keys in (600, 4096, 131072):
+            s = pa._pick_num_splits(programs, keys, sms)
+            assert 1 <= s <= min(pa._MAX_SPLITS, max(1, keys // pa._MIN_SPLIT_KEYS))
+
+
+def test_pick_config_is_pure_and_bounded():
+    for d in (8, 32, 80, 128, 256):
+        for g in (1, 4, 5, 8):
+            for eb in (2, 4):
+                for ql in (None, 1, 3, 100, 12150):
+                    cfg = pa._pick_config(d, g, eb, ql)
+                    assert cfg == pa._pick_config(d, g, eb, ql)
+                    assert cfg["HEAD_DIM_PAD"] >= max(16, d) and cfg["BLOCK_M"] >= 16 and cfg["BLOCK_N"] >= 16
+                    assert cfg["num_warps"] in (4, 8)
+    # Decode packs the group into the smallest MMA tile.
+    assert pa._pick_config(128, 4, 2, 1)["BLOCK_M"] == 16
+
+
+# ------------------------------------------------------------------- int64 addressing
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="a 4 GiB lazily backed buffer is a CPU-lane trick")
+def test_int64_offsets_beyond_2_31_elements():
+    """Used blocks lie past 2**31 elements of the arena (torch.empty is lazily backed)."""
+    from kvarena.attention import store_kv
+
+    h_kv, d, bs = 1, 32, 16
+    per_block = 2 * bs * h_kv * d  # [num_blocks, k/v, bs, H_kv, D]
+    n_el = 2**31 + 64 * per_block
+    buf = torch.empty(n_el, dtype=torch.float16)
+    nb = n_el // per_block
+    arena = buf[: nb * per_block].view(nb, 2, bs, h_kv, d)
+    k_cache, v_cache = arena[:, 0], arena[:, 1]
+    hi_blocks = [nb - 1, nb - 5, nb - 3]
+    assert min(hi_blocks) * per_block > 2**31
+    gen = torch.Generator().manual_seed(0)
+    lens = [40, 9]
+    k = torch.randn(sum(lens), h_kv, d, generator=gen).half()
+    v = torch.randn(sum(lens), h_kv, d, generator=gen).half()
+    slots = [hi_blocks[t // bs] * bs + t % bs for t in range(40)] + [(nb - 7) * bs + t for t in range(9)]
+    store_kv(k, v, k_cache, v_cache, torch.tensor(slots, dtype=torch.int64), backend="triton")
+    assert torch.equal(k_cache[nb - 5, 3], k[bs + 3]) and torch.equal(v_cache[nb - 7, 8], v[40 + 8])
+    table = torch.tensor([hi_blocks, [nb - 7, 0, 0]], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    q = torch.randn(5, h_kv * 4, d, generator=gen).half()
+    ref = paged_attention_ref(q.double(), k_cache, v_cache, table, seq_lens, cu).double()
+    for n in (1, 2):
+        out = paged_attention(q, k_cache, v_cache, table, seq_lens, cu, max_seqlen_q=3, max_seqlen_k=40,
+                              backend="triton", num_splits=n)
+        assert_rel_close(out, ref, TOL[torch.float16], f"int64 offsets, num_splits={n}")
+
+
+# ------------------------------------------------------------------- dispatch
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter requirement only applies to CPU tensors")
+def test_triton_backend_on_cpu_without_interpreter_raises():
+    code = (
+        "import torch, kvarena\n"
+        "q = torch.randn(1, 2, 16); kc = torch.randn(2, 4, 2, 16)\n"
+        "try:\n"
+        "    kvarena.paged_attention(q, kc, kc.clone(), torch.zeros(1, 1, dtype=torch.int32),\n"
+        "                            torch.ones(1, dtype=torch.int32), backend='triton')\n"
+        "except RuntimeError as e:\n"
+        "    assert 'TRITON_INTERPRET' in str(e), e\n"
+        "    print('RAISED')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "RAISED" in res.stdout, res.stdout + res.stderr

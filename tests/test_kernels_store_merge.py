@@ -1,0 +1,93 @@
+"""Triton store_kv and merge kernels vs their oracles (interpreter on CPU, real kernels on CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvarena.attention import merge_attention_states, store_kv
+from kvarena.attention.reference import merge_attention_states_ref, store_kv_ref
+
+pytestmark = pytest.mark.interpreter
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def _arena_views(num_blocks, block_size, h_kv, d, dtype):
+    """Per-layer K/V views of an arena [blocks, layers=3, k/v, block_size, H_kv, D], NaN-filled."""
+    arena = torch.full((num_blocks, 3, 2, block_size, h_kv, d), float("nan"), dtype=dtype, device=DEVICE)
+    return arena, arena[:, 2, 0], arena[:, 2, 1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+@pytest.mark.parametrize("head_dim,block_size", [(32, 16), (80, 48), (128, 150)])
+def test_store_kv_matches_reference(dtype, slot_dtype, head_dim, block_size, seed):
+    h_kv, n = 3, 29
+    num_blocks = 7
+    arena, k_cache, v_cache = _arena_views(num_blocks, block_size, h_kv, head_dim, dtype)
+    ref_arena, ref_k, ref_v = _arena_views(num_blocks, block_size, h_kv, head_dim, dtype)
+    # k/v as strided views (head slice of a wider projection output).
+    kv_buf = torch.randn(n, 2, h_kv + 2, head_dim, device=DEVICE).to(dtype)
+    k, v = kv_buf[:, 0, 1:1 + h_kv], kv_buf[:, 1, :h_kv]
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:n]
+    slots[[0, 5, 17, n - 1]] = -1  # skipped rows (padding of a CUDA-graph batch)
+    slots = slots.to(slot_dtype)
+    store_kv(k, v, k_cache, v_cache, slots, backend="triton")
+    store_kv_ref(k, v, ref_k, ref_v, slots)
+    assert torch.equal(arena.isnan(), ref_arena.isnan()), "a skipped or foreign slot was written (or one was missed)"
+    ok = ~arena.isnan()
+    assert torch.equal(arena[ok], ref_arena[ok]), f"max abs err {(arena[ok].float() - ref_arena[ok].float()).abs().max()}"
+
+
+def test_store_kv_all_skipped_and_empty(seed):
+    arena, k_cache, v_cache = _arena_views(3, 16, 1, 32, torch.float16)
+    before = arena.clone()
+    k = torch.randn(4, 1, 32, device=DEVICE).half()
+    store_kv(k, k, k_cache, v_cache, torch.full((4,), -1, dtype=torch.int64, device=DEVICE), backend="triton")
+    store_kv(k[:0], k[:0], k_cache, v_cache, torch.empty(0, dtype=torch.int32, device=DEVICE), backend="triton")
+    assert torch.equal(arena.isnan(), before.isnan())
+
+
+def _merge_inputs(n, h, d, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    out_a = torch.randn(n, h, d, generator=gen).to(dtype)
+    out_b = torch.randn(n, h, d, generator=gen).to(dtype)
+    lse_a = torch.randn(n, h, generator=gen) * 3
+    lse_b = torch.randn(n, h, generator=gen) * 3
+    # Empty parts (lse = -inf) carry garbage outs: NaN must not leak.
+    lse_a[0], lse_b[1] = float("-inf"), float("-inf")
+    lse_a[2, 0] = lse_b[2, 0] = float("-inf")  # both empty -> 0, -inf
+    lse_a[3, :], lse_b[3, :] = 80.0, -80.0  # widely different scales
+    out_a[0], out_b[1], out_a[2, 0], out_b[2, 0] = float("nan"), float("nan"), float("nan"), float("inf")
+    return [t.to(DEVICE) for t in (out_a, lse_a, out_b, lse_b)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("d", [32, 80, 128])
+def test_merge_matches_reference(dtype, d):
+    out_a, lse_a, out_b, lse_b = _merge_inputs(11, 3, d, dtype, seed=d)
+    out, lse = merge_attention_states(out_a, lse_a, out_b, lse_b, backend="triton")
+    ref_out, ref_lse = merge_attention_states_ref(out_a, lse_a, out_b, lse_b)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert not out.isnan().any(), f"NaN leaked at {out.isnan().nonzero()[:5].tolist()}"
+    err = (out.double() - ref_out.double()).abs()
+    rel = (out.double() - ref_out.double()).norm() / ref_out.double().norm()
+    assert rel <= TOL[dtype], f"rel err {rel:.3e}, max abs {err.max():.3e} at {torch.nonzero(err == err.max())[0].tolist()}"
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    assert torch.allclose(lse[fin], ref_lse[fin], rtol=1e-6, atol=1e-6)
+    assert torch.equal(out[2, 0], torch.zeros_like(out[2, 0]))
+
+
+def test_merge_strided_and_fp64_lse():
+    """Transposed/strided inputs and fp64 lse (allowed by the op) are read correctly."""
+    out_a, lse_a, out_b, lse_b = _merge_inputs(7, 5, 48, torch.float32, seed=3)
+    out_a_t = out_a.transpose(0, 1).contiguous().transpose(0, 1)  # [N, H, D] with stride(0) = D
+    lse_b_t = lse_b.t().contiguous().t()
+    out, lse = merge_attention_states(out_a_t, lse_a.double(), out_b, lse_b_t, backend="triton")
+    ref_out, ref_lse = merge_attention_states_ref(out_a, lse_a, out_b, lse_b)
+    assert torch.allclose(out, ref_out, rtol=1e-5, atol=1e-6)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
