@@ -21,6 +21,15 @@ TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfl
 H_Q = 4
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: intra-op threads only add spin-wait overhead (worst on a loaded box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _layout(dtype=torch.float32, layers=2) -> KVLayout:
     return KVLayout(num_layers=layers, num_kv_heads=2, head_dim=16, dtype=dtype)
 
