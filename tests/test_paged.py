@@ -555,3 +555,50 @@ PagedMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestPagedMachine = PagedMachine.TestCase
+
+
+def test_plan_and_forward_never_read_device_data() -> None:
+    """On the meta device every .item()/.tolist()/bool() of a tensor raises: plan and forward
+    running there proves they never synchronize with the device."""
+    cache = _cache(device="meta", graph_capacity=(2, 4))
+    cache.plan({"a": 5, "b": 3})
+    cache.fork("a", "c")
+    for graph in (False, True):
+        meta = cache.plan({"a": 1, "c": 1}, graph=graph)
+        n = meta.total_q
+        for layer in range(2):
+            out = cache.forward(torch.empty(n, H_Q, 16, device="meta"), torch.empty(n, 2, 16, device="meta"), torch.empty(n, 2, 16, device="meta"), meta, layer)
+            assert out.device.type == "meta" and out.shape == (n, H_Q, 16)
+
+
+def test_concurrent_namespaces_from_threads(seed) -> None:
+    import threading
+
+    cache = _cache(blocks=64, block_size=4)
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            for step in range(40):
+                ns = f"t{i}-{step % 3}"
+                cache.plan({ns: 1 + step % 5})
+                if step % 4 == 3:
+                    cache.fork(ns, ns + "f")
+                    cache.truncate(ns, 1)
+                    cache.free_namespace(ns + "f")
+                if step % 7 == 6:
+                    cache.free_namespace(ns)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    held = sum(len(cache.block_ids(ns)) for ns in cache.namespaces())
+    assert cache.allocator.num_used == held and cache.free + held == cache.total_blocks
+    for ns in cache.namespaces():
+        cache.free_namespace(ns)
+    assert cache.free == cache.total_blocks

@@ -470,3 +470,46 @@ def test_snapshot_restore_errors() -> None:
     snap2 = cache.snapshot("a")
     cache.restore("a", snap2)  # nothing claimed since: a no-op
     assert _snap(cache) == before and cache.chunk_indices("a") == [1, 2]
+
+
+def test_plan_and_forward_never_read_device_data() -> None:
+    """On the meta device every .item()/.tolist()/bool() of a tensor raises: plan and both
+    forward modes running there prove they never synchronize with the device."""
+    cache = _cache(window=2, sinks=1, device="meta")
+    for c in range(5):
+        meta = cache.plan({"x": (0, SHORT), "y": (0, SHORT)} if c == 0 else {"x": c, "y": c})
+        t = meta.n_tokens
+        for commit in (False, True):
+            for layer in range(2):
+                q = torch.empty(2, t, H_Q, 16, device="meta")
+                kv = torch.empty(2, t, 2, 16, device="meta")
+                out = cache.forward(q, kv, kv, meta, layer, commit=commit)
+                assert out.device.type == "meta" and out.shape == (2, t, H_Q, 16)
+
+
+def test_concurrent_rollouts_from_threads(seed) -> None:
+    import threading
+
+    cache = _cache(slots=4 * 3, window=2, sinks=1)
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            k = torch.randn(2, ST, 2, 16)
+            for rep in range(3):
+                ns = f"r{i}"
+                for c in range(8):
+                    cache.append(ns, Slab(c, k, k))
+                    assert [s.chunk_index for s in cache.get(ns)] == visible(c, 1, 2)
+                if rep < 2:
+                    cache.clear_namespace(ns)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert cache.used_bytes == 4 * 3 * cache.slab_bytes and cache.free_bytes == 0

@@ -657,8 +657,8 @@ class SlabKVCache:
             out, lse = merge_attention_states(
                 out_h, lse_h, out_c, lse_c, backend=attn_kwargs.get("backend", "auto")
             )
-        out = out.view(b, t, h_q, d)
-        return (out, lse.view(b, t, h_q)) if return_lse else out
+        out = out.reshape(b, t, h_q, d)
+        return (out, lse.reshape(b, t, h_q)) if return_lse else out
 
     # ------------------------------------------------------------------ seed API
     def append(self, namespace: Hashable, slab: Slab) -> None:
