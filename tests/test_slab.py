@@ -513,3 +513,16 @@ def test_concurrent_rollouts_from_threads(seed) -> None:
         t.join()
     assert not errors, errors
     assert cache.used_bytes == 4 * 3 * cache.slab_bytes and cache.free_bytes == 0
+
+
+def test_failed_first_append_makes_no_arena() -> None:
+    cache = SlabKVCache(CachePolicy("slab_kv", 1 << 20), device="meta")
+    k = torch.randn(2, ST, 2, 16)  # on the CPU, while the pool was told "meta"
+    with pytest.raises(ValueError, match="slab.k.*device"):
+        cache.append("a", Slab(0, k, k))
+    assert cache.arena is None and cache.layout is None and cache.slab_tokens is None
+    with pytest.raises(ValueError, match="next new chunk"):
+        SlabKVCache(CachePolicy("slab_kv", 1 << 20)).append("a", Slab(1, k, k))
+    fine = SlabKVCache(CachePolicy("slab_kv", 1 << 20))
+    fine.append("a", Slab(0, k[:, :SHORT], k[:, :SHORT]))
+    assert fine.slab_tokens == SHORT  # no slab_tokens in the policy: the first chunk's length

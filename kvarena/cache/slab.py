@@ -687,15 +687,23 @@ class SlabKVCache:
             raise ValueError(f"slab.v: expected slab.k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
         t = int(k.shape[1])
         with self._lock:
-            if self._region is None:
+            fresh = self._region is None
+            if fresh:
+                prev_st = self.slab_tokens
                 layout = KVLayout.from_kv(k)
                 st = self.slab_tokens if self.slab_tokens is not None else t
                 self._materialize(layout, st, k.device if self._device_arg is None else self._device_arg)
-            lay = self.layout
-            shape = (lay.num_layers, t, lay.num_kv_heads, lay.head_dim)
-            for name, x in (("slab.k", k), ("slab.v", v)):
-                check_forward_tensor(name, x, shape, lay.dtype, self.device, "[num_layers, T, H_kv, D] of the layout")
-            rows, _t = self._reserve({namespace: (_int("slab.chunk_index", slab.chunk_index, 0), t)})
+            try:
+                lay = self.layout
+                shape = (lay.num_layers, t, lay.num_kv_heads, lay.head_dim)
+                for name, x in (("slab.k", k), ("slab.v", v)):
+                    check_forward_tensor(name, x, shape, lay.dtype, self.device, "[num_layers, T, H_kv, D] of the layout")
+                rows, _t = self._reserve({namespace: (_int("slab.chunk_index", slab.chunk_index, 0), t)})
+            except BaseException:
+                if fresh:  # a failed first append leaves the pool as it was: no arena
+                    self.arena = self._region = self.layout = None
+                    self.slab_tokens = prev_st
+                raise
             (_ns, _r, ch) = rows[0]
             st = self.slab_tokens
             data = self._region.data[ch.slot]  # [L, 2, st, H, D]
