@@ -157,10 +157,61 @@ def test_end_request_reaches_the_kv_pools_and_stats_tolerate_them() -> None:
     assert stats["paged_kv"] == {"used_bytes": 7, "max_bytes": 80}
 
 
-@pytest.mark.parametrize("kv_class", ["slab_kv", "paged_kv"])
-def test_kv_classes_wait_for_the_arena(kv_class: str) -> None:
-    with pytest.raises(NotImplementedError, match="arena issue"):
-        CacheHandle([_FEATURE, CachePolicy(kv_class, 1 << 20, block_bytes=4096)])
+def test_kv_classes_share_one_arena_with_a_layout_each() -> None:
+    import torch
+
+    from kvarena.cache.arena import KVLayout
+
+    dit = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, dtype=torch.float16)
+    dec = KVLayout(num_layers=2, num_kv_heads=1, head_dim=32, dtype=torch.float32)
+    slab_budget, paged_budget = 5 * dit.block_bytes(7), 9 * dec.block_bytes(4) + 100
+    h = CacheHandle(
+        [_FEATURE, _RESIDUAL, CachePolicy("slab_kv", slab_budget, per_component={"window": 2, "sinks": 1}),
+         CachePolicy("paged_kv", paged_budget)],
+        layouts={"slab_kv": dit, "paged_kv": dec}, slab_tokens=7, block_size=4,
+    )
+    # one allocation, two non-overlapping regions, each in its own layout
+    assert h.slab_kv.arena is h.arena and h.paged_kv.arena is h.arena
+    base = h.arena.buffer.data_ptr()
+    ks, kp = h.slab_kv.arena["slab_kv"].k(0), h.paged_kv.arena["paged_kv"].k(0)
+    assert ks.dtype == torch.float16 and kp.dtype == torch.float32
+    assert base <= ks.data_ptr() < base + h.arena.nbytes and base <= kp.data_ptr() < base + h.arena.nbytes
+    assert h.slab_kv.num_slots == 5 and h.paged_kv.total_blocks == 9
+    # end_request reaches both KV pools
+    h.paged_kv.plan({"req": 6})
+    h.slab_kv.plan({"req": 0})
+    assert h.paged_kv.used_bytes > 0 and h.slab_kv.used_bytes > 0
+    h.end_request("req")
+    assert h.paged_kv.used_bytes == 0 and h.slab_kv.used_bytes == 0
+    assert h.paged_kv.free == h.paged_kv.total_blocks
+
+
+def test_kv_class_without_layout_keeps_seed_behaviour() -> None:
+    h = CacheHandle([_FEATURE, CachePolicy("paged_kv", 1 << 20, block_bytes=4096)])
+    assert h.arena is None and h.paged_kv.total_blocks == 256
+    assert h.paged_kv.allocate("a", 3) and h.paged_kv.free == 253
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        pytest.param({"layouts": {"slab_kv": "not a layout"}}, TypeError, "layouts", id="layout-type"),
+        pytest.param({"layouts": {"slab_kv": None}}, TypeError, "layouts", id="layout-none"),
+    ],
+)
+def test_kv_handle_bad_layouts(kwargs, exc, match) -> None:
+    with pytest.raises(exc, match=match):
+        CacheHandle([CachePolicy("slab_kv", 1 << 20)], slab_tokens=8, **kwargs)
+
+
+def test_kv_handle_needs_slab_tokens() -> None:
+    import torch
+
+    from kvarena.cache.arena import KVLayout
+
+    lay = KVLayout(1, 1, 8, torch.float32)
+    with pytest.raises(ValueError, match="slab_tokens"):
+        CacheHandle([CachePolicy("slab_kv", 1 << 20)], layouts={"slab_kv": lay})
 
 
 @pytest.mark.parametrize(

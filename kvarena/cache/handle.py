@@ -161,8 +161,6 @@ class CacheHandle:
     ------
     TypeError, ValueError, KeyError
         For a malformed argument, two policies of one class, or an unknown class.
-    NotImplementedError
-        When a KV class is configured: it needs the shared arena (a later issue).
     """
 
     def __init__(
@@ -215,9 +213,50 @@ class CacheHandle:
             self._build_kv_pools(by_class)
 
     def _build_kv_pools(self, by_class: Mapping[str, CachePolicy]) -> None:
-        # The KV pools share one kvarena.cache.arena.KVArena carved into statically
-        # budgeted regions; that wiring lands with the arena issue.
-        raise NotImplementedError("KV classes in CacheHandle arrive with the arena issue")
+        """Carve ONE KVArena into a region per KV class that has a layout.
+
+        A KV class given without a layout keeps the seed's behaviour instead: a slab pool
+        materializes its own arena from the first appended K/V, a paged pool does block
+        bookkeeping only. Everything is validated before the single allocation is made.
+        """
+        from kvarena.cache.arena import KVArena, KVLayout, RegionSpec
+
+        specs: dict[str, RegionSpec] = {}
+        for cls_name in KV_CLASSES:
+            if cls_name not in by_class or cls_name not in self._layouts:
+                continue
+            layout = self._layouts[cls_name]
+            if not isinstance(layout, KVLayout):
+                raise TypeError(f"layouts[{cls_name!r}]: expected a KVLayout, got {type(layout).__qualname__}")
+            policy = by_class[cls_name]
+            if cls_name == "slab_kv":
+                tokens = self._slab_tokens or policy.per_component.get("slab_tokens")
+                if tokens is None:
+                    raise ValueError(
+                        "slab_tokens: required for the slab_kv region (pass slab_tokens= or set "
+                        'per_component["slab_tokens"])'
+                    )
+            else:
+                tokens = self._block_size
+            spec = RegionSpec(layout, int(tokens), policy.max_bytes)
+            if policy.block_bytes not in (0, spec.block_bytes):
+                raise ValueError(
+                    f"policies[{cls_name!r}].block_bytes: expected 0 (derived) or {spec.block_bytes} "
+                    f"for {layout} x {tokens} tokens, got {policy.block_bytes}"
+                )
+            specs[cls_name] = spec
+        if specs:
+            self.arena = KVArena(specs, device=self._device)
+        for cls_name in KV_CLASSES:
+            if cls_name not in by_class:
+                continue
+            if cls_name in specs:
+                pool = make_pool(by_class[cls_name], arena=self.arena, region=cls_name)
+            elif cls_name == "slab_kv":
+                pool = make_pool(by_class[cls_name], slab_tokens=self._slab_tokens, device=self._device)
+            else:
+                pool = make_pool(by_class[cls_name], block_size=self._block_size, device=self._device)
+            setattr(self, cls_name, pool)
 
     @property
     def policies(self) -> Mapping[str, CachePolicy]:
