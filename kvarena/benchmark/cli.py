@@ -95,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
     if args.list:
         for c in case_list:
-            provs = [p for p in C.providers_for(c) if not providers or p in providers]
+            provs = [p for p in C.providers_for(c)
+                     if (not providers or p in providers) and p not in c.skip_providers]
             print(f"{c.name:28s} {c.kind:7s} kv_tokens={c.kv_tokens:<8d} providers={','.join(provs)}")
         return 0
     if set_name == "gpu" and device.type != "cuda":

@@ -39,7 +39,7 @@ import torch
 
 from kvarena.benchmark.runner import quantiles, sync
 
-__all__ = ["run_overhead", "BATCHES"]
+__all__ = ["run_overhead", "decode_pool", "rollout_pool", "BATCHES"]
 
 BATCHES = (1, 64, 256)
 _LAYERS, _H_Q, _H_KV, _D = 2, 4, 2, 64
@@ -110,14 +110,21 @@ def _layout():
     return KVLayout(_LAYERS, _H_KV, _D, _DTYPE)
 
 
-def _paged(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]:
-    from kvarena.attention import ops
+def decode_pool(batch: int, device, *, extra_tokens: int = 64):
+    """A tiny prefilled ``PagedKVCache`` for decode-step timing.
+
+    Returns
+    -------
+    (pool, names, q, k, v)
+        ``batch`` sequences of 16 prefilled tokens, room for ``extra_tokens`` more each;
+        ``q [batch, 4, 64]``, ``k, v [batch, 2, 64]`` bf16 for one decode step.
+    """
     from kvarena.cache.keys import CachePolicy
     from kvarena.cache.paged import PagedKVCache
 
+    device = torch.device(device)
     lay = _layout()
-    steps = warm + reps
-    blocks_per_seq = -(-(16 + 2 * steps + 1) // 16) + 1
+    blocks_per_seq = -(-(16 + extra_tokens) // 16) + 1
     policy = CachePolicy("paged_kv", max_bytes=batch * blocks_per_seq * lay.block_bytes(16))
     pool = PagedKVCache(policy, layout=lay, block_size=16, device=device)
     names = [f"s{i}" for i in range(batch)]
@@ -127,8 +134,47 @@ def _paged(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]
     qp, kp = rnd(batch * 16, _H_Q, _D), rnd(batch * 16, _H_KV, _D)
     for layer in range(_LAYERS):
         pool.forward(qp, kp, kp, meta, layer)
-    q, k, v = rnd(batch, _H_Q, _D), rnd(batch, _H_KV, _D), rnd(batch, _H_KV, _D)
+    return pool, names, rnd(batch, _H_Q, _D), rnd(batch, _H_KV, _D), rnd(batch, _H_KV, _D)
+
+
+SLAB_CHUNK, SLAB_WINDOW, SLAB_SINKS = 16, 3, 1
+
+
+def rollout_pool(batch: int, device):
+    """A tiny ``SlabKVCache`` whose window is already full (chunks 0..3 committed).
+
+    Returns
+    -------
+    (pool, names, q, k, v, next_chunk)
+        ``q [batch, 16, 4, 64]``, ``k, v [batch, 16, 2, 64]`` bf16; ``next_chunk`` is the
+        first chunk index whose plan recycles a slab.
+    """
+    from kvarena.cache.keys import CachePolicy
+    from kvarena.cache.slab import SlabKVCache
+
+    device = torch.device(device)
+    lay = _layout()
+    chunk, window, sinks = SLAB_CHUNK, SLAB_WINDOW, SLAB_SINKS
+    policy = CachePolicy("slab_kv", max_bytes=batch * (sinks + window) * lay.block_bytes(chunk),
+                         per_component={"window": window, "sinks": sinks})
+    pool = SlabKVCache(policy, layout=lay, slab_tokens=chunk, device=device)
+    names = [f"r{i}" for i in range(batch)]
+    rnd = _rnd(device)
+    q, k, v = rnd(batch, chunk, _H_Q, _D), rnd(batch, chunk, _H_KV, _D), rnd(batch, chunk, _H_KV, _D)
+    for c in range(sinks + window):
+        meta = pool.plan(dict.fromkeys(names, c))
+        for layer in range(_LAYERS):
+            pool.forward(q, k, v, meta, layer, commit=True)
+    return pool, names, q, k, v, sinks + window
+
+
+def _paged(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]:
+    from kvarena.attention import ops
+
+    steps = warm + reps
+    pool, names, q, k, v = decode_pool(batch, device, extra_tokens=2 * steps + 1)
     step = dict.fromkeys(names, 1)
+    meta = None
 
     def decode(t_plan, t_fwd):
         nonlocal meta
@@ -179,19 +225,8 @@ def _paged(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]
 
 
 def _slab(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]:
-    from kvarena.cache.keys import CachePolicy
-    from kvarena.cache.slab import SlabKVCache
-
-    lay = _layout()
-    chunk, window, sinks = 16, 3, 1
-    policy = CachePolicy("slab_kv", max_bytes=batch * (sinks + window) * lay.block_bytes(chunk),
-                         per_component={"window": window, "sinks": sinks})
-    pool = SlabKVCache(policy, layout=lay, slab_tokens=chunk, device=device)
-    names = [f"r{i}" for i in range(batch)]
-    rnd = _rnd(device)
-    q, k, v = rnd(batch, chunk, _H_Q, _D), rnd(batch, chunk, _H_KV, _D), rnd(batch, chunk, _H_KV, _D)
-    first = sinks + window
-    nxt = 0
+    pool, names, q, k, v, nxt = rollout_pool(batch, device)
+    chunk, window, sinks = SLAB_CHUNK, SLAB_WINDOW, SLAB_SINKS
 
     def rollout(n_chunks, t_plan, t_fwd, timed_from):
         nonlocal nxt
@@ -210,8 +245,8 @@ def _slab(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]:
             sync(device)
 
     t_plan, t_fwd, t_stub = [], [], []
-    # Timing starts once the window is full: every timed plan recycles a slab in place.
-    rollout(first + warm + reps, t_plan, t_fwd, first + warm)
+    # The window is already full: every timed plan recycles a slab in place.
+    rollout(warm + reps, t_plan, t_fwd, warm)
     rows = [
         _row("slab.plan (new chunk)", batch, device, t_plan,
              f"chunk {chunk}, window {window}, sinks {sinks}; recycles a slab"),

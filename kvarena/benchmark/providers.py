@@ -270,7 +270,9 @@ def _flex_fn(device: torch.device):
     if device.type != "cuda":
         return flex_attention  # eager: unfused, materializes the scores (no C++ build on CPU)
     if "cuda" not in _FLEX:
-        _FLEX["cuda"] = torch.compile(flex_attention, dynamic=False)
+        # Default (automatic) dynamic shapes: the second shape recompiles with dynamic
+        # sizes, later ones reuse it, so a sweep pays ~2 compiles rather than one per shape.
+        _FLEX["cuda"] = torch.compile(flex_attention)
     return _FLEX["cuda"]
 
 

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["ShiftLeftKVCache", "KVByteCounter", "RecycleConfig", "CONFIGS", "run_recycle"]
+__all__ = ["ShiftLeftKVCache", "KVByteCounter", "RecycleConfig", "CONFIGS", "run_recycle", "chunk_stepper"]
 
 aten = torch.ops.aten
 
@@ -283,12 +283,13 @@ class _Inputs:
 
     def __init__(self, cfg: RecycleConfig, device: torch.device) -> None:
         dt = getattr(torch, cfg.dtype)
-        g = torch.Generator(device="cpu").manual_seed(1234)
+        # Drawn on the device: the gpu config's pool is ~0.7 G elements, seconds on a host.
+        g = torch.Generator(device=device).manual_seed(1234)
         self.n = cfg.sinks + cfg.window + 3
         b, t, d = cfg.batch, cfg.chunk, cfg.head_dim
 
         def rnd(h):
-            return torch.randn(b, t, h, d, generator=g, dtype=torch.float32).to(device=device, dtype=dt)
+            return torch.randn(b, t, h, d, generator=g, device=device, dtype=dt)
 
         self.sets = [[(rnd(cfg.h_q), rnd(cfg.h_kv), rnd(cfg.h_kv)) for _ in range(cfg.layers)]
                      for _ in range(self.n)]
@@ -373,6 +374,60 @@ def _rollout_shift(cfg, device, inputs, *, chunks, counter=None, keep=()):
         if c == cfg.sinks + cfg.window and device.type == "cuda":
             mem_after_fill = torch.cuda.memory_allocated(device)
     return cache, per_chunk_s, kept, mem_after_fill
+
+
+def chunk_stepper(scheme: str, cfg: RecycleConfig | str = "quick", device="cpu", *, prefill: bool = True):
+    """A callable that runs the next chunk of a rollout through every layer.
+
+    Parameters
+    ----------
+    scheme : ``"kvarena"`` (slab ring: plan + ``forward(commit=True)`` per layer) or
+        ``"shift_left"`` (the copy window).
+    cfg : RecycleConfig or a key of :data:`CONFIGS`.
+    prefill : run ``sinks + window`` chunks first, so every call is past the window
+        filling (the kvarena ring recycles, the baseline shifts).
+
+    Returns
+    -------
+    (step, state)
+        ``step()`` returns the last layer's output of the chunk it ran; ``state`` is the
+        ``SlabKVCache`` or ``ShiftLeftKVCache``. The rollout can go on indefinitely.
+    """
+    if isinstance(cfg, str):
+        cfg = CONFIGS[cfg]
+    device = torch.device(device)
+    inputs = _Inputs(cfg, device)
+    counter = [0]
+    if scheme == "kvarena":
+        state = _make_slab(cfg, device)
+        names = [f"r{i}" for i in range(cfg.batch)]
+
+        def step():
+            c = counter[0]
+            counter[0] += 1
+            meta = state.plan(dict.fromkeys(names, c))
+            for layer in range(cfg.layers):
+                q, k, v = inputs(c, layer)
+                out = state.forward(q, k, v, meta, layer, commit=True)
+            return out
+    elif scheme == "shift_left":
+        state = ShiftLeftKVCache(cfg.layers, cfg.batch, cfg.chunk, window=cfg.window, sinks=cfg.sinks,
+                                 num_kv_heads=cfg.h_kv, head_dim=cfg.head_dim,
+                                 dtype=getattr(torch, cfg.dtype), device=device)
+
+        def step():
+            c = counter[0]
+            counter[0] += 1
+            for layer in range(cfg.layers):
+                q, k, v = inputs(c, layer)
+                out = state.forward(q, k, v, layer)
+            return out
+    else:
+        raise ValueError(f"scheme: expected 'kvarena' or 'shift_left', got {scheme!r}")
+    if prefill:
+        for _ in range(cfg.sinks + cfg.window):
+            step()
+    return step, state
 
 
 def _median(xs: list[float]) -> float:

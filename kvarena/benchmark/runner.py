@@ -29,13 +29,26 @@ import torch
 from kvarena.benchmark.cases import BASELINE, Case, providers_for
 from kvarena.benchmark.providers import Skip, build, make_data, rel_err, work_of
 
-__all__ = ["sync", "time_fn", "measure_ceilings", "run_kernels", "progress", "quantiles"]
+__all__ = ["sync", "synced", "time_fn", "measure_ceilings", "run_kernels", "progress", "quantiles"]
 
 
 def sync(device: torch.device) -> None:
     """Wait for ``device`` (a no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def synced(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
+    """``fn`` followed by a device synchronize, for host-side timers (pytest-benchmark)."""
+    if device.type != "cuda":
+        return fn
+
+    def run():
+        out = fn()
+        torch.cuda.synchronize(device)
+        return out
+
+    return run
 
 
 def quantiles(xs: list[float], qs: Iterable[float]) -> list[float]:
@@ -213,6 +226,10 @@ def run_kernels(case_list: list[Case], device: torch.device, *, ceilings: dict |
             ref = None
             for r in case_rows:
                 bar.set_postfix_str(f"{case.name} {r['provider']}")
+                if r["provider"] in case.skip_providers:
+                    r["reason"] = "not run on this case (keeps the set within its time budget)"
+                    bar.update()
+                    continue
                 if data is None:
                     r["reason"] = r["reason"] or "time budget exhausted"
                     bar.update()
