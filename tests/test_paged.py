@@ -4,6 +4,7 @@ truncate, all-or-nothing planning, stale/foreign metadata, CUDA-graph buffers, b
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -93,7 +94,7 @@ class History:
             self.v[(ns, layer)] = self.v[(ns, layer)][:n]
 
 
-def run_step(cache: PagedKVCache, hist: History, batch: dict, dtype, what: str, **attn) -> PagedMetadata:
+def run_step(cache: PagedKVCache, hist: History, batch: dict, dtype, what: str, backend="auto", **attn) -> PagedMetadata:
     """plan + forward at every layer, each request's rows checked against dense attention."""
     meta = cache.plan(batch)
     lay = cache.layout
@@ -102,7 +103,7 @@ def run_step(cache: PagedKVCache, hist: History, batch: dict, dtype, what: str, 
         q = torch.randn(n, H_Q, lay.head_dim).to(dtype)
         k = torch.randn(n, lay.num_kv_heads, lay.head_dim).to(dtype)
         v = torch.randn(n, lay.num_kv_heads, lay.head_dim).to(dtype)
-        out = cache.forward(q, k, v, meta, layer, **attn)
+        out = cache.forward(q, k, v, meta, layer, backend=backend, **attn)
         start = 0
         for ns, cnt in batch.items():
             rows = slice(start, start + cnt)
@@ -602,3 +603,23 @@ def test_concurrent_namespaces_from_threads(seed) -> None:
     for ns in cache.namespaces():
         cache.free_namespace(ns)
     assert cache.free == cache.total_blocks
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (TRITON_INTERPRET=1)")
+def test_pool_metadata_drives_the_triton_kernels(seed) -> None:
+    """The Triton path (interpreted on CPU) on the pool's metadata: prefill, fork + CoW,
+    and CUDA-graph padding rows (seq_len 0 with a query) give the dense result / 0."""
+    cache = _cache(graph_capacity=(3, 4))
+    hist = History(2)
+    run_step(cache, hist, {"a": 5, "b": 3}, torch.float32, "triton prefill", backend="triton", window_left=4)
+    cache.fork("a", "c")
+    hist.fork("a", "c")
+    run_step(cache, hist, {"c": 2, "a": 1}, torch.float32, "triton fork", backend="triton")
+    meta = cache.plan({"b": 1, "c": 1}, graph=True)
+    q, k, v = torch.randn(3, H_Q, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    out = cache.forward(q, k, v, meta, 0, backend="triton")
+    for i, ns in enumerate("bc"):
+        kh, vh = hist.append(ns, 0, k[i : i + 1], v[i : i + 1])
+        assert_close(out[i : i + 1], dense_causal(q[i : i + 1], kh, vh), torch.float32, f"triton graph row {ns}")
+    assert torch.all(out[2] == 0)

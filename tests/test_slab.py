@@ -4,6 +4,8 @@ stale/foreign metadata and bad input."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -526,3 +528,23 @@ def test_failed_first_append_makes_no_arena() -> None:
     fine = SlabKVCache(CachePolicy("slab_kv", 1 << 20))
     fine.append("a", Slab(0, k[:, :SHORT], k[:, :SHORT]))
     assert fine.slab_tokens == SHORT  # no slab_tokens in the policy: the first chunk's length
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (TRITON_INTERPRET=1)")
+def test_rollout_on_the_triton_path(seed) -> None:
+    """Slab metadata (kv_start of a short chunk 0, empty history, sinks + window) through the
+    Triton kernels (interpreted on CPU) equals dense attention."""
+    cache = _cache(window=2, sinks=1)
+    truth = {}
+    for c in range(4):
+        meta = cache.plan({"a": (0, SHORT)} if c == 0 else {"a": c})
+        t = meta.n_tokens
+        for commit in (False, True):
+            q, k, v = _rand(1, t, H_Q), _rand(1, t, 2), _rand(1, t, 2)
+            out = cache.forward(q, k, v, meta, 0, commit=commit, backend="triton")
+            hist = [truth[i] for i in visible(c, 1, 2) if i != c]
+            ref = dense(q[0], torch.cat([h[0] for h in hist] + [k[0]]), torch.cat([h[1] for h in hist] + [v[0]]))
+            assert_close(out[0], ref, torch.float32, f"triton chunk {c} commit={commit}")
+            if commit:
+                truth[c] = (k[0], v[0])
