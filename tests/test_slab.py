@@ -548,3 +548,22 @@ def test_rollout_on_the_triton_path(seed) -> None:
             assert_close(out[0], ref, torch.float32, f"triton chunk {c} commit={commit}")
             if commit:
                 truth[c] = (k[0], v[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_short_rollout_per_dtype(seed, dtype) -> None:
+    cache = _cache(window=2, sinks=1, dtype=dtype)
+    truth = {}
+    for c in range(5):
+        meta = cache.plan({"a": (0, SHORT), "b": (0, SHORT)} if c == 0 else {"a": c, "b": c})
+        t = meta.n_tokens
+        for commit in (False, True):
+            q, k, v = _rand(2, t, H_Q, dtype), _rand(2, t, 2, dtype), _rand(2, t, 2, dtype)
+            out = cache.forward(q, k, v, meta, 1, commit=commit)
+            assert out.dtype == dtype
+            for row, ns in enumerate("ab"):
+                hist = [truth[(ns, i)] for i in visible(c, 1, 2) if i != c]
+                ref = dense(q[row], torch.cat([h[0] for h in hist] + [k[row]]), torch.cat([h[1] for h in hist] + [v[row]]))
+                assert_close(out[row], ref, dtype, f"{ns} chunk {c} commit={commit}")
+                if commit:
+                    truth[(ns, c)] = (k[row], v[row])
