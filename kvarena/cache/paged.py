@@ -16,7 +16,6 @@ is copied first (copy-on-write at plan time: a new block gets the whole
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
@@ -74,7 +73,7 @@ class PagedMetadata:
     num_seqs: int
     namespaces: tuple
     num_tokens: int
-    _owner: weakref.ref = field(repr=False)
+    _owner: int = field(repr=False)
     _versions: tuple = field(repr=False)
     _graph_gen: int | None = field(default=None, repr=False)
 
@@ -164,7 +163,7 @@ class PagedKVCache:
         self.hits = 0
         self.misses = 0
         self._lock = threading.RLock()
-        self._self_ref = weakref.ref(self)
+        self._cache_id = next_version()  # process-unique, never reused (unlike id())
         if block_size is not None:
             _check_count("block_size", block_size, 1)
         policy_bb = int(getattr(policy, "block_bytes", 0))
@@ -591,7 +590,7 @@ class PagedKVCache:
                 num_seqs=nseq,
                 namespaces=namespaces,
                 num_tokens=total_q,
-                _owner=self._self_ref,
+                _owner=self._cache_id,
                 _versions=versions,
             )
         g = self._graph
@@ -613,7 +612,7 @@ class PagedKVCache:
             num_seqs=g["max_batch"],
             namespaces=namespaces,
             num_tokens=total_q,
-            _owner=self._self_ref,
+            _owner=self._cache_id,
             _versions=versions,
             _graph_gen=self._graph_gen,
         )
@@ -634,7 +633,7 @@ class PagedKVCache:
         """
         if not isinstance(meta, PagedMetadata):
             raise TypeError(f"meta: expected a PagedMetadata, got {type(meta).__name__}")
-        if meta._owner is not self._self_ref:
+        if meta._owner != self._cache_id:
             raise ValueError("meta: this metadata was planned by another PagedKVCache")
         if meta._graph_gen is not None and meta._graph_gen != self._graph_gen:
             raise StaleMetadataError("meta: a later plan(graph=True) has overwritten its buffers")
@@ -680,7 +679,7 @@ class PagedKVCache:
                 "forward: this PagedKVCache has no layout (block bookkeeping only); "
                 "construct it with layout=KVLayout(...) to store and attend"
             )
-        if not isinstance(meta, PagedMetadata) or meta._owner is not self._self_ref or debug_enabled():
+        if not isinstance(meta, PagedMetadata) or meta._owner != self._cache_id or debug_enabled():
             self.check_metadata(meta)
         kc, vc = region.k(layer), region.v(layer)
         lay = self.layout

@@ -25,7 +25,6 @@ attending to a history chunk not committed at the layer being run raises.
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,11 +70,13 @@ class Slab:
 class _Chunk:
     __slots__ = ("index", "slot", "n_tokens", "committed")
 
-    def __init__(self, index: int, slot: int, n_tokens: int) -> None:
+    def __init__(self, index: int, slot: int, n_tokens: int, num_layers: int) -> None:
         self.index = index
         self.slot = slot
         self.n_tokens = n_tokens
-        self.committed = 0  # bit l set: written at layer l
+        # committed[l]: written at layer l. One list item per layer, so that marking a
+        # layer is a single atomic store (forward takes no lock) that dynamo can trace.
+        self.committed = [False] * num_layers
 
 
 class _Rollout:
@@ -140,7 +141,7 @@ class SlabMetadata:
     hist_max_seqlen_k: int
     has_kv_start: bool
     hist_has_kv_start: bool
-    _owner: weakref.ref = field(repr=False)
+    _owner: int = field(repr=False)
     _versions: tuple = field(repr=False)
     _current: tuple = field(repr=False)  # _Chunk per row
     _history: tuple = field(repr=False)  # (namespace, _Chunk) of every history chunk
@@ -151,7 +152,7 @@ class SlabSnapshot:
     """Opaque rollback point of one namespace (from :meth:`SlabKVCache.snapshot`)."""
 
     namespace: Hashable
-    _owner: weakref.ref = field(repr=False)
+    _owner: int = field(repr=False)
     _chunks: tuple = field(repr=False)  # (index, _Chunk) in logical order
     _last: int = field(repr=False)
 
@@ -218,7 +219,7 @@ class SlabKVCache:
         self.sinks = int(per.get("sinks", 0))
         self.training_mode = bool(policy.training_mode_disables_recycle)
         self._lock = threading.RLock()
-        self._self_ref = weakref.ref(self)
+        self._cache_id = next_version()  # process-unique, never reused (unlike id())
         self._rollouts: dict[Hashable, _Rollout] = {}
         if slab_tokens is not None:
             _int("slab_tokens", slab_tokens, 1)
@@ -418,7 +419,7 @@ class SlabKVCache:
                     oldest = next(i for i in r.chunks if i >= self.sinks)
                     slot = r.chunks.pop(oldest).slot
                     r.version = next_version()
-                known = r.chunks[c] = _Chunk(c, slot, n)
+                known = r.chunks[c] = _Chunk(c, slot, n, self.layout.num_layers)
                 r.last = c
             out.append((ns, r, known))
         return out, t_common
@@ -523,7 +524,7 @@ class SlabKVCache:
             hist_max_seqlen_k=max(hist_lens),
             has_kv_start=any(starts),
             hist_has_kv_start=any(hist_starts),
-            _owner=self._self_ref,
+            _owner=self._cache_id,
             _versions=tuple(r.version for _ns, r, _c in rows),
             _current=tuple(c for _ns, _r, c in rows),
             _history=tuple(history),
@@ -544,7 +545,7 @@ class SlabKVCache:
         """
         if not isinstance(meta, SlabMetadata):
             raise TypeError(f"meta: expected a SlabMetadata, got {type(meta).__name__}")
-        if meta._owner is not self._self_ref:
+        if meta._owner != self._cache_id:
             raise ValueError("meta: this metadata was planned by another SlabKVCache")
         for ns, ver in zip(meta.namespaces, meta._versions):
             r = self._rollouts.get(ns)
@@ -594,7 +595,7 @@ class SlabKVCache:
             A history chunk was planned but never committed at this layer.
         """
         region = self._require_arena("forward")
-        if not isinstance(meta, SlabMetadata) or meta._owner is not self._self_ref:
+        if not isinstance(meta, SlabMetadata) or meta._owner != self._cache_id:
             self.check_metadata(meta)
         if not isinstance(commit, bool):
             raise TypeError(f"commit: expected a bool, got {commit!r}")
@@ -612,25 +613,24 @@ class SlabKVCache:
         check_forward_tensor("v", v, (b, t, h_kv, d), lay.dtype, self.device, "[B, T, H_kv, D]")
         check_attn_kwargs(attn_kwargs, _RESERVED_KWARGS)
         return_lse = bool(attn_kwargs.pop("return_lse", False))
-        bit = 1 << layer
-        with self._lock:
-            for ns, ver in zip(meta.namespaces, meta._versions):
-                r = self._rollouts.get(ns)
-                if r is None or r.version != ver:
-                    self.check_metadata(meta)  # raises with the details
-            for ns, ch in meta._history:
-                if not ch.committed & bit:
-                    raise RuntimeError(
-                        f"forward: chunk {ch.index} of namespace {ns!r} is in the history but was "
-                        f"never committed at layer {layer} (run forward(..., commit=True) for it)"
-                    )
-            if commit:
-                store_kv(
-                    k.reshape(b * t, h_kv, d), v.reshape(b * t, h_kv, d), kc, vc, meta.slot_mapping,
-                    backend=attn_kwargs.get("backend", "auto"), _trusted=True,
+        # Host-only bookkeeping (no lock: plain reads and single stores, traceable).
+        for ns, ver in zip(meta.namespaces, meta._versions):
+            r = self._rollouts.get(ns)
+            if r is None or r.version != ver:
+                self.check_metadata(meta)  # raises with the details
+        for ns, ch in meta._history:
+            if not ch.committed[layer]:
+                raise RuntimeError(
+                    f"forward: chunk {ch.index} of namespace {ns!r} is in the history but was "
+                    f"never committed at layer {layer} (run forward(..., commit=True) for it)"
                 )
-                for ch in meta._current:
-                    ch.committed |= bit
+        if commit:
+            store_kv(
+                k.reshape(b * t, h_kv, d), v.reshape(b * t, h_kv, d), kc, vc, meta.slot_mapping,
+                backend=attn_kwargs.get("backend", "auto"), _trusted=True,
+            )
+            for ch in meta._current:
+                ch.committed[layer] = True
         qf = q.reshape(b * t, h_q, d)
         if commit:
             res = paged_attention(
@@ -710,7 +710,7 @@ class SlabKVCache:
             with torch.no_grad():
                 data[:, 0, st - t :].copy_(k)
                 data[:, 1, st - t :].copy_(v)
-            ch.committed = (1 << lay.num_layers) - 1
+            ch.committed = [True] * lay.num_layers
 
     def get(self, namespace: Hashable) -> list[Slab]:
         """The namespace's chunks committed at every layer, in logical order.
@@ -726,13 +726,12 @@ class SlabKVCache:
             r = self._rollouts.get(namespace)
             if r is None or self._region is None:
                 return []
-            full = (1 << self.layout.num_layers) - 1
             st = self.slab_tokens
             data = self._region.data
             return [
                 Slab(i, data[ch.slot, :, 0, st - ch.n_tokens :], data[ch.slot, :, 1, st - ch.n_tokens :])
                 for i, ch in r.chunks.items()
-                if ch.committed == full
+                if all(ch.committed)
             ]
 
     def clear_namespace(self, namespace: Hashable) -> None:
@@ -751,7 +750,7 @@ class SlabKVCache:
             r = self._rollouts.get(namespace)
             if r is None:
                 raise KeyError(f"namespace {namespace!r} is not in this SlabKVCache")
-            return SlabSnapshot(namespace, self._self_ref, tuple(r.chunks.items()), r.last)
+            return SlabSnapshot(namespace, self._cache_id, tuple(r.chunks.items()), r.last)
 
     def restore(self, namespace: Hashable, snap: SlabSnapshot) -> None:
         """Roll ``namespace`` back to ``snap``, freeing the slabs claimed after it.
@@ -772,7 +771,7 @@ class SlabKVCache:
                 raise KeyError(f"namespace {namespace!r} is not in this SlabKVCache")
             if not isinstance(snap, SlabSnapshot):
                 raise TypeError(f"snap: expected a SlabSnapshot, got {type(snap).__name__}")
-            if snap._owner is not self._self_ref or snap.namespace != namespace:
+            if snap._owner != self._cache_id or snap.namespace != namespace:
                 raise ValueError(
                     f"snap: taken of namespace {snap.namespace!r} of another cache or "
                     f"namespace, not {namespace!r} of this one"
