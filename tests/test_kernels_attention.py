@@ -337,17 +337,17 @@ def split_modes(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "dtype,mode,opts",
+    "dtype,group,mode,opts",
     [
-        (torch.float32, "decode_long", dict()),
-        (torch.bfloat16, "decode_long", dict(window_left=150, sink_tokens=20, softcap=2.0)),
-        (torch.float16, "ragged_long", dict(chunk_size=16, window_left=100, sink_tokens=70)),
-        (torch.float32, "ragged_long", dict(causal=False)),
+        (torch.float32, 4, "decode_long", dict()),
+        (torch.bfloat16, 4, "decode_long", dict(window_left=150, sink_tokens=20, softcap=2.0)),
+        (torch.float16, 4, "ragged_long", dict(chunk_size=16, window_left=100, sink_tokens=70)),
+        (torch.float32, 1, "ragged_long", dict(causal=False)),
     ],
     ids=["fp32-decode", "bf16-decode-window-sinks-softcap", "fp16-ragged-chunk-window-sinks", "fp32-ragged-full"],
 )
-def test_split_matches_unsplit(dtype, mode, opts, split_modes, nan_prefilled):
-    case = make_case(dtype=dtype, group=4, head_dim=32, block_size=48, mode=mode, kv_start=True, seed=11, h_kv=2)
+def test_split_matches_unsplit(dtype, group, mode, opts, split_modes, nan_prefilled):
+    case = make_case(dtype=dtype, group=group, head_dim=32, block_size=48, mode=mode, kv_start=True, seed=11, h_kv=2)
     ref_out, ref_lse = reference(case, **opts)
     base_out, base_lse = run_triton(case, return_lse=True, num_splits=1, **opts)
     assert_rel_close(base_out, ref_out, TOL[dtype], "unsplit")
@@ -443,6 +443,27 @@ def test_int64_offsets_beyond_2_31_elements():
         out = paged_attention(q, k_cache, v_cache, table, seq_lens, cu, max_seqlen_q=3, max_seqlen_k=40,
                               backend="triton", num_splits=n)
         assert_rel_close(out, ref, TOL[torch.float16], f"int64 offsets, num_splits={n}")
+
+    # q and out as views with a 2**30-element row pitch: a tile's in-tile row offsets would
+    # pass 2**31 (int32), so the launcher must route them through contiguous copies.
+    pitch = 2**30 + 64
+    q3, ref3 = q[:3], ref[:3]  # sequence 0 alone: 3 queries, rows 0..2 of one tile
+
+    def far_view(fill):
+        buf = torch.empty(2 * pitch + 4 * d, dtype=torch.float16)  # lazily backed, ~4 GiB
+        view = buf.as_strided((3, 4, d), (pitch, d, 1))
+        view.copy_(fill)
+        return view
+
+    q_far, out_far = far_view(q3), far_view(torch.full_like(q3, float("nan")))
+    lse = torch.full((3, 4), float("nan"))
+    pa.paged_attention_fwd(
+        q_far, k_cache, v_cache, table[:1], seq_lens[:1], cu[:2], None, out_far, lse, scale=d**-0.5,
+        causal=True, chunk_size=None, window_left=None, sink_tokens=0, softcap=None, max_seqlen_q=3,
+        max_seqlen_k=40,
+    )
+    assert_rel_close(out_far, ref3, TOL[torch.float16], "row pitch 2**30")
+    assert not lse.isnan().any()
 
 
 # ------------------------------------------------------------------- dispatch

@@ -55,8 +55,11 @@ _SPLIT_WAVE_EFFICIENCY = 0.85
 # result never depends on which other sequences share the launch. 4096 keys keep the
 # scratch at 1/16 of K/V bytes per query row at D = 128 ... and 32 splits at 128K keys.
 _DET_SPLIT_KEYS = 4096
-# Reduce / interpreter tile: ~4096 fp32 elements per program (32 per thread at 4 warps).
+# Reduce tile: ~4096 fp32 elements per program (32 per thread at 4 warps): it streams
+# num_splits partial rows per output row, a bandwidth-bound loop.
 _REDUCE_TILE_ELEMS = 4096
+_REDUCE_NUM_WARPS = 4
+_I32_MAX = 2**31 - 1
 # The sentinel window for "no sliding window": row_lo = p - 2**30 < 0 for any p < 2**30.
 _NO_WINDOW = 1 << 30
 
@@ -120,7 +123,13 @@ def _paged_attn_kernel(
     j = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     row_ok = j < n_rows
     pos_idx = j // GROUP
-    head = kvh * GROUP + j % GROUP
+    # Row addresses = one int64 scalar base per tile + small int32 in-tile offsets: the
+    # offsets stay 1 register per row through the key loop (int64 per-row offsets kept
+    # alive until the epilogue cost ~80 registers and spilled at 128 x 128 on sm_80).
+    # The launcher guarantees BLOCK_M * stride_t + GROUP * stride_h + D < 2**31.
+    p0 = m0 // GROUP
+    local = pos_idx - p0  # [BLOCK_M] in [0, BLOCK_M)
+    head_in = j % GROUP
     pos_base = seq_len - q_len
     p = pos_base + pos_idx  # [BLOCK_M] key-space position of each row's query
     if CAUSAL:
@@ -162,9 +171,11 @@ def _paged_attn_kernel(
     # ---- query tile
     d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
     d_ok = d < HEAD_DIM
-    tok = (q_start + pos_idx).to(tl.int64)
-    q_off = tok[:, None] * stride_qt + head[:, None].to(tl.int64) * stride_qh + d[None, :] * stride_qd
-    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
+    tok0 = (q_start + p0).to(tl.int64)  # first query token of the tile
+    head0 = (kvh * GROUP).to(tl.int64)  # first query head of the kv head's group
+    q_tile = q_ptr + tok0 * stride_qt + head0 * stride_qh
+    q_off = local[:, None] * stride_qt + head_in[:, None] * stride_qh + d[None, :] * stride_qd
+    q = tl.load(q_tile + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -224,15 +235,15 @@ def _paged_attn_kernel(
     has_key = l_i > 0.0
     inv_l = tl.where(has_key, 1.0 / tl.where(has_key, l_i, 1.0), 0.0)
     o = acc * inv_l[:, None]  # [BLOCK_M, HEAD_DIM_PAD]
-    o_off = tok[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + d[None, :] * stride_od
-    o_base = o_ptr + split_id.to(tl.int64) * stride_os
-    tl.store(o_base + o_off, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    o_tile = o_ptr + split_id.to(tl.int64) * stride_os + tok0 * stride_ot + head0 * stride_oh
+    o_off = local[:, None] * stride_ot + head_in[:, None] * stride_oh + d[None, :] * stride_od
+    tl.store(o_tile + o_off, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if WRITE_LSE:
         lse2 = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("-inf"))
         if not SPLIT:
             lse2 = lse2 * 0.6931471805599453  # natural log for the caller
-        l_off = split_id.to(tl.int64) * stride_ls + tok * stride_lt + head.to(tl.int64) * stride_lh
-        tl.store(lse_ptr + l_off, lse2, mask=row_ok)
+        l_tile = lse_ptr + split_id.to(tl.int64) * stride_ls + tok0 * stride_lt + head0 * stride_lh
+        tl.store(l_tile + local * stride_lt + head_in * stride_lh, lse2, mask=row_ok)
 
 
 @triton.jit
@@ -303,45 +314,60 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | None) -> dict:
+def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | None,
+                 capability: int = 90) -> dict:
     """Tile sizes, warps and stages of one attention launch: a pure function of its args.
 
     ``q_len_max=None`` means "any": the deterministic mode pins one config per
-    (head_dim, group, dtype) so a sequence's rounding never depends on its batch.
-    ``kvarena check`` compiles exactly the configs this returns.
+    (head_dim, group, dtype, GPU) so a sequence's rounding never depends on its batch.
+    ``capability`` is 10 * major + minor (80 = A100, 90 = H100/H200; 90 on CPU).
+    ``kvarena check`` compiles exactly the configs this returns, per target.
 
     Register budget (255 per thread, no spills): the fp32 accumulator alone takes
     ``BLOCK_M * HEAD_DIM_PAD / (32 * num_warps)`` registers, the score tile
-    ``BLOCK_M * BLOCK_N / (32 * num_warps)``. E.g. 128 x 128 with 8 warps = 64 + 32.
-    Shared memory: ``num_stages * BLOCK_N * HEAD_DIM_PAD * 2 * elem_bytes`` (K and V)
-    plus the q tile; 163 KiB on sm_80, 227 KiB on sm_90a.
+    ``BLOCK_M * BLOCK_N / (32 * num_warps)``; on sm_80 the q tile (the MMA A operand) also
+    lives in registers (``BLOCK_M * HEAD_DIM_PAD * 2 / (4 * 32 * num_warps)``), where
+    sm_90a's wgmma reads it from shared memory. Shared memory: K and V tiles per stage
+    plus the q tile, <= 100 KiB everywhere here (163 KiB on sm_80, 227 KiB on sm_90a).
     """
     d_pad = max(16, _next_pow2(head_dim))
     rows = None if q_len_max is None else max(1, q_len_max) * group
     decode = rows is not None and rows <= 16
+    hopper = capability >= 90
+
+    def cfg(bm, bn, warps, stages):
+        return dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM_PAD=d_pad, num_warps=warps, num_stages=stages)
+
     if elem_bytes >= 4:
-        # fp32 dots are IEEE FMA loops with both operands in registers: small tiles, and
-        # 8 warps wherever 4 would spill (32 x 32 at D = 128 needs 80 registers over 8
-        # warps; 16 x 32 at D = 256 needs 100-126 over 8 warps, 4 warps spill).
-        if d_pad <= 128 and decode:
-            return dict(BLOCK_M=16, BLOCK_N=32, HEAD_DIM_PAD=d_pad, num_warps=4, num_stages=2)
-        if d_pad <= 128:
-            return dict(BLOCK_M=32, BLOCK_N=32, HEAD_DIM_PAD=d_pad, num_warps=8, num_stages=2)
-        return dict(BLOCK_M=16, BLOCK_N=32, HEAD_DIM_PAD=d_pad, num_warps=8, num_stages=2)
+        # fp32 dots are IEEE FMA loops with both operands in registers (no tensor cores):
+        # 16 x 32 tiles over 8 warps need ~50-65 registers at D = 128 and ~100-125 at 256.
+        # 4 warps, or 32-row tiles, made ptxas spill 8-12 bytes on one target or the other.
+        return cfg(16, 32, 8, 2)
     if decode:
-        # Decode: 16 rows is the smallest MMA tile. Memory-bound: 3 stages let the block ids
-        # run two tiles ahead and K/V one tile (64 keys x D x 2 bytes each) ahead.
-        return dict(BLOCK_M=16, BLOCK_N=64 if d_pad <= 128 else 32, HEAD_DIM_PAD=d_pad, num_warps=4, num_stages=3)
+        # Decode: 16 rows is the smallest MMA tile (a 32q/8kv step fills 4 of them).
+        # Memory-bound: 3 stages let the block ids run two tiles ahead and K/V one tile
+        # (64 keys x D x 2 bytes each) ahead. ~160-200 registers: 2 programs per SM.
+        return cfg(16, 64 if d_pad <= 128 else 32, 4, 3)
     if d_pad >= 256:
-        # 64 x 256 fp32 accumulator over 8 warps = 64 registers/thread; K+V per stage at
-        # 32 keys = 32 KiB: 2 stages + the 32 KiB q tile stay under 100 KiB of shared memory.
-        return dict(BLOCK_M=64, BLOCK_N=32, HEAD_DIM_PAD=d_pad, num_warps=8, num_stages=2)
-    if rows is None or rows <= 64:
-        # 64 x 64 at 4 warps spills on sm_80 (the A operand lives in registers there);
-        # 8 warps: ~175 registers, no spills.
-        return dict(BLOCK_M=64, BLOCK_N=64, HEAD_DIM_PAD=d_pad, num_warps=8, num_stages=2)
-    # Chunk / prefill: 128 x 128 fp32 accumulator over 8 warps = 64 registers/thread.
-    return dict(BLOCK_M=128, BLOCK_N=64, HEAD_DIM_PAD=d_pad, num_warps=8, num_stages=2)
+        # sm_90a: 64 x 256 fp32 accumulator over 8 warps = 64 registers; ~210-230 in all
+        # for GQA groups up to 8. sm_80 (q in registers too) spills there: 32 x 32.
+        return cfg(64, 32, 8, 2) if hopper else cfg(32, 32, 8, 2)
+    if hopper and (rows is None or rows > 64):
+        # Chunk / prefill on sm_90a: 128 x 128 accumulator over 8 warps = 64 registers
+        # (~200-215 in all); K+V 2 stages x 32 KiB + the 32 KiB q tile = 96 KiB shared.
+        return cfg(128, 64, 8, 2)
+    # Short chunks (<= 64 rows), the deterministic pin, and every prefill on sm_80, where
+    # 128 x 64 spills (255 registers + 60-116 bytes with GQA groups 3-5): 64 x 64, 8
+    # warps, ~175-185 registers.
+    return cfg(64, 64, 8, 2)
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(device_index: int | None) -> int:
+    if device_index is None or not torch.cuda.is_available():
+        return 90  # the interpreter: any config runs; use the one H100/H200 get
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return 10 * major + minor
 
 
 @functools.lru_cache(maxsize=16)
@@ -390,6 +416,14 @@ def _attn_constexprs(cfg: dict, group: int, head_dim: int, *, causal: bool, has_
     )
 
 
+def _tile_span(t: torch.Tensor, block_m: int, group: int) -> int:
+    """Largest in-tile element offset of a [tokens, heads(, D)] tensor (int32 bound)."""
+    span = (block_m // group + 1) * t.stride(0) + group * t.stride(1)
+    if t.dim() == 3:
+        span += t.shape[2] * t.stride(2)
+    return span
+
+
 def _reduce_block_rows(head_dim_pad: int) -> int:
     return max(1, _REDUCE_TILE_ELEMS // head_dim_pad)
 
@@ -410,7 +444,11 @@ def paged_attention_fwd(
     group = h_q // h_kv
     if total_q == 0 or b_count == 0 or max_seqlen_q == 0:
         return  # no query row exists
-    cfg = _pick_config(head_dim, group, q.element_size(), None if deterministic else max_seqlen_q)
+    dev = None
+    if q.device.type == "cuda":
+        dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    cfg = _pick_config(head_dim, group, q.element_size(), None if deterministic else max_seqlen_q,
+                       _capability(dev))
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     num_q_tiles = triton.cdiv(max_seqlen_q * group, block_m)
     programs = num_q_tiles * b_count * h_kv
@@ -424,9 +462,6 @@ def paged_attention_fwd(
             tiles_per_split = _DET_SPLIT_KEYS // block_n
             num_splits = triton.cdiv(max_tiles, tiles_per_split)
         else:
-            dev = q.device.index if q.device.type == "cuda" else None
-            if q.device.type == "cuda" and dev is None:
-                dev = torch.cuda.current_device()
             num_splits = _pick_num_splits(programs, max_seqlen_k, _sm_count(dev))
     # More splits than key tiles would only add empty partials; 65535 is grid axis 1's cap.
     num_splits = max(1, min(num_splits, max_tiles, 65535))
@@ -451,6 +486,16 @@ def paged_attention_fwd(
     if block_table.shape[1] > 1 and block_table.stride(1) != 1:
         block_table = block_table.contiguous()
 
+    # The kernel addresses rows as an int64 tile base + int32 in-tile offsets; a view with a
+    # row stride near 2**31 / BLOCK_M elements (never a real activation) goes via a copy.
+    if _tile_span(q, block_m, group) > _I32_MAX:
+        q = q.contiguous()
+    out_k, lse_k = out, lse
+    if not split and _tile_span(out, block_m, group) > _I32_MAX:
+        out_k = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    if not split and lse is not None and _tile_span(lse, block_m, group) > _I32_MAX:
+        lse_k = torch.empty(lse.shape, dtype=lse.dtype, device=lse.device)
+
     if split:
         part = torch.empty((num_splits, total_q, h_q, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_splits, total_q, h_q), dtype=torch.float32, device=q.device)
@@ -458,10 +503,10 @@ def paged_attention_fwd(
         o_strides = (part.stride(0), part.stride(1), part.stride(2), part.stride(3))
         l_strides = part_lse.stride()
     else:
-        o_arg = out
-        o_strides = (0, out.stride(0), out.stride(1), out.stride(2))
-        lse_arg = lse if lse is not None else out  # never written when WRITE_LSE is False
-        l_strides = (0, lse.stride(0), lse.stride(1)) if lse is not None else (0, 0, 0)
+        o_arg = out_k
+        o_strides = (0, out_k.stride(0), out_k.stride(1), out_k.stride(2))
+        lse_arg = lse_k if lse_k is not None else out_k  # never written when WRITE_LSE is False
+        l_strides = (0, lse_k.stride(0), lse_k.stride(1)) if lse_k is not None else (0, 0, 0)
 
     grid = (programs, num_splits)
     _paged_attn_kernel[grid](
@@ -478,6 +523,10 @@ def paged_attention_fwd(
         **meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not split:
+        if out_k is not out:
+            out.copy_(out_k)
+        if lse_k is not lse:
+            lse.copy_(lse_k)
         return
     block_r = _reduce_block_rows(cfg["HEAD_DIM_PAD"])
     n_rows = total_q * h_q
@@ -491,5 +540,5 @@ def paged_attention_fwd(
         *lse_strides,
         n_rows, h_q, num_splits,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_R=block_r,
-        WRITE_LSE=lse is not None, num_warps=4,
+        WRITE_LSE=lse is not None, num_warps=_REDUCE_NUM_WARPS,
     )
