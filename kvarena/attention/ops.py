@@ -204,7 +204,7 @@ def _check_paged_values(lens, cus, q_lens, block_table, kv_start, total_q, num_b
             raise ValueError(f"cu_seqlens_q: must be non-decreasing, entry {i + 1} < entry {i}")
         if not 0 <= seq_len <= capacity:
             raise ValueError(f"seq_lens[{i}] = {seq_len}: expected 0 <= seq_len <= {capacity} (block_table capacity)")
-        if q_len > seq_len:
+        if q_len > seq_len > 0:  # a seq_len-0 row may own queries: CUDA-graph padding, out 0
             raise ValueError(f"seq_lens[{i}] = {seq_len} is shorter than its {q_len} queries (cu_seqlens_q)")
         if seq_len > max_seqlen_k:
             raise ValueError(f"max_seqlen_k: {max_seqlen_k} is below seq_lens[{i}] = {seq_len}")
