@@ -126,9 +126,9 @@ def _paged_attn_kernel(
     # Row addresses = one int64 scalar base per tile + small int32 in-tile offsets: the
     # offsets stay 1 register per row through the key loop (int64 per-row offsets kept
     # alive until the epilogue cost ~80 registers and spilled at 128 x 128 on sm_80).
-    # The launcher guarantees BLOCK_M * stride_t + GROUP * stride_h + D < 2**31.
+    # The launcher guarantees (BLOCK_M // GROUP + 1) * stride_t + GROUP * stride_h + D < 2**31.
     p0 = m0 // GROUP
-    local = pos_idx - p0  # [BLOCK_M] in [0, BLOCK_M)
+    local = pos_idx - p0  # [BLOCK_M] in [0, BLOCK_M // GROUP]
     head_in = j % GROUP
     pos_base = seq_len - q_len
     p = pos_base + pos_idx  # [BLOCK_M] key-space position of each row's query
@@ -437,6 +437,13 @@ def paged_attention_fwd(
 
     Arguments are validated by ``kvarena.attention.ops``. No host read of device data:
     the grid comes from ``max_seqlen_q`` / ``max_seqlen_k`` alone.
+
+    ``num_splits``: split-KV count (None = ``_pick_num_splits``; 1 = never split).
+    ``deterministic``: the tile config ignores ``max_seqlen_q`` and each split covers a
+    fixed 4096 keys, so a sequence's output is bitwise the same in any batch; only
+    ``num_splits=1`` overrides it (no split, equally batch-invariant). Its fp32 scratch is
+    ``ceil(max_seqlen_k / 4096) * total_q * H_q * (D + 1) * 4`` bytes: meant for decode
+    batches, costly for long-context chunk prefill.
     """
     total_q, h_q, head_dim = q.shape
     b_count = seq_lens.shape[0]
@@ -456,17 +463,16 @@ def paged_attention_fwd(
     has_sinks = window_left is not None and sink_tokens > 0
     # Most key tiles one program can visit: the sink and window phases may share a tile.
     max_tiles = triton.cdiv(max(max_seqlen_k, 1), block_n) + (1 if has_sinks else 0)
-    tiles_per_split = 0
-    if num_splits is None:
-        if deterministic:
-            tiles_per_split = _DET_SPLIT_KEYS // block_n
-            num_splits = triton.cdiv(max_tiles, tiles_per_split)
-        else:
-            num_splits = _pick_num_splits(programs, max_seqlen_k, _sm_count(dev))
+    tiles_per_split = 0  # 0: each program divides its own key tiles evenly over the splits
+    if deterministic and num_splits != 1:
+        # Fixed 4096 keys per split whatever the batch (an explicit count other than 1,
+        # which would make the split size depend on max_seqlen_k, is not honoured).
+        tiles_per_split = max(1, _DET_SPLIT_KEYS // block_n)
+        num_splits = triton.cdiv(max_tiles, tiles_per_split)
+    elif num_splits is None:
+        num_splits = _pick_num_splits(programs, max_seqlen_k, _sm_count(dev))
     # More splits than key tiles would only add empty partials; 65535 is grid axis 1's cap.
     num_splits = max(1, min(num_splits, max_tiles, 65535))
-    if deterministic and tiles_per_split == 0 and num_splits > 1:
-        tiles_per_split = triton.cdiv(max_tiles, num_splits)  # an explicit count, fixed size
 
     if softcap:
         softcap_inv, softcap_log2 = scale / softcap, softcap * LOG2E
