@@ -106,3 +106,13 @@ def test_compile_fullgraph_slab_layer_equals_eager(seed, commit):
     ref = layer_fn(eager, meta_e, q, k, k)
     got = torch.compile(layer_fn, fullgraph=True, backend="aot_eager")(comp, meta_c, q, k, k)
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_forward_rejects_non_contiguous_head_dim():
+    """The kernels index head_dim with stride 1: a transposed k must be refused, not misread."""
+    cache = _paged()
+    meta = cache.plan({"a": 3})
+    q = torch.randn(3, 4, 16)
+    k_t = torch.randn(3, 16, 2).transpose(1, 2)  # [3, 2, 16] with head_dim stride 2
+    with pytest.raises(ValueError, match="k: the last .head_dim. dimension must be contiguous"):
+        cache.forward(q, k_t, k_t.contiguous(), meta, 0)

@@ -103,6 +103,38 @@ class _PagedArgs:
     max_seqlen_k: int
 
 
+def _check_out(out, q: torch.Tensor) -> None:
+    if out is None:
+        return
+    _require_tensor("out", out, 3)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(
+            f"out: expected shape {tuple(q.shape)}, dtype {q.dtype}, device {q.device}; "
+            f"got {tuple(out.shape)}, {out.dtype}, {out.device}"
+        )
+
+
+def _normalize_options(d, causal, scale, chunk_size, window_left, sink_tokens, softcap, max_seqlen_q, max_seqlen_k):
+    """Validate the scalar options; returns (scale, chunk_size, window_left, softcap, max_q, max_k)."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    chunk_size = _opt_int("chunk_size", chunk_size, 1)
+    window_left = _opt_int("window_left", window_left, 0)
+    if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
+        raise ValueError(f"sink_tokens: expected an int >= 0, got {sink_tokens!r}")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0:
+            raise ValueError(f"softcap: expected None, 0 (off) or a float > 0, got {softcap!r}")
+        softcap = float(softcap) if softcap > 0 else None
+    if scale is None:
+        scale = d**-0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (abs(scale) < float("inf")):
+        raise ValueError(f"scale: expected None or a finite float, got {scale!r}")
+    max_seqlen_q = _opt_int("max_seqlen_q", max_seqlen_q, 0)
+    max_seqlen_k = _opt_int("max_seqlen_k", max_seqlen_k, 0)
+    return float(scale), chunk_size, window_left, softcap, max_seqlen_q, max_seqlen_k
+
+
 def _validate_paged(
     q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, *,
     scale, causal, chunk_size, window_left, sink_tokens, softcap, max_seqlen_q, max_seqlen_k,
@@ -147,29 +179,10 @@ def _validate_paged(
         cu = _require_int_tensor("cu_seqlens_q", cu_seqlens_q, (b + 1,), q.device)
     if kv_start is not None:
         _require_int_tensor("kv_start", kv_start, (b,), q.device)
-    if out is not None:
-        _require_tensor("out", out, 3)
-        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-            raise ValueError(
-                f"out: expected shape {tuple(q.shape)}, dtype {q.dtype}, device {q.device}; "
-                f"got {tuple(out.shape)}, {out.dtype}, {out.device}"
-            )
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    chunk_size = _opt_int("chunk_size", chunk_size, 1)
-    window_left = _opt_int("window_left", window_left, 0)
-    if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
-        raise ValueError(f"sink_tokens: expected an int >= 0, got {sink_tokens!r}")
-    if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0:
-            raise ValueError(f"softcap: expected None, 0 (off) or a float > 0, got {softcap!r}")
-        softcap = float(softcap) if softcap > 0 else None
-    if scale is None:
-        scale = d**-0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (abs(scale) < float("inf")):
-        raise ValueError(f"scale: expected None or a finite float, got {scale!r}")
-    max_seqlen_q = _opt_int("max_seqlen_q", max_seqlen_q, 0)
-    max_seqlen_k = _opt_int("max_seqlen_k", max_seqlen_k, 0)
+    _check_out(out, q)
+    scale, chunk_size, window_left, softcap, max_seqlen_q, max_seqlen_k = _normalize_options(
+        d, causal, scale, chunk_size, window_left, sink_tokens, softcap, max_seqlen_q, max_seqlen_k
+    )
     capacity = max_blocks * block_size
     if max_seqlen_k is not None and max_seqlen_k > capacity:
         raise ValueError(
@@ -190,7 +203,7 @@ def _validate_paged(
             lens, cus, q_lens, block_table, kv_start, total_q, num_blocks, block_size, capacity,
             max_seqlen_q, max_seqlen_k,
         )
-    return _PagedArgs(cu, float(scale), chunk_size, window_left, sink_tokens, softcap, max_seqlen_q, max_seqlen_k)
+    return _PagedArgs(cu, scale, chunk_size, window_left, sink_tokens, softcap, max_seqlen_q, max_seqlen_k)
 
 
 def _check_paged_values(lens, cus, q_lens, block_table, kv_start, total_q, num_blocks, block_size, capacity,
@@ -278,12 +291,21 @@ def paged_attention(
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k_cache, v_cache)
     )
-    args = _validate_paged(
-        q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out,
-        scale=scale, causal=causal, chunk_size=chunk_size, window_left=window_left,
-        sink_tokens=sink_tokens, softcap=softcap, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, check_values=(not _trusted) and _check_values(q),
-    )
+    if _trusted and cu_seqlens_q is not None and max_seqlen_q is not None and max_seqlen_k is not None:
+        # A pool's own caches and plan() metadata, q/k/v already checked against its layout:
+        # only the caller's options are validated (keeps a decode layer's Python ~2x cheaper).
+        _check_out(out, q)
+        opts = _normalize_options(
+            q.shape[-1], causal, scale, chunk_size, window_left, sink_tokens, softcap, max_seqlen_q, max_seqlen_k
+        )
+        args = _PagedArgs(cu_seqlens_q, opts[0], opts[1], opts[2], sink_tokens, opts[3], opts[4], opts[5])
+    else:
+        args = _validate_paged(
+            q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out,
+            scale=scale, causal=causal, chunk_size=chunk_size, window_left=window_left,
+            sink_tokens=sink_tokens, softcap=softcap, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, check_values=(not _trusted) and _check_values(q),
+        )
     _opt_int("num_splits", num_splits, 1)
     chosen = _resolve_backend(backend, q.device, needs_grad)
     if chosen == "triton" and q.dtype not in _KERNEL_DTYPES:
@@ -361,7 +383,8 @@ def store_kv(
         ``s % block_size``; ``s < 0`` is skipped. Nothing is written unless every slot is
         valid (in range, no duplicates).
     """
-    _validate_store(k, v, k_cache, v_cache, slot_mapping, (not _trusted) and _check_values(k_cache))
+    if not _trusted:  # a pool's trusted call has checked k/v against its own layout and caches
+        _validate_store(k, v, k_cache, v_cache, slot_mapping, _check_values(k_cache))
     chosen = _resolve_backend(backend, k_cache.device, needs_grad=False)
     op = torch.ops.kvarena.store_kv if torch.compiler.is_compiling() else _store_kv_impl
     op(k.detach(), v.detach(), k_cache, v_cache, slot_mapping, chosen)

@@ -68,6 +68,8 @@ def check_forward_tensor(
         raise TypeError(f"{name}: expected the layout's dtype {dtype}, got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{name}: expected the cache's device {device}, got {t.device}")
+    if shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous, got strides {t.stride()}")
 
 
 def pick_region(arena: KVArena, region: str | None, class_name: str, default: str) -> ArenaRegion:
