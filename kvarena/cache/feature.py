@@ -10,12 +10,12 @@ counts). It is safe to call from several threads (one lock; the ``fn`` of
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvarena.cache._bytes import ByteLRU, detached, value_nbytes
-from kvarena.cache.keys import CacheKey, CachePolicy, _iter_names
+from kvarena.cache._bytes import detached, value_nbytes
+from kvarena.cache._dictcache import _ByteBudgetCache
+from kvarena.cache.keys import CacheKey, _iter_names
 
 __all__ = ["FeatureCache"]
 
@@ -26,7 +26,7 @@ def _check_key(key: Any) -> str:
     return key.hash
 
 
-class FeatureCache:
+class FeatureCache(_ByteBudgetCache):
     """Content-hash keyed LRU cache of component outputs under a byte budget.
 
     Parameters
@@ -54,55 +54,8 @@ class FeatureCache:
     put also drops the key's previous entry).
     """
 
-    def __init__(self, policy: CachePolicy) -> None:
-        if not isinstance(policy, CachePolicy):
-            raise TypeError(f"policy must be a CachePolicy, got {type(policy).__qualname__}")
-        self._policy = policy
-        self._lock = threading.Lock()
-        self._lru = ByteLRU(policy.max_bytes)
-        self._hits = 0
-        self._misses = 0
-        self._evictions = 0
-        self._rejected = 0
-
-    # -- read-only state -------------------------------------------------------------
-    @property
-    def policy(self) -> CachePolicy:
-        """CachePolicy: the policy the cache was built with."""
-        return self._policy
-
-    @property
-    def max_bytes(self) -> int:
-        """int: the byte budget (``policy.max_bytes``)."""
-        return self._policy.max_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        """int: bytes of the values currently stored."""
-        return self._lru.used
-
-    @property
-    def hits(self) -> int:
-        """int: lookups that found a value."""
-        return self._hits
-
-    @property
-    def misses(self) -> int:
-        """int: lookups that found nothing."""
-        return self._misses
-
-    @property
-    def evictions(self) -> int:
-        """int: entries evicted to make room (not counting replacements or invalidations)."""
-        return self._evictions
-
-    @property
-    def rejected(self) -> int:
-        """int: puts that stored nothing."""
-        return self._rejected
-
-    def __len__(self) -> int:
-        return len(self._lru)
+    # policy, max_bytes, used_bytes, hits, misses, evictions, rejected, __len__:
+    # see _ByteBudgetCache.
 
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` is stored (does not count as a lookup, nor touch LRU order)."""
@@ -141,15 +94,19 @@ class FeatureCache:
         TypeError
             If ``key`` is not a ``CacheKey``.
         """
-        h = _check_key(key)
+        found, value = self._lookup(_check_key(key))
+        return value if found else default
+
+    def _lookup(self, h: str) -> tuple[bool, Any]:
+        """Count a hit or a miss and return ``(found, value)`` (misses while reuse is off)."""
         with self._lock:
             if self._policy.reuse_across_requests:
                 found, item = self._lru.lookup(h)
                 if found:
                     self._hits += 1
-                    return item[0]
+                    return True, item[0]
             self._misses += 1
-            return default
+            return False, None
 
     def put(self, key: CacheKey, value: Any) -> bool:
         """Store ``value`` under ``key``, replacing any previous value of that key.
@@ -219,13 +176,9 @@ class FeatureCache:
         h = _check_key(key)
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__qualname__}")
-        with self._lock:
-            if self._policy.reuse_across_requests:
-                found, item = self._lru.lookup(h)
-                if found:
-                    self._hits += 1
-                    return item[0]
-            self._misses += 1
+        found, value = self._lookup(h)
+        if found:
+            return value
         value = fn()
         self.put(key, value)
         return value
@@ -302,15 +255,7 @@ class FeatureCache:
             ``hits, misses, evictions, rejected, entries, used_bytes, max_bytes``.
         """
         with self._lock:
-            return {
-                "hits": self._hits,
-                "misses": self._misses,
-                "evictions": self._evictions,
-                "rejected": self._rejected,
-                "entries": len(self._lru),
-                "used_bytes": self._lru.used,
-                "max_bytes": self._lru.max_bytes,
-            }
+            return self._stats_locked()
 
     def __repr__(self) -> str:
         return (

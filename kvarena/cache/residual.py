@@ -10,12 +10,12 @@ caller recomputes). Safe to call from several threads.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from kvarena.cache._bytes import ByteLRU, detached, value_nbytes
+from kvarena.cache._bytes import detached, value_nbytes
+from kvarena.cache._dictcache import _ByteBudgetCache
 from kvarena.cache.keys import CachePolicy
 
 __all__ = ["ResidualCache"]
@@ -42,7 +42,7 @@ def _check_entry(namespace: Any, branch: Any, name: Any) -> tuple[str, str, str]
     return (namespace, branch, name)
 
 
-class ResidualCache:
+class ResidualCache(_ByteBudgetCache):
     """Per-request, per-branch residual store under a byte budget.
 
     Parameters
@@ -67,56 +67,12 @@ class ResidualCache:
     """
 
     def __init__(self, policy: CachePolicy) -> None:
-        if not isinstance(policy, CachePolicy):
-            raise TypeError(f"policy must be a CachePolicy, got {type(policy).__qualname__}")
-        self._policy = policy
-        self._lock = threading.Lock()
-        self._lru = ByteLRU(policy.max_bytes)
+        super().__init__(policy)
         # namespace -> keys stored under it (dict used as an ordered set)
         self._by_ns: dict[str, dict[tuple[str, str, str], None]] = {}
-        self._hits = 0
-        self._misses = 0
-        self._evictions = 0
-        self._rejected = 0
 
-    # -- read-only state ------------------------------------------------------------
-    @property
-    def policy(self) -> CachePolicy:
-        """CachePolicy: the policy the cache was built with."""
-        return self._policy
-
-    @property
-    def max_bytes(self) -> int:
-        """int: the byte budget (``policy.max_bytes``)."""
-        return self._policy.max_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        """int: bytes of the values currently stored."""
-        return self._lru.used
-
-    @property
-    def hits(self) -> int:
-        """int: lookups that found a value."""
-        return self._hits
-
-    @property
-    def misses(self) -> int:
-        """int: lookups that found nothing."""
-        return self._misses
-
-    @property
-    def evictions(self) -> int:
-        """int: entries evicted to make room."""
-        return self._evictions
-
-    @property
-    def rejected(self) -> int:
-        """int: puts of a value larger than the budget."""
-        return self._rejected
-
-    def __len__(self) -> int:
-        return len(self._lru)
+    # policy, max_bytes, used_bytes, hits, misses, evictions, rejected, __len__:
+    # see _ByteBudgetCache.
 
     def keys(self) -> list[tuple[str, str, str]]:
         """Return the stored ``(namespace, branch, name)`` keys, least recently used first."""
@@ -280,16 +236,7 @@ class ResidualCache:
             max_bytes``.
         """
         with self._lock:
-            return {
-                "hits": self._hits,
-                "misses": self._misses,
-                "evictions": self._evictions,
-                "rejected": self._rejected,
-                "entries": len(self._lru),
-                "namespaces": len(self._by_ns),
-                "used_bytes": self._lru.used,
-                "max_bytes": self._lru.max_bytes,
-            }
+            return self._stats_locked(namespaces=len(self._by_ns))
 
     def __repr__(self) -> str:
         return (
