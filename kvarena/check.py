@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import os
 import re
@@ -75,6 +76,7 @@ class _Launch:
     num_stages: int
     i64: tuple = ()
     floats: tuple = ()
+    maxnreg: int | None = None
 
 
 def add_arguments(parser) -> None:
@@ -82,30 +84,45 @@ def add_arguments(parser) -> None:
                         help="compute capability to compile for (repeatable; default: 80 and 90)")
     parser.add_argument("--only", default=None, help="only configurations whose name contains this text")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the rows as JSON to this file")
+    parser.add_argument("--all-variants", action="store_true",
+                        help="also compile every mask/output flag variant of each attention config "
+                             "(causal x kv_start x lse; ~200 compiles, ~4 min) instead of the all-on one")
 
 
 def _elem_bytes(dtype: str) -> int:
     return 4 if dtype == "fp32" else 2
 
 
-def _launches(only: str | None, capability: int) -> list[_Launch]:
-    """What the launchers would launch on a GPU of this capability, one per case."""
+def _launches(only: str | None, capability: int, all_variants: bool = False) -> list[_Launch]:
+    """What the launchers would launch on a GPU of this capability, one per case.
+
+    By default each attention config is compiled with every flag on (causal, kv_start,
+    lse): the most code. ``all_variants`` adds the other flag combinations, since
+    ptxas's register allocation is not monotone in the amount of code.
+    """
     from kvarena.kernels import merge, store
     from kvarena.kernels import paged_attention as pa
 
     out = []
     for name, d, group, dt, q_len, split, det in ATTENTION_CASES:
         cfg = pa._pick_config(d, group, _elem_bytes(dt), None if det else q_len, capability)
-        meta = pa._attn_constexprs(cfg, group, d, causal=True, has_kv_start=True, write_lse=True,
-                                   split=split, upcast=False)
-        meta.update(stride_qd=1, stride_od=1)  # unit strides: the JIT specializes them too
-        ptrs = {"q_ptr": dt, "k_ptr": dt, "v_ptr": dt, "o_ptr": "fp32" if split else dt, "lse_ptr": "fp32",
-                "block_table_ptr": "i32", "seq_lens_ptr": "i32", "cu_q_ptr": "i32", "kv_start_ptr": "i32"}
-        desc = (f"{name}: {dt} D{d} G{group} BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} "
-                f"w{cfg['num_warps']} s{cfg['num_stages']}")
-        out.append(_Launch("attention", desc, pa._paged_attn_kernel, ptrs, meta, cfg["num_warps"],
-                           cfg["num_stages"], i64=("stride_kb", "stride_vb"),
-                           floats=("scale_log2", "softcap_inv", "softcap_log2")))
+        flag_sets = [(True, True, True)]
+        if all_variants:  # a split always writes its lse
+            flag_sets = [f for f in itertools.product((True, False), repeat=3) if f[2] or not split]
+        for causal, has_kv_start, write_lse in flag_sets:
+            meta = pa._attn_constexprs(cfg, group, d, causal=causal, has_kv_start=has_kv_start,
+                                       write_lse=write_lse, split=split, upcast=False)
+            meta.update(stride_qd=1, stride_od=1)  # unit strides: the JIT specializes them too
+            ptrs = {"q_ptr": dt, "k_ptr": dt, "v_ptr": dt, "o_ptr": "fp32" if split else dt, "lse_ptr": "fp32",
+                    "block_table_ptr": "i32", "seq_lens_ptr": "i32", "cu_q_ptr": "i32", "kv_start_ptr": "i32"}
+            desc = (f"{name}: {dt} D{d} G{group} BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} "
+                    f"w{cfg['num_warps']} s{cfg['num_stages']}")
+            if (causal, has_kv_start, write_lse) != (True, True, True):
+                desc += " [" + ",".join(n for n, on in zip(("causal", "kv_start", "lse"),
+                                                           (causal, has_kv_start, write_lse)) if on) + "]"
+            out.append(_Launch("attention", desc, pa._paged_attn_kernel, ptrs, meta, cfg["num_warps"],
+                               cfg["num_stages"], i64=("stride_kb", "stride_vb"),
+                               floats=("scale_log2", "softcap_inv", "softcap_log2"), maxnreg=cfg.get("maxnreg")))
     for name, d, dt in REDUCE_CASES:
         d_pad = max(16, pa._next_pow2(d))
         block_r = pa._reduce_block_rows(d_pad)
@@ -162,12 +179,14 @@ def _compile(launch: _Launch, capability: int) -> Row:
 
     sig, attrs = _signature(launch)
     src = ASTSource(fn=launch.fn, signature=sig, constexprs=dict(launch.constexprs), attrs=attrs)
+    options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+    if launch.maxnreg is not None:
+        options["maxnreg"] = launch.maxnreg
     buf = io.StringIO()
     t0 = time.perf_counter()
     try:
         with contextlib.redirect_stdout(buf):
-            compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32),
-                                      options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+            compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
     except Exception as exc:  # a failed compile is a failed row, not a crash of the report
         return Row(launch.kernel_name, launch.config, TARGET_NAMES[capability], -1, -1, -1, -1, False,
                    time.perf_counter() - t0, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
@@ -210,7 +229,7 @@ def run(args) -> int:
         import triton
 
         targets = args.target or sorted(SHARED_LIMIT)
-        per_target = {cap: _launches(args.only, cap) for cap in targets}
+        per_target = {cap: _launches(args.only, cap, args.all_variants) for cap in targets}
         n = len(per_target[targets[0]])
         print(f"kvarena check: {n} configurations x {len(targets)} targets, triton {triton.__version__}")
         t0 = time.perf_counter()

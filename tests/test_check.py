@@ -65,3 +65,18 @@ def test_check_module_imports_neither_torch_nor_triton():
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.slow
+def test_check_all_variants_of_one_config(tmp_path):
+    """``--all-variants`` adds every causal/kv_start/lse combination of an attention config."""
+    out_json = tmp_path / "rows.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "kvarena", "check", "--only", "decode 32q/8kv split", "--all-variants",
+         "--target", "90", "--json", str(out_json)],
+        env=_env_without_interpreter(), capture_output=True, text=True, timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    rows = json.loads(out_json.read_text())
+    assert len(rows) == 4 and len({r["config"] for r in rows}) == 4  # a split always writes lse
+    assert all(r["fits"] and r["target"] == "sm_90a" for r in rows)

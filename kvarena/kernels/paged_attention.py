@@ -60,6 +60,7 @@ _DET_SPLIT_KEYS = 4096
 _REDUCE_TILE_ELEMS = 4096
 _REDUCE_NUM_WARPS = 4
 _I32_MAX = 2**31 - 1
+_MAXNREG = 255
 # The sentinel window for "no sliding window": row_lo = p - 2**30 < 0 for any p < 2**30.
 _NO_WINDOW = 1 << 30
 
@@ -335,14 +336,20 @@ def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | No
     decode = rows is not None and rows <= 16
     hopper = capability >= 90
 
-    def cfg(bm, bn, warps, stages):
-        return dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM_PAD=d_pad, num_warps=warps, num_stages=stages)
+    def cfg(bm, bn, warps, stages, maxnreg=_MAXNREG):
+        # maxnreg = 255 (the hardware ceiling) stated explicitly for the tensor-core
+        # configs: without it ptxas may cap a 256-thread program at 128 registers to fit a
+        # second one per SM and spill 8-12 bytes (BLOCK_M = 32/64, GQA 5-7, sm_80).
+        return dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM_PAD=d_pad, num_warps=warps, num_stages=stages,
+                    maxnreg=maxnreg)
 
     if elem_bytes >= 4:
-        # fp32 dots are IEEE FMA loops with both operands in registers (no tensor cores):
-        # 16 x 32 tiles over 8 warps need ~50-65 registers at D = 128 and ~100-125 at 256.
-        # 4 warps, or 32-row tiles, made ptxas spill 8-12 bytes on one target or the other.
-        return cfg(16, 32, 8, 2)
+        # fp32 dots are IEEE FMA loops with both operands in registers (no tensor cores).
+        # ptxas is erratic here: any explicit maxnreg makes it fill the cap and spill, and
+        # left alone it sometimes caps 256 threads at 64/128 registers and spills. Found by
+        # sweeping every flag variant on both targets: 16 x 32 over 8 warps at D <= 128
+        # (~50-65 registers), 32 x 16 over 8 warps at D = 256 (~115-160); no spills.
+        return cfg(16, 32, 8, 2, maxnreg=None) if d_pad <= 128 else cfg(32, 16, 8, 2, maxnreg=None)
     if decode:
         # Decode: 16 rows is the smallest MMA tile (a 32q/8kv step fills 4 of them).
         # Memory-bound: 3 stages let the block ids run two tiles ahead and K/V one tile
@@ -526,7 +533,7 @@ def paged_attention_fwd(
         scale * LOG2E, softcap_inv, softcap_log2,
         k_cache.shape[1], causal_chunk, window, sinks,
         h_kv, num_q_tiles, tiles_per_split,
-        **meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg["maxnreg"],
     )
     if not split:
         if out_k is not out:
