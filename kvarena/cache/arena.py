@@ -56,12 +56,20 @@ class CacheFullError(RuntimeError):
     """An allocation the budget cannot hold. The pool is exactly as before the call."""
 
 
-def _check_pos_int(name: str, value, minimum: int = 1) -> int:
+def _check_int(name: str, value, minimum: int) -> int:
+    """``value`` itself if it is an int (not a bool) ``>= minimum``; else TypeError/ValueError.
+
+    Shared by the arena and the KV pools, so every count argument fails with one message.
+    """
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}: expected an int >= {minimum}, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return int(value)
+    return value
+
+
+def _check_pos_int(name: str, value, minimum: int = 1) -> int:
+    return int(_check_int(name, value, minimum))
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from kvarena.cache._meta import (
     pick_region,
     upload,
 )
-from kvarena.cache.arena import BlockAllocator, CacheFullError, KVArena, KVLayout
+from kvarena.cache.arena import BlockAllocator, CacheFullError, KVArena, KVLayout, _check_int
 
 __all__ = ["PagedKVCache", "PagedMetadata"]
 
@@ -90,14 +90,6 @@ class _Seq:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _check_count(name: str, n, minimum: int) -> int:
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"{name}: expected an int >= {minimum}, got {n!r}")
-    if n < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {n}")
-    return n
 
 
 class PagedKVCache:
@@ -165,7 +157,7 @@ class PagedKVCache:
         self._lock = threading.RLock()
         self._cache_id = next_version()  # process-unique, never reused (unlike id())
         if block_size is not None:
-            _check_count("block_size", block_size, 1)
+            _check_int("block_size", block_size, 1)
         policy_bb = int(getattr(policy, "block_bytes", 0))
         if arena is not None:
             reg = pick_region(arena, region, getattr(policy, "class_name", ""), "paged_kv")
@@ -221,9 +213,9 @@ class PagedKVCache:
             self.device = torch.empty(0, device=device).device
         total = self.allocator.num_blocks
         self._slot_dtype = torch.int32 if total * block_size < 2**31 else torch.int64
-        rows = _check_count("max_seqs", max_seqs, 1) if max_seqs is not None else None
+        rows = _check_int("max_seqs", max_seqs, 1) if max_seqs is not None else None
         cols = (
-            _check_count("max_blocks_per_seq", max_blocks_per_seq, 1)
+            _check_int("max_blocks_per_seq", max_blocks_per_seq, 1)
             if max_blocks_per_seq is not None
             else None
         )
@@ -349,7 +341,7 @@ class PagedKVCache:
         ValueError
             ``n_blocks < 0``.
         """
-        _check_count("n_blocks", n_blocks, 0)
+        _check_int("n_blocks", n_blocks, 0)
         if n_blocks == 0:
             return True
         with self._lock:
@@ -435,9 +427,9 @@ class PagedKVCache:
                 "graph_capacity: expected (max_batch, max_blocks) or "
                 f"(max_batch, max_blocks, q_per_seq), got {capacity!r}"
             )
-        max_batch = _check_count("graph_capacity[0] (max_batch)", capacity[0], 1)
-        max_blocks = _check_count("graph_capacity[1] (max_blocks)", capacity[1], 1)
-        q_per = _check_count("graph_capacity[2] (q_per_seq)", capacity[2], 1) if len(capacity) == 3 else 1
+        max_batch = _check_int("graph_capacity[0] (max_batch)", capacity[0], 1)
+        max_blocks = _check_int("graph_capacity[1] (max_blocks)", capacity[1], 1)
+        q_per = _check_int("graph_capacity[2] (q_per_seq)", capacity[2], 1) if len(capacity) == 3 else 1
         dev = self.device
         return {
             "max_batch": max_batch,
@@ -482,7 +474,7 @@ class PagedKVCache:
             raise TypeError(f"batch: expected a mapping of namespace -> n_new_tokens, got {type(batch).__name__}")
         if not batch:
             raise ValueError("batch: expected at least one namespace")
-        items = [(ns, _check_count(f"batch[{ns!r}]", n, 1)) for ns, n in batch.items()]
+        items = [(ns, _check_int(f"batch[{ns!r}]", n, 1)) for ns, n in batch.items()]
         bs = self.block_size
         g = self._graph
         if graph:

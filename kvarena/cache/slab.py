@@ -41,7 +41,7 @@ from kvarena.cache._meta import (
     pick_region,
     upload,
 )
-from kvarena.cache.arena import ArenaRegion, CacheFullError, KVArena, KVLayout
+from kvarena.cache.arena import ArenaRegion, CacheFullError, KVArena, KVLayout, _check_int
 
 __all__ = ["Slab", "SlabKVCache", "SlabMetadata", "SlabSnapshot"]
 
@@ -157,14 +157,6 @@ class SlabSnapshot:
     _last: int = field(repr=False)
 
 
-def _int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return value
-
-
 class SlabKVCache:
     """Arena-backed chunk-KV slabs with in-place sliding-window recycling.
 
@@ -222,9 +214,9 @@ class SlabKVCache:
         self._cache_id = next_version()  # process-unique, never reused (unlike id())
         self._rollouts: dict[Hashable, _Rollout] = {}
         if slab_tokens is not None:
-            _int("slab_tokens", slab_tokens, 1)
+            _check_int("slab_tokens", slab_tokens, 1)
         elif "slab_tokens" in per:
-            slab_tokens = _int('policy.per_component["slab_tokens"]', per["slab_tokens"], 1)
+            slab_tokens = _check_int('policy.per_component["slab_tokens"]', per["slab_tokens"], 1)
         self.slab_tokens = slab_tokens
         self.arena: KVArena | None = None
         self.layout: KVLayout | None = None
@@ -331,9 +323,9 @@ class SlabKVCache:
                 raise ValueError(
                     f"batch[{ns!r}]: expected chunk_index or (chunk_index, n_tokens), got {spec!r}"
                 )
-            c = _int(f"batch[{ns!r}] chunk_index", spec[0], 0)
-            return c, _int(f"batch[{ns!r}] n_tokens", spec[1], 1)
-        return _int(f"batch[{ns!r}] chunk_index", spec, 0), None
+            c = _check_int(f"batch[{ns!r}] chunk_index", spec[0], 0)
+            return c, _check_int(f"batch[{ns!r}] n_tokens", spec[1], 1)
+        return _check_int(f"batch[{ns!r}] chunk_index", spec, 0), None
 
     def _reserve(self, batch: Mapping) -> tuple[list, int]:
         """Validate a batch and claim its slots (all-or-nothing). Caller holds the lock.
@@ -698,7 +690,7 @@ class SlabKVCache:
                 shape = (lay.num_layers, t, lay.num_kv_heads, lay.head_dim)
                 for name, x in (("slab.k", k), ("slab.v", v)):
                     check_forward_tensor(name, x, shape, lay.dtype, self.device, "[num_layers, T, H_kv, D] of the layout")
-                rows, _t = self._reserve({namespace: (_int("slab.chunk_index", slab.chunk_index, 0), t)})
+                rows, _t = self._reserve({namespace: (_check_int("slab.chunk_index", slab.chunk_index, 0), t)})
             except BaseException:
                 if fresh:  # a failed first append leaves the pool as it was: no arena
                     self.arena = self._region = self.layout = None
