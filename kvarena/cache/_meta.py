@@ -15,6 +15,7 @@ __all__ = [
     "check_attn_kwargs",
     "next_version",
     "pick_region",
+    "region_of_arena",
     "upload",
 ]
 
@@ -103,3 +104,31 @@ def check_layout_match(given: KVLayout | None, region: ArenaRegion) -> KVLayout:
                 f"layout: {given} differs from the arena region {region.name!r}'s {region.layout}"
             )
     return region.layout
+
+
+def region_of_arena(
+    arena: KVArena,
+    region: str | None,
+    policy,
+    default: str,
+    layout: KVLayout | None,
+    tokens_name: str,
+    tokens: int | None,
+    device,
+) -> tuple[ArenaRegion, KVLayout]:
+    """A pool's region of a shared arena, checked against the pool's other arguments.
+
+    The region is :func:`pick_region`'s; ``layout`` (when given) must be its layout,
+    ``tokens`` (when given; the argument ``tokens_name``) its ``block_tokens`` and
+    ``device`` (when given) the arena's. Returns the region and its layout.
+    """
+    reg = pick_region(arena, region, getattr(policy, "class_name", ""), default)
+    layout = check_layout_match(layout, reg)
+    if tokens is not None and tokens != reg.block_tokens:
+        raise ValueError(
+            f"{tokens_name}: {tokens} differs from the arena region {reg.name!r}'s "
+            f"block_tokens {reg.block_tokens}"
+        )
+    if device is not None and torch.empty(0, device=device).device != arena.device:
+        raise ValueError(f"device: {device} differs from the arena's device {arena.device}")
+    return reg, layout

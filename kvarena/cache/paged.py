@@ -26,9 +26,8 @@ from kvarena.cache._meta import (
     StaleMetadataError,
     check_attn_kwargs,
     check_forward_tensor,
-    check_layout_match,
     next_version,
-    pick_region,
+    region_of_arena,
     upload,
 )
 from kvarena.cache.arena import BlockAllocator, CacheFullError, KVArena, KVLayout, _check_int
@@ -160,15 +159,9 @@ class PagedKVCache:
             _check_int("block_size", block_size, 1)
         policy_bb = int(getattr(policy, "block_bytes", 0))
         if arena is not None:
-            reg = pick_region(arena, region, getattr(policy, "class_name", ""), "paged_kv")
-            layout = check_layout_match(layout, reg)
-            if block_size is not None and block_size != reg.block_tokens:
-                raise ValueError(
-                    f"block_size: {block_size} differs from the arena region {reg.name!r}'s "
-                    f"block_tokens {reg.block_tokens}"
-                )
-            if device is not None and torch.empty(0, device=device).device != arena.device:
-                raise ValueError(f"device: {device} differs from the arena's device {arena.device}")
+            reg, layout = region_of_arena(
+                arena, region, policy, "paged_kv", layout, "block_size", block_size, device
+            )
             if policy_bb and policy_bb != reg.block_bytes:
                 raise ValueError(
                     f"policy.block_bytes: {policy_bb} differs from the region's block bytes "

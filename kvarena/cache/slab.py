@@ -36,9 +36,8 @@ from kvarena.cache._meta import (
     StaleMetadataError,
     check_attn_kwargs,
     check_forward_tensor,
-    check_layout_match,
     next_version,
-    pick_region,
+    region_of_arena,
     upload,
 )
 from kvarena.cache.arena import ArenaRegion, CacheFullError, KVArena, KVLayout, _check_int
@@ -223,15 +222,9 @@ class SlabKVCache:
         self._region: ArenaRegion | None = None
         self._device_arg = device
         if arena is not None:
-            reg = pick_region(arena, region, getattr(policy, "class_name", ""), "slab_kv")
-            layout = check_layout_match(layout, reg)
-            if slab_tokens is not None and slab_tokens != reg.block_tokens:
-                raise ValueError(
-                    f"slab_tokens: {slab_tokens} differs from the arena region {reg.name!r}'s "
-                    f"block_tokens {reg.block_tokens}"
-                )
-            if device is not None and torch.empty(0, device=device).device != arena.device:
-                raise ValueError(f"device: {device} differs from the arena's device {arena.device}")
+            reg, layout = region_of_arena(
+                arena, region, policy, "slab_kv", layout, "slab_tokens", slab_tokens, device
+            )
             self._check_block_bytes(reg.block_bytes, reg.layout, reg.block_tokens)
             self._attach(arena, reg)
         elif region is not None:
