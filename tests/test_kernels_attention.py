@@ -484,3 +484,20 @@ def test_triton_backend_on_cpu_without_interpreter_raises():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "RAISED" in res.stdout, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_launcher_without_lse_output(num_splits):
+    """lse=None (WRITE_LSE off; the public op always asks for it) still writes every row."""
+    case = make_case(dtype=torch.float16, group=5, head_dim=32, block_size=48, mode="ragged", kv_start=True, seed=9)
+    opts = dict(causal=True, chunk_size=None, window_left=20, sink_tokens=3, softcap=None)
+    ref_out, _ = reference(case, **opts)
+    q = case["q"]
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    cu = case["cu_seqlens_q"]
+    pa.paged_attention_fwd(
+        q, case["k_cache"], case["v_cache"], case["block_table"], case["seq_lens"], cu, case["kv_start"], out,
+        None, scale=q.shape[-1] ** -0.5, max_seqlen_q=case["max_seqlen_q"], max_seqlen_k=case["max_seqlen_k"],
+        num_splits=num_splits, **opts,
+    )
+    assert_rel_close(out, ref_out, TOL[torch.float16], f"lse=None, num_splits={num_splits}")
