@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
-import sys
 import threading
-import zlib
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
 import torch
+from _helpers import blob, per_test_seed, run_threads  # noqa: F401 - per_test_seed: fixture `seed`
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -23,21 +21,8 @@ from kvarena.cache.feature import FeatureCache
 from kvarena.cache.keys import CacheKey, CachePolicy
 
 
-@pytest.fixture
-def seed(request: pytest.FixtureRequest) -> int:
-    """A per-test seed (stable per test id; override with KVARENA_TEST_SEED)."""
-    env = os.environ.get("KVARENA_TEST_SEED")
-    value = int(env) if env else zlib.crc32(request.node.nodeid.encode())
-    torch.manual_seed(value)
-    return value
-
-
 def _key(content: str, component: str = "text_encoder", weights: str = "w0") -> CacheKey:
     return CacheKey(component, content, weights)
-
-
-def _blob(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def _cache(max_bytes: int, **kw: Any) -> FeatureCache:
@@ -101,9 +86,9 @@ def test_value_nbytes_other_leaves() -> None:
 def test_hit_moves_entry_to_most_recent() -> None:
     cache = _cache(30)
     for name in "abc":
-        assert cache.put(_key(name), _blob(10))
+        assert cache.put(_key(name), blob(10))
     assert cache.get(_key("a")) is not None  # a becomes most recent; b is now oldest
-    cache.put(_key("d"), _blob(10))
+    cache.put(_key("d"), blob(10))
     assert _key("b") not in cache
     assert _order(cache) == ["c", "a", "d"]
     assert cache.evictions == 1
@@ -111,7 +96,7 @@ def test_hit_moves_entry_to_most_recent() -> None:
 
 def test_hits_and_misses_are_counted() -> None:
     cache = _cache(100)
-    value = _blob(4)
+    value = blob(4)
     cache.put(_key("a"), value)
     assert cache.get(_key("a")) is value
     assert cache.get(_key("a")) is value
@@ -121,9 +106,9 @@ def test_hits_and_misses_are_counted() -> None:
 
 def test_put_of_an_existing_key_replaces_it() -> None:
     cache = _cache(100)
-    cache.put(_key("a"), _blob(10))
-    cache.put(_key("b"), _blob(5))
-    new = _blob(20)
+    cache.put(_key("a"), blob(10))
+    cache.put(_key("b"), blob(5))
+    new = blob(20)
     cache.put(_key("a"), new)
     assert cache.get(_key("a")) is new
     assert cache.used_bytes == 25 and len(cache) == 2
@@ -132,9 +117,9 @@ def test_put_of_an_existing_key_replaces_it() -> None:
 
 def test_invalidate_weights_drops_every_other_version() -> None:
     cache = _cache(1000)
-    cache.put(_key("a", weights="w0"), _blob(10))
-    cache.put(_key("b", weights="w1"), _blob(20))
-    cache.put(_key("c", weights="w2"), _blob(40))
+    cache.put(_key("a", weights="w0"), blob(10))
+    cache.put(_key("b", weights="w1"), blob(20))
+    cache.put(_key("c", weights="w2"), blob(40))
     assert cache.invalidate_weights("w1") == 2
     assert cache.keys() == [_key("b", weights="w1")]
     assert cache.used_bytes == 20
@@ -142,9 +127,9 @@ def test_invalidate_weights_drops_every_other_version() -> None:
 
 def test_invalidate_components_drops_only_those() -> None:
     cache = _cache(1000)
-    cache.put(_key("a", component="text_encoder"), _blob(10))
-    cache.put(_key("a", component="vision_encoder"), _blob(20))
-    cache.put(_key("a", component="transformer"), _blob(40))
+    cache.put(_key("a", component="text_encoder"), blob(10))
+    cache.put(_key("a", component="vision_encoder"), blob(20))
+    cache.put(_key("a", component="transformer"), blob(40))
     assert cache.invalidate_components({"transformer", "vision_encoder", "unknown"}) == 2
     assert cache.keys() == [_key("a", component="text_encoder")]
     assert cache.used_bytes == 10
@@ -153,7 +138,7 @@ def test_invalidate_components_drops_only_those() -> None:
 
 def test_keys_differing_in_weights_do_not_collide() -> None:
     cache = _cache(1000)
-    v0, v1 = _blob(1), _blob(1)
+    v0, v1 = blob(1), blob(1)
     cache.put(_key("p", weights="w0"), v0)
     cache.put(_key("p", weights="w1"), v1)
     assert cache.get(_key("p", weights="w0")) is v0
@@ -176,9 +161,9 @@ def test_nested_tensor_values_count_against_the_budget(seed: int) -> None:
 def test_value_larger_than_budget_is_rejected_and_evicts_nothing() -> None:
     # seed: the put flushed the whole cache, the new value included
     cache = _cache(50)
-    cache.put(_key("a"), _blob(20))
-    cache.put(_key("b"), _blob(20))
-    assert cache.put(_key("big"), _blob(51)) is False
+    cache.put(_key("a"), blob(20))
+    cache.put(_key("b"), blob(20))
+    assert cache.put(_key("big"), blob(51)) is False
     assert _order(cache) == ["a", "b"]
     assert cache.used_bytes == 40
     assert (cache.rejected, cache.evictions) == (1, 0)
@@ -187,24 +172,24 @@ def test_value_larger_than_budget_is_rejected_and_evicts_nothing() -> None:
 
 def test_rejected_put_drops_the_previous_value_of_that_key() -> None:
     cache = _cache(50)
-    cache.put(_key("a"), _blob(20))
-    cache.put(_key("b"), _blob(20))
-    cache.put(_key("a"), _blob(60))
+    cache.put(_key("a"), blob(20))
+    cache.put(_key("b"), blob(20))
+    cache.put(_key("a"), blob(60))
     assert _key("a") not in cache and _key("b") in cache
     assert cache.used_bytes == 20
 
 
 def test_value_exactly_at_budget_is_stored() -> None:
     cache = _cache(50)
-    cache.put(_key("a"), _blob(10))
-    assert cache.put(_key("b"), _blob(50))
+    cache.put(_key("a"), blob(10))
+    assert cache.put(_key("b"), blob(50))
     assert cache.keys() == [_key("b")] and cache.used_bytes == 50
 
 
 def test_reuse_disabled_stores_nothing() -> None:
     # seed: put stored values (and kept them alive) while get always missed
     cache = _cache(1000, reuse_across_requests=False)
-    assert cache.put(_key("a"), _blob(10)) is False
+    assert cache.put(_key("a"), blob(10)) is False
     assert len(cache) == 0 and cache.used_bytes == 0
     assert cache.get(_key("a")) is None
     calls = []
@@ -216,7 +201,7 @@ def test_reuse_disabled_stores_nothing() -> None:
 
 def test_zero_budget_keeps_only_zero_byte_values() -> None:
     cache = _cache(0)
-    assert cache.put(_key("a"), _blob(1)) is False
+    assert cache.put(_key("a"), blob(1)) is False
     assert cache.put(_key("b"), None) is True
     assert cache.used_bytes == 0
 
@@ -229,7 +214,7 @@ def test_get_or_compute_computes_once() -> None:
 
     def fn() -> torch.Tensor:
         calls.append(1)
-        return _blob(8)
+        return blob(8)
 
     first = cache.get_or_compute(_key("a"), fn)
     second = cache.get_or_compute(_key("a"), fn)
@@ -239,7 +224,7 @@ def test_get_or_compute_computes_once() -> None:
 
 def test_get_or_compute_exception_leaves_cache_unchanged() -> None:
     cache = _cache(100)
-    cache.put(_key("a"), _blob(8))
+    cache.put(_key("a"), blob(8))
 
     def boom() -> Any:
         raise RuntimeError("encoder failed")
@@ -259,11 +244,11 @@ def test_get_or_compute_runs_fn_outside_the_lock() -> None:
         # another thread must be able to use the cache while fn runs
         assert other_done.wait(timeout=10)
         assert cache.get(_key("other")) is not None  # re-entrant use works too
-        return _blob(4)
+        return blob(4)
 
     def other() -> None:
         assert inside.wait(timeout=10)
-        cache.put(_key("other"), _blob(4))
+        cache.put(_key("other"), blob(4))
         other_done.set()
 
     t = threading.Thread(target=other)
@@ -302,10 +287,10 @@ def test_get_or_compute_returns_fn_result_and_stores_it_detached(seed: int) -> N
 
 def test_stats_snapshot() -> None:
     cache = _cache(25)
-    cache.put(_key("a"), _blob(10))
-    cache.put(_key("b"), _blob(10))
-    cache.put(_key("c"), _blob(10))
-    cache.put(_key("d"), _blob(30))
+    cache.put(_key("a"), blob(10))
+    cache.put(_key("b"), blob(10))
+    cache.put(_key("c"), blob(10))
+    cache.put(_key("d"), blob(30))
     cache.get(_key("c"))
     cache.get(_key("a"))
     assert cache.stats() == {
@@ -323,13 +308,13 @@ def test_stats_snapshot() -> None:
     "call",
     [
         pytest.param(lambda c: c.get("a"), id="get"),
-        pytest.param(lambda c: c.put(("a",), _blob(1)), id="put"),
+        pytest.param(lambda c: c.put(("a",), blob(1)), id="put"),
         pytest.param(lambda c: c.get_or_compute(None, lambda: 1), id="get_or_compute"),
     ],
 )
 def test_wrong_key_type_raises_and_changes_nothing(call: Any) -> None:
     cache = _cache(100)
-    cache.put(_key("a"), _blob(10))
+    cache.put(_key("a"), blob(10))
     before = cache.stats()
     with pytest.raises(TypeError, match="key"):
         call(cache)
@@ -352,7 +337,7 @@ def test_wrong_key_type_raises_and_changes_nothing(call: Any) -> None:
 )
 def test_bad_arguments_raise_and_change_nothing(call: Any, exc: type, name: str) -> None:
     cache = _cache(100)
-    cache.put(_key("a"), _blob(10))
+    cache.put(_key("a"), blob(10))
     before = cache.stats()
     with pytest.raises(exc, match=name):
         call(cache)
@@ -408,7 +393,7 @@ class FeatureCacheMachine(RuleBasedStateMachine):
 
     @rule(key=_keys, size=st.integers(0, 40))
     def put_tensor(self, key: CacheKey, size: int) -> None:
-        value = _blob(size)
+        value = blob(size)
         assert self.cache.put(key, value) == self._model_put(key, value, size)
 
     @rule(key=_keys, sizes=st.lists(st.integers(0, 12), max_size=3))
@@ -428,7 +413,7 @@ class FeatureCacheMachine(RuleBasedStateMachine):
 
     @rule(key=_keys, size=st.integers(0, 40))
     def get_or_compute(self, key: CacheKey, size: int) -> None:
-        value = _blob(size)
+        value = blob(size)
         found, expected = self._model_get(key)
         got = self.cache.get_or_compute(key, lambda: value)
         if found:
@@ -475,50 +460,37 @@ TestFeatureCacheMachine.settings = settings(max_examples=60, stateful_step_count
 # Threads
 def test_eight_threads_keep_accounting_exact(seed: int) -> None:
     cache = _cache(4000)
-    blobs = [_blob(n) for n in range(0, 400, 7)]
+    blobs = [blob(n) for n in range(0, 400, 7)]
     n_threads, n_ops = 8, 2000
-    errors: list[BaseException] = []
     counts = [0] * n_threads  # lookups issued per thread
     start = threading.Barrier(n_threads)
 
     def worker(tid: int) -> None:
         rng = random.Random(seed * 31 + tid)
-        try:
-            start.wait()
-            for _ in range(n_ops):
-                key = _key(
-                    f"c{rng.randrange(40)}",
-                    component=rng.choice(_COMPONENTS),
-                    weights=rng.choice(_WEIGHTS),
-                )
-                op = rng.random()
-                if op < 0.4:
-                    cache.put(key, rng.choice(blobs))
-                elif op < 0.7:
-                    cache.get(key)
-                    counts[tid] += 1
-                elif op < 0.9:
-                    cache.get_or_compute(key, lambda: rng.choice(blobs))
-                    counts[tid] += 1
-                elif op < 0.95:
-                    cache.invalidate_weights(rng.choice(_WEIGHTS))
-                elif op < 0.98:
-                    cache.invalidate_components({rng.choice(_COMPONENTS)})
-                else:
-                    cache.stats()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        start.wait()
+        for _ in range(n_ops):
+            key = _key(
+                f"c{rng.randrange(40)}",
+                component=rng.choice(_COMPONENTS),
+                weights=rng.choice(_WEIGHTS),
+            )
+            op = rng.random()
+            if op < 0.4:
+                cache.put(key, rng.choice(blobs))
+            elif op < 0.7:
+                cache.get(key)
+                counts[tid] += 1
+            elif op < 0.9:
+                cache.get_or_compute(key, lambda: rng.choice(blobs))
+                counts[tid] += 1
+            elif op < 0.95:
+                cache.invalidate_weights(rng.choice(_WEIGHTS))
+            elif op < 0.98:
+                cache.invalidate_components({rng.choice(_COMPONENTS)})
+            else:
+                cache.stats()
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    try:
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(n_threads)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-    finally:
-        sys.setswitchinterval(old)
+    errors = run_threads(worker, n_threads)
     assert not errors, errors
     stats = cache.stats()
     assert stats["hits"] + stats["misses"] == sum(counts)

@@ -10,24 +10,14 @@ import random
 import subprocess
 import sys
 import textwrap
-import zlib
 
 import pytest
 import torch
+from _helpers import per_test_seed  # noqa: F401 - the `seed` fixture of this module
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvarena.cache.keys import CacheKey, CachePolicy, content_hash
-
-
-@pytest.fixture
-def seed(request: pytest.FixtureRequest) -> int:
-    """A per-test seed (stable per test id; override with KVARENA_TEST_SEED)."""
-    env = os.environ.get("KVARENA_TEST_SEED")
-    value = int(env) if env else zlib.crc32(request.node.nodeid.encode())
-    torch.manual_seed(value)
-    return value
-
 
 # ---------------------------------------------------------------------------------------
 # Cross-process stability. The same builder runs here and in fresh interpreters with

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from _helpers import TOL, assert_close, one_torch_thread  # noqa: F401 - autouse fixture
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -17,18 +18,7 @@ from kvarena.cache.arena import CacheFullError, KVArena, KVLayout, RegionSpec
 from kvarena.cache.keys import CachePolicy
 from kvarena.cache.paged import PagedKVCache, PagedMetadata
 
-# Relative ||out - ref|| / ||ref|| bound per dtype (the reference is fp64 on the same inputs).
-TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 H_Q = 4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add spin-wait overhead (worst on a loaded box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _layout(dtype=torch.float32, layers=2) -> KVLayout:
@@ -59,14 +49,6 @@ def dense_causal(q, k, v, *, window_left=None, softcap=None):
         vis &= kpos >= qpos - window_left
     s = s.masked_fill(~vis, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), vd)
-
-
-def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    err = (out.double() - ref).norm() / ref.norm().clamp_min(1e-30)
-    assert err <= TOL[dtype], (
-        f"{what}: relative error {err:.3e} > {TOL[dtype]:.0e} ({dtype}); "
-        f"max abs diff {(out.double() - ref).abs().max():.3e}"
-    )
 
 
 class History:

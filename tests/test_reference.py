@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from _helpers import TOL, one_torch_thread  # noqa: F401 - autouse fixture
 
 from kvarena.attention import merge_attention_states, paged_attention, store_kv
 from kvarena.attention.reference import (
@@ -20,17 +21,7 @@ from kvarena.attention.reference import (
     store_kv_ref,
 )
 
-# Relative ||out - ref|| / ||ref|| per dtype; the fp64 loop runs on the same (rounded) inputs.
-TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 H_KV = 2
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def naive_attention(q, k, v, q_start, *, scale, causal=True, chunk_size=None, window_left=None,

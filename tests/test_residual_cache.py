@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import random
-import sys
 import threading
-import zlib
 from collections import OrderedDict
 from typing import Any
 
 import pytest
 import torch
+from _helpers import blob, per_test_seed, run_threads  # noqa: F401 - per_test_seed: fixture `seed`
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -19,19 +17,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvarena.cache._bytes import value_nbytes
 from kvarena.cache.keys import CachePolicy
 from kvarena.cache.residual import ResidualCache
-
-
-@pytest.fixture
-def seed(request: pytest.FixtureRequest) -> int:
-    """A per-test seed (stable per test id; override with KVARENA_TEST_SEED)."""
-    env = os.environ.get("KVARENA_TEST_SEED")
-    value = int(env) if env else zlib.crc32(request.node.nodeid.encode())
-    torch.manual_seed(value)
-    return value
-
-
-def _blob(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def _cache(max_bytes: int) -> ResidualCache:
@@ -42,7 +27,7 @@ def _cache(max_bytes: int) -> ResidualCache:
 # Seed behaviour kept
 def test_get_returns_none_on_miss_and_counts() -> None:
     cache = _cache(100)
-    value = _blob(4)
+    value = blob(4)
     cache.put("req1", "cond", "block0", value)
     assert cache.get("req1", "cond", "block0") is value
     assert cache.get("req1", "uncond", "block0") is None
@@ -52,7 +37,7 @@ def test_get_returns_none_on_miss_and_counts() -> None:
 
 def test_branches_and_namespaces_are_separate() -> None:
     cache = _cache(100)
-    vals = {(ns, br): _blob(1) for ns in ("r1", "r2") for br in ("cond", "uncond")}
+    vals = {(ns, br): blob(1) for ns in ("r1", "r2") for br in ("cond", "uncond")}
     for (ns, br), v in vals.items():
         cache.put(ns, br, "res", v)
     for (ns, br), v in vals.items():
@@ -61,9 +46,9 @@ def test_branches_and_namespaces_are_separate() -> None:
 
 def test_clear_namespace_drops_all_its_branches_only() -> None:
     cache = _cache(100)
-    cache.put("r1", "cond", "a", _blob(10))
-    cache.put("r1", "uncond", "a", _blob(10))
-    keep = _blob(5)
+    cache.put("r1", "cond", "a", blob(10))
+    cache.put("r1", "uncond", "a", blob(10))
+    keep = blob(5)
     cache.put("r2", "cond", "a", keep)
     assert cache.clear_namespace("r1") == 2
     assert cache.get("r1", "cond", "a") is None and cache.get("r1", "uncond", "a") is None
@@ -73,15 +58,15 @@ def test_clear_namespace_drops_all_its_branches_only() -> None:
 
 def test_clear_unknown_namespace_is_a_noop() -> None:
     cache = _cache(100)
-    cache.put("r1", "cond", "a", _blob(10))
+    cache.put("r1", "cond", "a", blob(10))
     assert cache.clear_namespace("nope") == 0
     assert cache.used_bytes == 10 and len(cache) == 1
 
 
 def test_put_replaces() -> None:
     cache = _cache(100)
-    cache.put("r", "cond", "a", _blob(30))
-    new = _blob(10)
+    cache.put("r", "cond", "a", blob(30))
+    new = blob(10)
     cache.put("r", "cond", "a", new)
     assert cache.get("r", "cond", "a") is new and cache.used_bytes == 10 and len(cache) == 1
 
@@ -91,10 +76,10 @@ def test_put_replaces() -> None:
 def test_bytes_are_accounted_and_budget_enforced_lru_first() -> None:
     cache = _cache(100)
     for i in range(3):
-        assert cache.put(f"r{i % 2}", "cond", f"b{i}", _blob(30))
+        assert cache.put(f"r{i % 2}", "cond", f"b{i}", blob(30))
     assert cache.used_bytes == 90
     cache.get("r0", "cond", "b0")  # b0 becomes most recent; b1 is the oldest
-    cache.put("r2", "uncond", "x", (_blob(5), [_blob(10)]))  # 105 > 100: evict b1
+    cache.put("r2", "uncond", "x", (blob(5), [blob(10)]))  # 105 > 100: evict b1
     assert cache.get("r1", "cond", "b1") is None
     assert cache.used_bytes == 75 and cache.evictions == 1
     assert cache.keys() == [("r0", "cond", "b2"), ("r0", "cond", "b0"), ("r2", "uncond", "x")]
@@ -102,16 +87,16 @@ def test_bytes_are_accounted_and_budget_enforced_lru_first() -> None:
 
 def test_value_larger_than_budget_is_not_stored_and_evicts_nothing() -> None:
     cache = _cache(50)
-    cache.put("r", "cond", "a", _blob(20))
-    assert cache.put("r", "cond", "huge", _blob(51)) is False
+    cache.put("r", "cond", "a", blob(20))
+    assert cache.put("r", "cond", "huge", blob(51)) is False
     assert cache.get("r", "cond", "huge") is None
     assert cache.used_bytes == 20 and cache.rejected == 1 and cache.evictions == 0
 
 
 def test_rejected_put_never_leaves_a_stale_residual() -> None:
     cache = _cache(50)
-    cache.put("r", "cond", "a", _blob(20))
-    cache.put("r", "cond", "a", _blob(60))  # the newer residual does not fit
+    cache.put("r", "cond", "a", blob(20))
+    cache.put("r", "cond", "a", blob(60))  # the newer residual does not fit
     assert cache.get("r", "cond", "a") is None
     assert cache.used_bytes == 0 and cache.namespaces() == []
 
@@ -133,7 +118,7 @@ def test_clear_namespace_does_not_scan_other_namespaces() -> None:
     for i in range(2000):
         cache.put(f"other{i % 50}", "cond", f"b{i}", None)
     for i in range(3):
-        cache.put("mine", "cond", f"b{i}", _blob(1))
+        cache.put("mine", "cond", f"b{i}", blob(1))
     _CountingStr.comparisons = 0
     assert cache.clear_namespace(_CountingStr("mine")) == 3
     # an index lookup compares a handful of keys; a scan would compare ~2000
@@ -143,8 +128,8 @@ def test_clear_namespace_does_not_scan_other_namespaces() -> None:
 
 def test_eviction_updates_the_namespace_index() -> None:
     cache = _cache(20)
-    cache.put("old", "cond", "a", _blob(20))
-    cache.put("new", "cond", "a", _blob(20))
+    cache.put("old", "cond", "a", blob(20))
+    cache.put("new", "cond", "a", blob(20))
     assert cache.namespaces() == ["new"]
     assert cache.clear_namespace("old") == 0
     assert cache.used_bytes == 20
@@ -154,10 +139,10 @@ def test_eviction_updates_the_namespace_index() -> None:
 # scope
 def test_scope_clears_on_exit() -> None:
     cache = _cache(100)
-    cache.put("other", "cond", "a", _blob(1))
+    cache.put("other", "cond", "a", blob(1))
     with cache.scope("req") as c:
         assert c is cache
-        c.put("req", "cond", "a", _blob(10))
+        c.put("req", "cond", "a", blob(10))
         assert cache.get("req", "cond", "a") is not None
     assert cache.get("req", "cond", "a") is None
     assert cache.used_bytes == 1 and cache.namespaces() == ["other"]
@@ -166,7 +151,7 @@ def test_scope_clears_on_exit() -> None:
 def test_scope_clears_on_exception() -> None:
     cache = _cache(100)
     with pytest.raises(RuntimeError, match="denoise failed"), cache.scope("req"):
-        cache.put("req", "uncond", "a", _blob(10))
+        cache.put("req", "uncond", "a", blob(10))
         raise RuntimeError("denoise failed")
     assert len(cache) == 0 and cache.used_bytes == 0
 
@@ -201,10 +186,10 @@ def test_values_are_detached(seed: int) -> None:
 )
 def test_bad_keys_raise_and_change_nothing(args: tuple, exc: type, name: str) -> None:
     cache = _cache(100)
-    cache.put("r", "cond", "a", _blob(10))
+    cache.put("r", "cond", "a", blob(10))
     before = (cache.stats(), cache.keys())
     with pytest.raises(exc, match=name):
-        cache.put(*args, _blob(1))
+        cache.put(*args, blob(1))
     with pytest.raises(exc, match=name):
         cache.get(*args)
     assert (cache.stats(), cache.keys()) == before
@@ -222,9 +207,9 @@ def test_policy_must_be_a_cache_policy() -> None:
 
 def test_stats() -> None:
     cache = _cache(30)
-    cache.put("a", "cond", "x", _blob(20))
-    cache.put("b", "cond", "x", _blob(20))
-    cache.put("b", "cond", "y", _blob(40))
+    cache.put("a", "cond", "x", blob(20))
+    cache.put("b", "cond", "x", blob(20))
+    cache.put("b", "cond", "y", blob(40))
     cache.get("b", "cond", "x")
     cache.get("a", "cond", "x")
     assert cache.stats() == {
@@ -280,7 +265,7 @@ class ResidualCacheMachine(RuleBasedStateMachine):
         size=st.integers(0, 40),
     )
     def put(self, ns: str, br: str, name: str, size: int) -> None:
-        value = _blob(size)
+        value = blob(size)
         assert self.cache.put(ns, br, name, value) == self._model_put((ns, br, name), value, size)
 
     @rule(ns=st.sampled_from(_NS), br=st.sampled_from(_BR), name=st.sampled_from(_NAMES))
@@ -303,7 +288,7 @@ class ResidualCacheMachine(RuleBasedStateMachine):
     def scoped_request(self, ns: str, sizes: list[int]) -> None:
         with self.cache.scope(ns):
             for i, size in enumerate(sizes):
-                value = _blob(size)
+                value = blob(size)
                 key = (ns, _BR[i % 2], _NAMES[i % 2])
                 assert self.cache.put(*key, value) == self._model_put(key, value, size)
         self._model_clear(ns)
@@ -332,31 +317,9 @@ TestResidualCacheMachine.settings = settings(max_examples=60, stateful_step_coun
 
 # ---------------------------------------------------------------------------------------
 # Threads
-def _run_threads(target: Any, n: int) -> list[BaseException]:
-    errors: list[BaseException] = []
-
-    def wrapped(i: int) -> None:
-        try:
-            target(i)
-        except BaseException as exc:  # noqa: BLE001 - reported by the caller
-            errors.append(exc)
-
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    try:
-        threads = [threading.Thread(target=wrapped, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-    finally:
-        sys.setswitchinterval(old)
-    return errors
-
-
 def test_eight_threads_keep_accounting_exact(seed: int) -> None:
     cache = _cache(3000)
-    blobs = [_blob(n) for n in range(0, 300, 11)]
+    blobs = [blob(n) for n in range(0, 300, 11)]
     lookups = [0] * 8
     start = threading.Barrier(8)
 
@@ -376,7 +339,7 @@ def test_eight_threads_keep_accounting_exact(seed: int) -> None:
             else:
                 cache.stats()
 
-    errors = _run_threads(worker, 8)
+    errors = run_threads(worker, 8)
     assert not errors, errors
     stats = cache.stats()
     assert stats["hits"] + stats["misses"] == sum(lookups)
@@ -409,7 +372,7 @@ def test_interleaved_requests_never_see_each_other(seed: int) -> None:
                     seen_foreign.append((tid, -step))
         cache.clear_namespace(ns)
 
-    errors = _run_threads(request, 8)
+    errors = run_threads(request, 8)
     assert not errors, errors
     assert not seen_foreign
     assert len(cache) == 0 and cache.used_bytes == 0

@@ -17,12 +17,12 @@ import sys
 import threading
 import types
 import weakref
-import zlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _helpers import blob, per_test_seed  # noqa: F401 - per_test_seed: fixture `seed`
 
 import kvarena.cache.keys as keys_module
 from kvarena.cache import feature, handle, residual
@@ -90,21 +90,8 @@ def _impls(seed_bug: str | None = None) -> Any:
     )
 
 
-@pytest.fixture
-def seed(request: pytest.FixtureRequest) -> int:
-    """A per-test seed (stable per test id; override with KVARENA_TEST_SEED)."""
-    env = os.environ.get("KVARENA_TEST_SEED")
-    value = int(env) if env else zlib.crc32(request.node.nodeid.encode())
-    torch.manual_seed(value)
-    return value
-
-
 def _key(content: str, component: str = "te", weights: str = "w0") -> CacheKey:
     return CacheKey(component, content, weights)
-
-
-def _blob(n: int) -> torch.Tensor:
-    return torch.empty(n, dtype=torch.uint8)
 
 
 def _feature(impl: Any, max_bytes: int, **kw: Any) -> Any:
@@ -135,9 +122,9 @@ def _residual_values(cache: Any) -> list[Any]:
 def test_lru_hit_moves_to_end(impl: Any) -> None:
     cache = _feature(impl, 30)
     for name in "abc":
-        cache.put(_key(name), _blob(10))
+        cache.put(_key(name), blob(10))
     assert cache.get(_key("a")) is not None
-    cache.put(_key("d"), _blob(10))
+    cache.put(_key("d"), blob(10))
     assert cache.get(_key("b")) is None
     assert all(cache.get(_key(n)) is not None for n in "acd")
 
@@ -145,7 +132,7 @@ def test_lru_hit_moves_to_end(impl: Any) -> None:
 @_impls()
 def test_hits_and_misses(impl: Any) -> None:
     cache = _feature(impl, 100)
-    cache.put(_key("a"), _blob(1))
+    cache.put(_key("a"), blob(1))
     cache.get(_key("a"))
     cache.get(_key("b"))
     cache.get(_key("b"))
@@ -155,8 +142,8 @@ def test_hits_and_misses(impl: Any) -> None:
 @_impls()
 def test_put_replaces_with_exact_accounting(impl: Any) -> None:
     cache = _feature(impl, 100)
-    cache.put(_key("a"), _blob(10))
-    new = _blob(30)
+    cache.put(_key("a"), blob(10))
+    new = blob(30)
     cache.put(_key("a"), new)
     assert cache.get(_key("a")) is new and cache.used_bytes == 30
 
@@ -164,8 +151,8 @@ def test_put_replaces_with_exact_accounting(impl: Any) -> None:
 @_impls()
 def test_invalidate_weights_keeps_only_that_version(impl: Any) -> None:
     cache = _feature(impl, 100)
-    cache.put(_key("a", weights="w0"), _blob(10))
-    cache.put(_key("b", weights="w1"), _blob(20))
+    cache.put(_key("a", weights="w0"), blob(10))
+    cache.put(_key("b", weights="w1"), blob(20))
     cache.invalidate_weights("w1")
     assert cache.get(_key("a", weights="w0")) is None
     assert cache.get(_key("b", weights="w1")) is not None
@@ -175,8 +162,8 @@ def test_invalidate_weights_keeps_only_that_version(impl: Any) -> None:
 @_impls()
 def test_invalidate_components_drops_only_those(impl: Any) -> None:
     cache = _feature(impl, 100)
-    cache.put(_key("a", component="te"), _blob(10))
-    cache.put(_key("a", component="dit"), _blob(20))
+    cache.put(_key("a", component="te"), blob(10))
+    cache.put(_key("a", component="dit"), blob(20))
     cache.invalidate_components({"dit"})
     assert cache.get(_key("a", component="te")) is not None
     assert cache.get(_key("a", component="dit")) is None
@@ -186,9 +173,9 @@ def test_invalidate_components_drops_only_those(impl: Any) -> None:
 @_impls()
 def test_residual_get_none_on_miss_and_clear_namespace(impl: Any) -> None:
     cache = _residual(impl, 1000)
-    v = _blob(4)
+    v = blob(4)
     cache.put("r1", "cond", "a", v)
-    cache.put("r2", "cond", "a", _blob(4))
+    cache.put("r2", "cond", "a", blob(4))
     assert cache.get("r1", "cond", "a") is v
     assert cache.get("r1", "uncond", "a") is None
     cache.clear_namespace("r2")
@@ -220,9 +207,9 @@ def test_nested_containers_count_against_the_budget(impl: Any) -> None:
 @_impls(seed_bug="an oversized value flushes the whole cache, itself included")
 def test_oversized_value_does_not_flush(impl: Any) -> None:
     cache = _feature(impl, 50)
-    cache.put(_key("a"), _blob(20))
-    cache.put(_key("b"), _blob(20))
-    cache.put(_key("big"), _blob(60))
+    cache.put(_key("a"), blob(20))
+    cache.put(_key("b"), blob(20))
+    cache.put(_key("big"), blob(60))
     assert cache.get(_key("a")) is not None and cache.get(_key("b")) is not None
     assert cache.used_bytes == 40
 
@@ -230,7 +217,7 @@ def test_oversized_value_does_not_flush(impl: Any) -> None:
 @_impls(seed_bug="reuse_across_requests=False still stores (and keeps values alive)")
 def test_reuse_disabled_keeps_nothing_alive(impl: Any) -> None:
     cache = _feature(impl, 1000, reuse_across_requests=False)
-    value = _blob(10)
+    value = blob(10)
     ref = weakref.ref(value)
     cache.put(_key("a"), value)
     del value
@@ -243,7 +230,7 @@ def test_reuse_disabled_keeps_nothing_alive(impl: Any) -> None:
 def test_residual_accounts_bytes_within_budget(impl: Any) -> None:
     cache = _residual(impl, 100)
     for i in range(5):
-        cache.put("r", "cond", f"b{i}", _blob(30))
+        cache.put("r", "cond", f"b{i}", blob(30))
     stored = _residual_values(cache)
     assert cache.used_bytes == sum(value_nbytes(v) for v in stored) <= 100
     assert len(stored) == 3
@@ -311,9 +298,9 @@ def _hooked(value: str, hook: Any) -> str:
 def test_put_from_another_thread_during_invalidate_weights(impl: Any) -> None:
     cache = _feature(impl, 1000)
     for i in range(4):
-        cache.put(_key(f"old{i}", weights="w0"), _blob(10))
-    cache.put(_key("cur", weights="w1"), _blob(10))
-    new_key, new_value = _key("new", weights="w1"), _blob(7)
+        cache.put(_key(f"old{i}", weights="w0"), blob(10))
+    cache.put(_key("cur", weights="w1"), blob(10))
+    new_key, new_value = _key("new", weights="w1"), blob(7)
     meet = _Rendezvous(lambda: cache.put(new_key, new_value))
     cache.invalidate_weights(_hooked("w1", meet))
     meet.join()
@@ -327,9 +314,9 @@ def test_put_from_another_thread_during_invalidate_weights(impl: Any) -> None:
 def test_put_from_another_thread_during_clear_namespace(impl: Any) -> None:
     cache = _residual(impl, 1000)
     for i in range(4):
-        cache.put("r1", "cond", f"b{i}", _blob(10))
-    cache.put("r2", "cond", "a", _blob(10))
-    new_value = _blob(7)
+        cache.put("r1", "cond", f"b{i}", blob(10))
+    cache.put("r2", "cond", "a", blob(10))
+    new_value = blob(7)
     meet = _Rendezvous(lambda: cache.put("r3", "uncond", "a", new_value))
     cache.clear_namespace(_hooked("r1", meet))
     meet.join()

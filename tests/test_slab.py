@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from _helpers import TOL, assert_close, one_torch_thread  # noqa: F401 - autouse fixture
 
 from kvarena.cache._meta import StaleMetadataError
 from kvarena.cache.arena import CacheFullError, KVArena, KVLayout, RegionSpec
@@ -15,17 +16,9 @@ from kvarena.cache.keys import CachePolicy
 from kvarena.cache.paged import PagedKVCache
 from kvarena.cache.slab import Slab, SlabKVCache
 
-TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 H_Q = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add spin-wait overhead (worst on a loaded box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 ST = 5  # slab_tokens
 SHORT = 3  # a short first chunk
 
@@ -48,11 +41,6 @@ def dense(q, k, v):
     vd = v.double().repeat_interleave(g, dim=1)
     s = torch.einsum("qhd,khd->hqk", q.double(), kd) * q.shape[-1] ** -0.5
     return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), vd)
-
-
-def assert_close(out, ref, dtype, what) -> None:
-    err = (out.double() - ref).norm() / ref.norm().clamp_min(1e-30)
-    assert err <= TOL[dtype], f"{what}: relative error {err:.3e} > {TOL[dtype]:.0e} ({dtype})"
 
 
 def visible(c: int, sinks: int, window: int) -> list[int]:
