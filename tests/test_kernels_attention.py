@@ -501,3 +501,41 @@ def test_launcher_without_lse_output(num_splits):
         num_splits=num_splits, **opts,
     )
     assert_rel_close(out, ref_out, TOL[torch.float16], f"lse=None, num_splits={num_splits}")
+
+
+# ------------------------------------------------------------------- the full cross-product
+# KVARENA_FULL_GRID=N (bench/gpu.sh, on a GPU) runs every N-th case of the cross-product of
+# all FACTORS (N=1: all 23,328), as 27 tests of 864 cases each so that a time cap loses at
+# most one block. The interpreter lane does not run it (~0.5 s a case on CPU).
+_FULL_STRIDE = int(os.environ.get("KVARENA_FULL_GRID", "0") or 0)
+_LAYOUT_KEYS = ("dtype", "group", "head_dim")
+_REST_KEYS = [k for k in FACTORS if k not in _LAYOUT_KEYS]
+
+
+@pytest.mark.skipif(_FULL_STRIDE < 1, reason="full cross-product only with KVARENA_FULL_GRID=N (GPU script)")
+@pytest.mark.parametrize(
+    "layout", list(itertools.product(*(FACTORS[k] for k in _LAYOUT_KEYS))),
+    ids=lambda t: f"{t[0]}-g{t[1]}-d{t[2]}",
+)
+def test_attention_full_cross_product(layout, monkeypatch):
+    c0 = dict(zip(_LAYOUT_KEYS, layout))
+    dtype = DTYPES[c0["dtype"]]
+    base = FACTORS["dtype"].index(c0["dtype"]) * 1000003 + c0["group"] * 7919 + c0["head_dim"]
+    failures, ran = [], 0
+    for index, rest in enumerate(itertools.product(*(FACTORS[k] for k in _REST_KEYS))):
+        if (base + index) % _FULL_STRIDE:
+            continue
+        c = {**c0, **dict(zip(_REST_KEYS, rest))}
+        case = make_case(dtype=dtype, group=c["group"], head_dim=c["head_dim"], block_size=c["block_size"],
+                         mode=c["mode"], kv_start=c["kv_start"], seed=base + index)
+        opts = _opts_of(c, index)
+        ref_out, ref_lse = reference(case, **opts)
+        res = run_triton(case, out=torch.full_like(case["q"], float("nan")), return_lse=True, **opts)
+        ran += 1
+        try:
+            assert_rel_close(res[0], ref_out, TOL[dtype], f"out [{_case_id(c)}]")
+            assert_lse_close(res[1], ref_lse, LSE_TOL[dtype], f"lse [{_case_id(c)}]")
+        except AssertionError as exc:
+            failures.append(str(exc).splitlines()[0])
+    assert ran > 0, "the stride skipped every case of this block"
+    assert not failures, f"{len(failures)}/{ran} cases failed, first: " + "\n".join(failures[:5])
