@@ -318,6 +318,15 @@ def paged_attention(
             sink_tokens=args.sink_tokens, softcap=args.softcap, kv_start=kv_start,
             max_seqlen_q=args.max_seqlen_q, max_seqlen_k=args.max_seqlen_k,
         )
+    elif chosen == "triton" and not torch.compiler.is_compiling():
+        # Eager Triton: launch straight into the caller's ``out`` (no extra copy) and skip
+        # the lse store when it is not asked for; also skips ~10-20 us of op dispatch.
+        result = torch.empty_like(q) if out is None else out
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+        _launch_triton(q, k_cache, v_cache, block_table, seq_lens, args.cu_seqlens_q, kv_start, result, lse,
+                       args.scale, causal, args.chunk_size, args.window_left, args.sink_tokens, args.softcap,
+                       args.max_seqlen_q, args.max_seqlen_k, num_splits, deterministic)
+        return (result, lse) if return_lse else result
     else:
         # Under torch.compile: one opaque custom op with a fake impl. Eager calls the body
         # directly, skipping the ~10-20 us of custom-op dispatch per layer.
@@ -439,6 +448,19 @@ def merge_attention_states(
 # the op body is pure dispatch. Fake impls give shapes only, for torch.compile/FakeTensor.
 
 
+def _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse, scale, causal,
+                   chunk_size, window_left, sink_tokens, softcap, max_seqlen_q, max_seqlen_k, num_splits,
+                   deterministic) -> None:
+    from kvarena.kernels.paged_attention import paged_attention_fwd
+
+    paged_attention_fwd(
+        q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse,
+        scale=scale, causal=causal, chunk_size=chunk_size, window_left=window_left,
+        sink_tokens=sink_tokens, softcap=softcap, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, num_splits=num_splits, deterministic=deterministic,
+    )
+
+
 def _paged_attention_impl(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -460,16 +482,11 @@ def _paged_attention_impl(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if backend == "triton":
-        from kvarena.kernels.paged_attention import paged_attention_fwd
-
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        paged_attention_fwd(
-            q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse,
-            scale=scale, causal=causal, chunk_size=chunk_size, window_left=window_left,
-            sink_tokens=sink_tokens, softcap=softcap, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, num_splits=num_splits, deterministic=deterministic,
-        )
+        _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse, scale, causal,
+                       chunk_size, window_left, sink_tokens, softcap, max_seqlen_q, max_seqlen_k, num_splits,
+                       deterministic)
         return out, lse
     return reference.paged_attention_torch(
         q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
