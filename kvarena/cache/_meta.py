@@ -21,7 +21,7 @@ __all__ = [
 
 
 class StaleMetadataError(RuntimeError):
-    """Metadata used after one of its namespaces was planned again, truncated or freed."""
+    """Metadata used after one of its namespaces was planned again, truncated, forked or freed."""
 
 
 _versions = itertools.count(1)

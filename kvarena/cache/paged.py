@@ -364,7 +364,8 @@ class PagedKVCache:
         """Make ``dst`` a copy of ``src`` that shares its blocks (by reference count).
 
         Only the blocks covering ``src``'s tokens are shared (not its reserved ones).
-        Either side writing into a shared block later copies it first.
+        Either side writing into a shared block later copies it first. Metadata planned
+        earlier for ``src`` becomes stale: run its forward passes before forking.
 
         Raises
         ------
@@ -384,6 +385,11 @@ class PagedKVCache:
             d.seq_len = s.seq_len
             self._seqs[dst] = d
             self._set_entries(d, 0)
+            # src's outstanding metadata goes stale: its tokens not stored yet sit in blocks
+            # now shared with dst, and dst's next plan may copy such a block (CoW) before
+            # that forward writes them, leaving dst with garbage where src's last planned
+            # tokens should be. Forward src's metadata first, then fork.
+            s.version = next_version()
 
     def truncate(self, namespace: Hashable, n_tokens: int) -> None:
         """Roll ``namespace`` back to its first ``n_tokens`` tokens, freeing unneeded blocks.
@@ -502,7 +508,12 @@ class PagedKVCache:
                 raise CacheFullError(
                     f"plan needs {need} blocks, only {self.allocator.num_free} of {self.total_blocks} are free"
                 )
-            # 2. Apply: new namespaces, copy-on-write, new blocks.
+            # 2. Apply: new namespaces, copy-on-write, new blocks. Every block is taken in
+            # ONE allocator call before anything changes: the allocator may be shared with
+            # another pool on the same arena region (its own lock, not ours), so blocks
+            # counted free above can be gone by now; a per-block alloc could then raise
+            # half-way through and leave the batch half applied.
+            fresh = iter(self.allocator.alloc(need))
             self._ensure_cols(max_blocks)
             copies_src: list[int] = []
             copies_dst: list[int] = []
@@ -516,7 +527,7 @@ class PagedKVCache:
                 for j in range(old // bs, min(len(seq.blocks), n_blocks)):
                     b = seq.blocks[j]
                     if self.allocator.refcount(b) > 1:
-                        (nb,) = self.allocator.alloc(1)
+                        nb = next(fresh)
                         self.allocator.decref([b])
                         copies_src.append(b)
                         copies_dst.append(nb)
@@ -524,7 +535,7 @@ class PagedKVCache:
                         self._pending[(seq.row, j)] = nb
                 start = len(seq.blocks)
                 if n_blocks > start:
-                    seq.blocks.extend(self.allocator.alloc(n_blocks - start))
+                    seq.blocks.extend(next(fresh) for _ in range(n_blocks - start))
                     self._set_entries(seq, start)
                 old_lens.append(old)
                 seq.seq_len = old + n
@@ -613,8 +624,8 @@ class PagedKVCache:
         ValueError
             Planned by another cache.
         StaleMetadataError
-            A namespace of it was planned again, truncated or freed since (or a later
-            graph plan overwrote its buffers).
+            A namespace of it was planned again, truncated, forked (as the source) or
+            freed since (or a later graph plan overwrote its buffers).
         """
         if not isinstance(meta, PagedMetadata):
             raise TypeError(f"meta: expected a PagedMetadata, got {type(meta).__name__}")
@@ -625,7 +636,7 @@ class PagedKVCache:
         for ns, ver in zip(meta.namespaces, meta._versions):
             seq = self._seqs.get(ns)
             if seq is None or seq.version != ver:
-                what = "freed" if seq is None else "planned again or truncated"
+                what = "freed" if seq is None else "planned again, truncated or forked"
                 raise StaleMetadataError(f"meta: stale, namespace {ns!r} was {what} since this plan")
 
     def forward(

@@ -392,6 +392,10 @@ class SlabKVCache:
                 f"plan needs {new_slots} new slabs, only {alloc.num_free} of {alloc.num_blocks} "
                 f"are free ({self.slab_bytes} bytes each, budget {self.policy.max_bytes})"
             )
+        # Every new slab in ONE allocator call before anything changes: the allocator may
+        # be shared with another pool on the same arena region (its own lock, not ours),
+        # so a per-row alloc could fail half-way and leave the batch half applied.
+        fresh = iter(alloc.alloc(new_slots))
         out = []
         for ns, c, n, known in rows:
             r = self._rollouts.get(ns)
@@ -399,7 +403,7 @@ class SlabKVCache:
                 r = self._rollouts[ns] = _Rollout()
             if known is None:
                 if self._needs_slot(r, c):
-                    (slot,) = alloc.alloc(1)
+                    slot = next(fresh)
                 else:  # recycle the oldest non-sink chunk in place
                     oldest = next(i for i in r.chunks if i >= self.sinks)
                     slot = r.chunks.pop(oldest).slot
