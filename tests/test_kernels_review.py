@@ -1,0 +1,222 @@
+"""Boundary cases of the Triton kernels found in review, each against the fp64 oracle.
+
+The attention cases pin tiny tiles (BLOCK_M = BLOCK_N = 16) through ``_pick_config`` so
+that a few dozen keys already cross several tiles: window starts exactly on / one past a
+tile edge, sink and window ranges sharing one tile, kv_start inside a tile and past the
+sinks, block-causal chunks whose query block is not chunk-aligned, GQA groups larger than
+BLOCK_M (one position's heads split over two tiles), block sizes that do not divide the
+tile (1, 3, and a 4680-token slab), split-KV with more splits than key tiles, seq_len-0
+rows that own queries, loose host maxima, and strided out/lse buffers. Everything the
+kernel must not read is NaN and block-table padding holds out-of-range ids.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import kvarena.kernels.paged_attention as pa
+from kvarena.attention import store_kv
+from kvarena.attention.reference import paged_attention_ref
+
+pytestmark = pytest.mark.interpreter
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+@pytest.fixture
+def tiny_tiles(monkeypatch):
+    """BLOCK_M = BLOCK_N = 16 whatever the shape (the smallest tl.dot tile)."""
+    real = pa._pick_config
+
+    def pick(*args, **kwargs):
+        return dict(real(*args, **kwargs), BLOCK_M=16, BLOCK_N=16)
+
+    monkeypatch.setattr(pa, "_pick_config", pick)
+
+
+def make(lens, q_lens, *, kv_start=None, group=2, h_kv=1, d=16, block_size=16, dtype=torch.float32,
+         seed=0, q_scale=1.0, kv_scale=1.0):
+    """A case: every key below seq_len random (NaN below kv_start and everywhere unused)."""
+    gen = torch.Generator().manual_seed(seed)
+    b = len(lens)
+    n_blk = [-(-n // block_size) for n in lens]
+    max_blocks = max(n_blk) + 1
+    pool = sum(n_blk) + 2
+    arena = torch.full((pool, 2, block_size, h_kv, d), float("nan"), dtype=dtype)
+    k_cache, v_cache = arena[:, 0], arena[:, 1]
+    perm = torch.randperm(pool, generator=gen).tolist()
+    table = torch.full((b, max_blocks), 10**8, dtype=torch.int32)  # padding: never followed
+    starts = kv_start or [0] * b
+    nxt = 0
+    for i, n in enumerate(lens):
+        for j in range(n_blk[i]):
+            table[i, j] = perm[nxt]
+            nxt += 1
+        for t in range(starts[i], n):
+            blk, row = int(table[i, t // block_size]), t % block_size
+            k_cache[blk, row] = (torch.randn(h_kv, d, generator=gen) * kv_scale).to(dtype)
+            v_cache[blk, row] = torch.randn(h_kv, d, generator=gen).to(dtype)
+    q = (torch.randn(sum(q_lens), h_kv * group, d, generator=gen) * q_scale).to(dtype)
+    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    to = dict(device=DEVICE)
+    return dict(
+        q=q.to(**to), k_cache=k_cache.to(**to), v_cache=v_cache.to(**to), block_table=table.to(**to),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, **to), cu=cu.to(**to),
+        kv_start=torch.tensor(kv_start, dtype=torch.int32, **to) if kv_start else None,
+        max_seqlen_q=max(q_lens), max_seqlen_k=max(lens),
+    )
+
+
+def check(c, *, num_splits=1, deterministic=False, strided_out=False, **opts):
+    """Launch the kernel on NaN-filled outputs and compare out and lse with the fp64 oracle."""
+    opts = dict(dict(causal=True, chunk_size=None, window_left=None, sink_tokens=0, softcap=None), **opts)
+    ref_out, ref_lse = paged_attention_ref(
+        c["q"].double(), c["k_cache"].double(), c["v_cache"].double(), c["block_table"], c["seq_lens"], c["cu"],
+        kv_start=c["kv_start"], return_lse=True, **opts,
+    )
+    q = c["q"]
+    t, h, d = q.shape
+    if strided_out:  # out [T, H, D] and lse [T, H] as transposed views inside wider buffers
+        out = torch.full((h, t + 1, d + 3), float("nan"), dtype=q.dtype, device=DEVICE)[:, 1:, 2:2 + d].transpose(0, 1)
+        lse = torch.full((h, t + 2), float("nan"), device=DEVICE)[:, 2:].t()
+    else:
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((t, h), float("nan"), device=DEVICE)
+    pa.paged_attention_fwd(
+        q, c["k_cache"], c["v_cache"], c["block_table"], c["seq_lens"], c["cu"], c["kv_start"], out, lse,
+        scale=d**-0.5, max_seqlen_q=c["max_seqlen_q"], max_seqlen_k=c["max_seqlen_k"], num_splits=num_splits,
+        deterministic=deterministic, **opts,
+    )
+    assert not out.isnan().any() and not lse.isnan().any(), "an output row was not written (or NaN leaked)"
+    err = (out.double() - ref_out).norm() / ref_out.norm().clamp_min(1e-30)
+    assert err <= TOL[q.dtype], f"out: rel err {err:.3e}; max abs {(out.double() - ref_out).abs().max():.3e}"
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty), "lse = -inf pattern (rows with no visible key) differs"
+    assert torch.equal(out[empty], torch.zeros_like(out[empty])), "a row with no visible key is not 0"
+    if (~empty).any():
+        lerr = ((lse.double() - ref_lse).abs() / (1 + ref_lse.abs()))[~empty].max()
+        assert lerr <= 1e-5, f"lse rel err {lerr:.3e}"
+    return out, lse
+
+
+# ------------------------------------------------------------------- masks at tile edges
+
+# One sequence of 70 keys with 9 queries (positions 61..69): key tiles [0,16) .. [64,80).
+_MASKS = {
+    # p - window_left lands exactly on a tile start for p = 64 (48) and one past it for 65
+    "window_on_tile_edge": dict(window_left=16),
+    "window_0_self_only": dict(window_left=0),
+    # sinks end inside the first tile, the window of the first rows starts in that tile
+    # too: the sink and window phases visit one tile twice, each with its own key range
+    "sinks_and_window_share_a_tile": dict(window_left=55, sink_tokens=5),
+    # sinks reach past the window start: the overlap must not be counted twice
+    "sinks_overlap_window": dict(window_left=20, sink_tokens=50),
+    # block-causal: queries 61..69 are not chunk-aligned (chunk 8: 56..63 | 64..71)
+    "chunk_not_aligned": dict(chunk_size=8),
+    "chunk_window_sinks": dict(chunk_size=5, window_left=13, sink_tokens=3),
+    "full_window_sinks_softcap": dict(causal=False, window_left=9, sink_tokens=17, softcap=1.5),
+}
+
+
+@pytest.mark.parametrize("name", list(_MASKS))
+def test_masks_at_tile_edges(name, tiny_tiles):
+    c = make([70, 19, 0], [9, 4, 2], group=3, seed=1)  # + a seq_len-0 row that owns 2 queries
+    check(c, **_MASKS[name])
+
+
+@pytest.mark.parametrize("kv_start", [[7, 0, 0], [21, 19, 0], [66, 3, 0]],
+                         ids=["past_sinks", "inside_tile_and_all_hidden", "inside_window"])
+def test_kv_start(kv_start, tiny_tiles):
+    """kv_start past the sinks, inside a key tile, hiding a whole sequence, inside the window."""
+    c = make([70, 19, 0], [9, 4, 2], kv_start=kv_start, group=3, seed=2)
+    check(c, window_left=12, sink_tokens=5)
+    check(c, chunk_size=4)
+
+
+# ------------------------------------------------------------------- GQA packing and blocks
+
+
+@pytest.mark.parametrize("group,h_kv,q_lens", [(17, 1, [3, 1]), (3, 2, [7, 6]), (5, 1, [4, 1])],
+                         ids=["group_gt_block_m", "partial_last_tile", "rows_not_multiple"])
+def test_gqa_packing(group, h_kv, q_lens, tiny_tiles):
+    """q_len * group not a multiple of BLOCK_M; a group of 17 spreads one position over 2 tiles."""
+    c = make([40, 23], q_lens, group=group, h_kv=h_kv, seed=3)
+    check(c, window_left=30, sink_tokens=2)
+    c["max_seqlen_q"] += 5  # loose host maximum (CUDA-graph capacity): extra tiles exit
+    c["max_seqlen_k"] += 9
+    check(c, strided_out=True)
+
+
+@pytest.mark.parametrize("block_size", [1, 3])
+def test_block_size_not_dividing_tile(block_size, tiny_tiles):
+    c = make([37, 5], [6, 5], group=2, h_kv=2, block_size=block_size, seed=4)
+    check(c, chunk_size=3, window_left=10, sink_tokens=4)
+
+
+def test_slab_block_straddled_by_tiles(tiny_tiles):
+    """A 4680-token slab (4680 % 16 = 8): the tiles around the block edge straddle it."""
+    c = make([4700], [20], kv_start=[2], group=2, block_size=4680, seed=5)
+    opts = dict(window_left=30, sink_tokens=4)
+    out1, lse1 = check(c, **opts)
+    out3, lse3 = check(c, num_splits=3, **opts)
+    assert torch.allclose(out1, out3, atol=1e-6) and torch.allclose(lse1, lse3, atol=1e-6)
+
+
+# ------------------------------------------------------------------- split-KV
+
+
+def test_splits_beyond_key_tiles(tiny_tiles):
+    """More splits than tiles: most splits are empty (lse -inf) for every row; no NaN."""
+    c = make([50, 3, 0, 20], [2, 3, 1, 1], kv_start=[0, 0, 0, 20], group=2, seed=6)
+    for n in (2, 5, 50):
+        check(c, num_splits=n, window_left=7, sink_tokens=2)
+        check(c, num_splits=n, strided_out=True)
+
+
+def test_deterministic_with_empty_rows(tiny_tiles, monkeypatch):
+    """Fixed 16-key splits with a seq_len-0 row and a hidden one; batch-invariant bitwise."""
+    monkeypatch.setattr(pa, "_DET_SPLIT_KEYS", 16)
+    c = make([60, 0, 5, 90], [3, 2, 1, 1], kv_start=[4, 0, 5, 0], group=2, seed=7)
+    opts = dict(window_left=25, sink_tokens=6)
+    out, lse = check(c, deterministic=True, **opts)
+    # The first sequence alone: 5 splits instead of the batch's 7 (the 90-key sequence).
+    alone = dict(c, q=c["q"][:3], block_table=c["block_table"][:1], seq_lens=c["seq_lens"][:1],
+                 cu=c["cu"][:2], kv_start=c["kv_start"][:1], max_seqlen_q=3, max_seqlen_k=60)
+    out1, lse1 = check(alone, deterministic=True, **opts)
+    assert torch.equal(out1, out[:3]) and torch.equal(lse1, lse[:3])
+
+
+# ------------------------------------------------------------------- numerics
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")  # tanh saturating
+def test_fp16_scores_beyond_fp16_range(tiny_tiles):
+    """|q.k| > 65504 (fp16's max): the dot accumulates in fp32 and the scale comes after."""
+    c = make([33, 9], [3, 2], group=2, dtype=torch.float16, q_scale=100.0, kv_scale=100.0, seed=8)
+    keys = c["k_cache"][c["block_table"][0, :3].long()].flatten(0, 1)[:33, 0].float()  # [33, D]
+    assert (c["q"][:3, 0].float() @ keys.T).abs().max() > 65504
+    check(c, window_left=20)
+    check(c, softcap=30.0, num_splits=2)  # saturated tanh: +-softcap, finite, no NaN
+
+
+# ------------------------------------------------------------------- store_kv
+
+
+def test_store_kv_slot_ids_beyond_int32():
+    """int64 slot ids >= 2**31 address block 1 (not a negative, skipped slot)."""
+    d = 8
+    buf = torch.full((3 * d,), float("nan"), dtype=torch.float16, device=DEVICE)
+    # [2 blocks, 2**31 rows, 1 head, D]: every row of a block aliases one D-vector (stride 0),
+    # so a cache of 2**32 slots costs 3 * D elements.
+    k_cache = buf.as_strided((2, 2**31, 1, d), (d, 0, d, 1))
+    v_cache = buf.as_strided((2, 2**31, 1, d), (d, 0, d, 1), storage_offset=d)
+    k = torch.arange(d, dtype=torch.float16, device=DEVICE).view(1, 1, d)
+    slots = torch.tensor([2**31 + 5], dtype=torch.int64, device=DEVICE)
+    store_kv(k, k + 100, k_cache, v_cache, slots, backend="triton")
+    assert torch.equal(buf[d:2 * d], k.flatten()), "k row of block 1"
+    assert torch.equal(buf[2 * d:], (k + 100).flatten()), "v row of block 1"
+    assert buf[:d].isnan().all(), "block 0 was written: the slot id was truncated"
