@@ -13,6 +13,9 @@ kernel must not read is NaN and block-table padding holds out-of-range ids.
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -220,3 +223,52 @@ def test_store_kv_slot_ids_beyond_int32():
     assert torch.equal(buf[d:2 * d], k.flatten()), "k row of block 1"
     assert torch.equal(buf[2 * d:], (k + 100).flatten()), "v row of block 1"
     assert buf[:d].isnan().all(), "block 0 was written: the slot id was truncated"
+
+
+# ------------------------------------------------------------------- head_dim strides
+
+_HUGE_D_STRIDE = """
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+import kvarena.kernels.paged_attention as pa
+from kvarena.attention import merge_attention_states
+from kvarena.attention.reference import merge_attention_states_ref, paged_attention_ref
+
+D = 16
+S = 2**31 // (D - 1) + 1024  # head_dim stride: (D - 1) * S > 2**31
+
+
+def far(n, h):  # [n, h, D] with a head_dim stride of S, in a lazily backed ~4 GiB buffer
+    return torch.empty(D * S + n * h, dtype=torch.float16).as_strided((n, h, D), (h, 1, S))
+
+a = far(2, 1)
+a.copy_(torch.randn(2, 1, D))
+b, la, lb = torch.randn(2, 1, D).half(), torch.randn(2, 1), torch.randn(2, 1)
+out, lse = merge_attention_states(a, la, b, lb, backend="triton")
+ref, _ = merge_attention_states_ref(a, la, b, lb)
+assert (out.float() - ref.float()).abs().max() < 1e-2, "merge"
+
+kc, vc = torch.randn(13, 16, 1, D).half(), torch.randn(13, 16, 1, D).half()
+table, lens = torch.arange(13, dtype=torch.int32)[None], torch.tensor([200], dtype=torch.int32)
+cu, q = torch.tensor([0, 1], dtype=torch.int32), torch.randn(1, 1, D).half()
+ref = paged_attention_ref(q.double(), kc.double(), vc.double(), table, lens, cu)
+out = far(1, 1)
+pa.paged_attention_fwd(q, kc, vc, table, lens, cu, None, out, None, scale=D**-0.5, causal=True,
+                       chunk_size=None, window_left=None, sink_tokens=0, softcap=None, max_seqlen_q=1,
+                       max_seqlen_k=200, num_splits=2)  # 200 keys: >= 2 key tiles, so a split reduce writes out
+assert (out.double() - ref).abs().max() < 1e-2, "split reduce"
+print("OK")
+"""
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="a 4 GiB lazily backed buffer is a CPU-lane trick")
+def test_head_dim_stride_beyond_int32():
+    """merge inputs/outputs and the split-reduce output with D * stride(2) > 2**31 elements.
+
+    A subprocess: before the fix the int32 offset wrapped and the interpreter crashed.
+    """
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", _HUGE_D_STRIDE], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and "OK" in res.stdout, f"rc {res.returncode}: {res.stdout}{res.stderr[-2000:]}"

@@ -50,12 +50,16 @@ def _merge_states_kernel(
     inv = tl.where(has_key, 1.0 / tl.where(has_key, tot, 1.0), 0.0)
     d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = (d < HEAD_DIM)[None, :]
+    # int64: a permuted view (e.g. of a [D, N, H] buffer) has a head_dim stride of N * H,
+    # and D * stride passes 2**31 once N * H > 2**31 / D (8M rows at D = 256); in int32
+    # the product wrapped and the access went out of bounds (found in review).
+    d64 = d.to(tl.int64)
     a_live = (r_ok & (wa > 0.0))[:, None] & d_ok  # [BLOCK_R, HEAD_DIM_PAD]
     b_live = (r_ok & (wb > 0.0))[:, None] & d_ok
-    oa = tl.load(oa_ptr + (n * stride_oan + h * stride_oah)[:, None] + d[None, :] * stride_oad, mask=a_live, other=0.0)
-    ob = tl.load(ob_ptr + (n * stride_obn + h * stride_obh)[:, None] + d[None, :] * stride_obd, mask=b_live, other=0.0)
+    oa = tl.load(oa_ptr + (n * stride_oan + h * stride_oah)[:, None] + d64[None, :] * stride_oad, mask=a_live, other=0.0)
+    ob = tl.load(ob_ptr + (n * stride_obn + h * stride_obh)[:, None] + d64[None, :] * stride_obd, mask=b_live, other=0.0)
     o = (oa.to(tl.float32) * (wa * inv)[:, None]) + (ob.to(tl.float32) * (wb * inv)[:, None])
-    o_off = (n * stride_on + h * stride_oh)[:, None] + d[None, :] * stride_od
+    o_off = (n * stride_on + h * stride_oh)[:, None] + d64[None, :] * stride_od
     tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok)
     lse = tl.where(has_key, m_safe + tl.log(tl.where(has_key, tot, 1.0)), float("-inf"))
     tl.store(l_ptr + n * stride_ln + h * stride_lh, lse, mask=r_ok)

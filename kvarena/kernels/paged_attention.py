@@ -297,7 +297,9 @@ def _split_reduce_kernel(
     has_key = tot > 0.0
     inv = tl.where(has_key, 1.0 / tl.where(has_key, tot, 1.0), 0.0)
     o = acc * inv[:, None]
-    o_off = tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
+    # int64 head_dim offsets: out may be a permuted view whose head_dim stride times D
+    # passes 2**31 (the unsplit path copes through _tile_span; this path must itself).
+    o_off = tok[:, None] * stride_ot + head[:, None] * stride_oh + d.to(tl.int64)[None, :] * stride_od
     tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
     if WRITE_LSE:
         lse = tl.where(has_key, (m_safe + tl.log2(tl.where(has_key, tot, 1.0))) * 0.6931471805599453, float("-inf"))
