@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from _helpers import TOL, assert_close, one_torch_thread  # noqa: F401 - autouse fixture
+from _helpers import TOL, assert_close, one_torch_thread, run_threads  # noqa: F401 - autouse fixture
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -555,30 +555,20 @@ def test_plan_and_forward_never_read_device_data() -> None:
 
 
 def test_concurrent_namespaces_from_threads(seed) -> None:
-    import threading
-
     cache = _cache(blocks=64, block_size=4)
-    errors: list[BaseException] = []
 
     def worker(i: int) -> None:
-        try:
-            for step in range(40):
-                ns = f"t{i}-{step % 3}"
-                cache.plan({ns: 1 + step % 5})
-                if step % 4 == 3:
-                    cache.fork(ns, ns + "f")
-                    cache.truncate(ns, 1)
-                    cache.free_namespace(ns + "f")
-                if step % 7 == 6:
-                    cache.free_namespace(ns)
-        except BaseException as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+        for step in range(40):
+            ns = f"t{i}-{step % 3}"
+            cache.plan({ns: 1 + step % 5})
+            if step % 4 == 3:
+                cache.fork(ns, ns + "f")
+                cache.truncate(ns, 1)
+                cache.free_namespace(ns + "f")
+            if step % 7 == 6:
+                cache.free_namespace(ns)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_threads(worker, 4)
     assert not errors, errors
     held = sum(len(cache.block_ids(ns)) for ns in cache.namespaces())
     assert cache.allocator.num_used == held and cache.free + held == cache.total_blocks

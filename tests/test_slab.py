@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from _helpers import TOL, assert_close, one_torch_thread  # noqa: F401 - autouse fixture
+from _helpers import TOL, assert_close, one_torch_thread, run_threads  # noqa: F401 - autouse fixture
 
 from kvarena.cache._meta import StaleMetadataError
 from kvarena.cache.arena import CacheFullError, KVArena, KVLayout, RegionSpec
@@ -478,29 +478,19 @@ def test_plan_and_forward_never_read_device_data() -> None:
 
 
 def test_concurrent_rollouts_from_threads(seed) -> None:
-    import threading
-
     cache = _cache(slots=4 * 3, window=2, sinks=1)
-    errors: list[BaseException] = []
 
     def worker(i: int) -> None:
-        try:
-            k = torch.randn(2, ST, 2, 16)
-            for rep in range(3):
-                ns = f"r{i}"
-                for c in range(8):
-                    cache.append(ns, Slab(c, k, k))
-                    assert [s.chunk_index for s in cache.get(ns)] == visible(c, 1, 2)
-                if rep < 2:
-                    cache.clear_namespace(ns)
-        except BaseException as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+        k = torch.randn(2, ST, 2, 16)
+        for rep in range(3):
+            ns = f"r{i}"
+            for c in range(8):
+                cache.append(ns, Slab(c, k, k))
+                assert [s.chunk_index for s in cache.get(ns)] == visible(c, 1, 2)
+            if rep < 2:
+                cache.clear_namespace(ns)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_threads(worker, 4)
     assert not errors, errors
     assert cache.used_bytes == 4 * 3 * cache.slab_bytes and cache.free_bytes == 0
 
