@@ -304,7 +304,9 @@ def store_kv_torch(
     dst = torch.where(valid, slots, torch.where(any_valid, first_slot, torch.zeros_like(first_slot)))
     blk, row = dst // block_size, dst % block_size
     for new, cache in ((k, k_cache), (v, v_cache)):
-        vals = torch.where(any_valid, new[src].to(cache.dtype), cache[blk, row])
+        # With no valid row every write lands on slot 0 and rewrites its own value: only that
+        # one row is read back, not one per token (a per-token gather doubled the cost).
+        vals = torch.where(any_valid, new.index_select(0, src).to(cache.dtype), cache[0, 0])
         cache.index_put_((blk, row), vals)
 
 
