@@ -116,3 +116,14 @@ def test_forward_rejects_non_contiguous_head_dim():
     k_t = torch.randn(3, 16, 2).transpose(1, 2)  # [3, 2, 16] with head_dim stride 2
     with pytest.raises(ValueError, match="k: the last .head_dim. dimension must be contiguous"):
         cache.forward(q, k_t, k_t.contiguous(), meta, 0)
+
+
+def test_store_kv_all_skipped_into_an_empty_cache_is_a_no_op():
+    """Every slot -1 and a cache of 0 blocks: nothing to write, no index error."""
+    from kvarena import store_kv
+
+    k_cache = torch.empty(0, 4, 2, 8)
+    k = torch.randn(3, 2, 8)
+    store_kv(k, k, k_cache, k_cache.clone(), torch.tensor([-1, -1, -1]))
+    with pytest.raises(ValueError, match="slot_mapping: slot 0 is past the cache"):
+        store_kv(k, k, k_cache, k_cache.clone(), torch.tensor([-1, 0, -1]))

@@ -292,8 +292,8 @@ def store_kv_torch(
     rewrites slot 0 with its own current value. Slots must already be validated.
     """
     n = slot_mapping.shape[0]
-    if n == 0:
-        return
+    if n == 0 or k_cache.shape[0] * k_cache.shape[1] == 0:
+        return  # nothing to write, or an empty cache (then every slot was validated as < 0)
     block_size = k_cache.shape[1]
     slots = slot_mapping.long()
     valid = slots >= 0
