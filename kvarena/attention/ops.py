@@ -363,13 +363,7 @@ def _validate_store(k, v, k_cache, v_cache, slot_mapping, check_values: bool) ->
             raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous, got strides {t.stride()}")
     _require_int_tensor("slot_mapping", slot_mapping, (k.shape[0],), k_cache.device, (torch.int32, torch.int64))
     if check_values and slot_mapping.numel():
-        slots = slot_mapping.long().cpu()
-        capacity = k_cache.shape[0] * k_cache.shape[1]
-        used = slots[slots >= 0]
-        if used.numel() and int(used.max()) >= capacity:
-            raise ValueError(f"slot_mapping: slot {int(used.max())} is past the cache ({capacity} slots)")
-        if used.unique().numel() != used.numel():
-            raise ValueError("slot_mapping: a slot appears twice in one store_kv call")
+        reference.check_slots(slot_mapping.long().cpu(), k_cache.shape[0] * k_cache.shape[1])
 
 
 def store_kv(

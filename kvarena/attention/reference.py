@@ -25,6 +25,7 @@ import torch
 __all__ = [
     "paged_attention_ref",
     "paged_attention_torch",
+    "check_slots",
     "store_kv_ref",
     "store_kv_torch",
     "merge_attention_states_ref",
@@ -252,6 +253,19 @@ def paged_attention_torch(
     return out, lse
 
 
+def check_slots(slots: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Host check of a store's slots (int64 CPU ``[N]``); returns the used (``>= 0``) ones.
+
+    Raises ``ValueError`` naming ``slot_mapping`` for a slot past the cache or used twice.
+    """
+    used = slots[slots >= 0]
+    if used.numel() and int(used.max()) >= capacity:
+        raise ValueError(f"slot_mapping: slot {int(used.max())} is past the cache ({capacity} slots)")
+    if used.unique().numel() != used.numel():
+        raise ValueError("slot_mapping: a slot appears twice in one store_kv call")
+    return used
+
+
 def store_kv_ref(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -265,13 +279,8 @@ def store_kv_ref(
     cache or a slot used twice.
     """
     block_size = k_cache.shape[1]
-    capacity = k_cache.shape[0] * block_size
     slots = slot_mapping.long().cpu()
-    used = slots[slots >= 0]
-    if used.numel() and int(used.max()) >= capacity:
-        raise ValueError(f"slot_mapping: slot {int(used.max())} is past the cache ({capacity} slots)")
-    if used.unique().numel() != used.numel():
-        raise ValueError("slot_mapping: a slot appears twice in one store_kv call")
+    used = check_slots(slots, k_cache.shape[0] * block_size)
     keep = (slots >= 0).nonzero().flatten()
     blk, row = used // block_size, used % block_size
     k_cache[blk, row] = k[keep.to(k.device)].to(k_cache.dtype)
