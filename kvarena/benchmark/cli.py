@@ -20,9 +20,40 @@ import sys
 import time
 from pathlib import Path
 
+from kvarena.cli import (
+    UsageError,
+    comma_list,
+    device_name,
+    output_dir,
+    positive_float,
+    positive_int,
+)
+
 __all__ = ["add_arguments", "run", "default_out_dir"]
 
 _SECTIONS = ("kernels", "recycle", "overhead")
+
+
+def _sections(text: str) -> list[str]:
+    """argparse ``type=`` for ``--sections``: a non-empty subset of ``_SECTIONS``."""
+    names = comma_list(text)
+    bad = [s for s in names if s not in _SECTIONS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)}; expected a comma-separated subset of "
+                                         f"{','.join(_SECTIONS)}")
+    return names
+
+
+def _providers(text: str) -> list[str]:
+    """argparse ``type=`` for ``--providers``: known provider names (the registry imports no torch)."""
+    from kvarena.benchmark.cases import PROVIDERS
+
+    names = comma_list(text)
+    known = {p for ps in PROVIDERS.values() for p in ps}
+    unknown = [p for p in names if p not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; expected some of {','.join(sorted(known))}")
+    return names
 
 
 def default_out_dir() -> Path:
@@ -39,19 +70,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the tiny CPU-sized set (the default on CPU); same as --set quick")
     parser.add_argument("--set", dest="set_name", choices=("quick", "gpu"), default=None,
                         help="case set (default: gpu on CUDA, quick otherwise)")
-    parser.add_argument("--cases", default=None,
+    parser.add_argument("--cases", type=comma_list, default=None,
                         help="comma-separated substrings; keep cases whose name contains one")
-    parser.add_argument("--providers", default=None,
+    parser.add_argument("--providers", type=_providers, default=None,
                         help="comma-separated provider names to run (default: all)")
-    parser.add_argument("--sections", default=",".join(_SECTIONS),
+    parser.add_argument("--sections", type=_sections, default=",".join(_SECTIONS),
                         help=f"comma-separated subset of {','.join(_SECTIONS)} (default: all)")
-    parser.add_argument("--out", default=None,
-                        help="output directory (default: bench/out in a checkout, else ./kvarena-bench)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    parser.add_argument("--budget-s", type=float, default=None,
-                        help="wall-clock budget; rows past it are reported as skipped (results still written)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU intra-op threads (default: 1 for the quick set on CPU, else torch's)")
+    parser.add_argument("--out", type=output_dir, default=None,
+                        help="output directory, created if missing "
+                             "(default: bench/out in a checkout, else ./kvarena-bench)")
+    parser.add_argument("--device", type=device_name, default=None,
+                        help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    parser.add_argument("--budget-s", type=positive_float, default=None,
+                        help="wall-clock budget in seconds (> 0); rows past it are reported as skipped "
+                             "(results still written) (default: no budget)")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="CPU intra-op threads, 1 or more (default: 1 for the quick set on CPU, else torch's)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar / lines")
     parser.add_argument("--list", action="store_true", help="list the selected cases and providers, run nothing")
 
@@ -66,33 +100,29 @@ def run(args: argparse.Namespace) -> int:
     The exit code is 1 when kvarena's own provider failed with an error on some case, or
     when the recycling sanity check (both schemes give the same attention output) failed;
     baselines that cannot run are skipped with a reason and do not fail the run.
+
+    Raises
+    ------
+    kvarena.cli.UsageError
+        For flags that parse but select nothing or contradict each other (``kvarena.cli.main``
+        turns it into argparse's exit 2), before anything is measured.
     """
     from kvarena.benchmark import cases as C
 
-    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    bad = [s for s in sections if s not in _SECTIONS]
-    if bad:
-        print(f"kvarena bench: --sections: unknown {bad}, expected a subset of {list(_SECTIONS)}", file=sys.stderr)
-        return 2
+    # --sections, --providers, --device, --out, --threads, --budget-s were checked by the parser.
+    sections = args.sections
     if args.quick and args.set_name not in (None, "quick"):
-        print("kvarena bench: --quick conflicts with --set gpu", file=sys.stderr)
-        return 2
+        raise UsageError("--quick", "not allowed with --set gpu (--quick means --set quick)")
 
     import torch
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print(f"kvarena bench: --device {device}: CUDA is not available here", file=sys.stderr)
-        return 2
     set_name = "quick" if args.quick else (args.set_name or C.default_set(str(device)))
     case_list = C.cases(set_name, args.cases)
-    providers = [p.strip() for p in args.providers.split(",")] if args.providers else None
-    if providers:
-        known = {p for ps in C.PROVIDERS.values() for p in ps}
-        unknown = [p for p in providers if p not in known]
-        if unknown:
-            print(f"kvarena bench: --providers: unknown {unknown}, expected some of {sorted(known)}", file=sys.stderr)
-            return 2
+    if args.cases and not case_list:
+        raise UsageError("--cases", f"{','.join(args.cases)} matches no case of the {set_name} set "
+                                    f"(kvarena bench --set {set_name} --list lists them)")
+    providers = args.providers
     if args.list:
         for c in case_list:
             provs = [p for p in C.providers_for(c)
@@ -106,6 +136,13 @@ def run(args: argparse.Namespace) -> int:
     from kvarena.benchmark import report
     from kvarena.benchmark.runner import measure_ceilings, run_kernels
 
+    out_dir = args.out if args.out is not None else default_out_dir()
+    try:  # before any measurement or global setting, so that a bad directory costs nothing
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        hint = "" if args.out is not None else " (the default; choose another with --out)"
+        raise UsageError("--out", f"cannot create {out_dir}{hint}: {exc.strerror or exc}") from None
+
     threads = args.threads
     if threads is None and device.type == "cpu" and set_name == "quick":
         # Tiny shapes gain nothing from intra-op threads, and on a shared 2-core host the
@@ -114,11 +151,8 @@ def run(args: argparse.Namespace) -> int:
         threads = 1
     if threads is not None:
         torch.set_num_threads(threads)
-
-    out_dir = Path(args.out) if args.out else default_out_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
-    deadline = t_start + args.budget_s if args.budget_s else math.inf
+    deadline = t_start + args.budget_s if args.budget_s is not None else math.inf
     show = not args.no_progress
     results: dict = {"meta": report.run_metadata(device, set_name), "ceilings": None, "kernels": [],
                      "recycle": None, "overhead": None, "notes": []}
