@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import threading
+import types
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
@@ -53,17 +54,18 @@ def test_value_nbytes_counts_nested_tensors(seed: int) -> None:
     b = torch.zeros(5, dtype=torch.bfloat16)  # 10
     c = torch.zeros(2, 2, dtype=torch.int64)  # 32
     assert value_nbytes(a) == 48
-    assert value_nbytes((a, [b, {"x": c}])) == 48 + 10 + 32
+    assert value_nbytes((a, [b, {"x": c}])) == 48 + 10 + 1 + 32  # "x": a key is kept too
     assert value_nbytes(_Pair(a, b)) == 58
     assert value_nbytes(_Out(hidden=a, pooled=[c])) == 80
-    assert value_nbytes({"hidden": a, "mask": None, "len": 3}) == 48  # keys are labels
+    assert value_nbytes({"hidden": a, "mask": None, "len": 3}) == 48 + 6 + 4 + 3
 
 
-def test_value_nbytes_counts_views_by_their_elements(seed: int) -> None:
-    big = torch.randn(100, 8)
-    assert value_nbytes(big[:3]) == 3 * 8 * 4
-    assert value_nbytes(big[:, 0]) == 100 * 4
-    assert value_nbytes(torch.zeros(1, 8).expand(50, 8)) == 50 * 8 * 4
+def test_value_nbytes_counts_the_storage_a_view_keeps_alive(seed: int) -> None:
+    big = torch.randn(100, 8)  # 3200 bytes
+    assert value_nbytes(big[:3]) == 3200, "a slice keeps its whole base alive"
+    assert value_nbytes(big[:, 0]) == 3200
+    assert value_nbytes((big[:50], big[50:], big)) == 3200, "one storage counts once"
+    assert value_nbytes(torch.zeros(1, 8).expand(50, 8)) == 32, "stride 0: 8 floats kept"
 
 
 def test_value_nbytes_counts_one_object_once(seed: int) -> None:
@@ -78,7 +80,9 @@ def test_value_nbytes_other_leaves() -> None:
     assert value_nbytes("h\u00e9") == 3  # UTF-8 length
     assert value_nbytes(None) == 0
     assert value_nbytes(3.5) == 0
-    assert value_nbytes(object()) == 0
+    assert value_nbytes(np.float32(1.0)) == 4
+    assert value_nbytes(range(10**6)) == 0
+    assert value_nbytes((torch.float16, torch.device("cpu"))) == 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -152,9 +156,9 @@ def test_nested_tensor_values_count_against_the_budget(seed: int) -> None:
     cache = _cache(100)
     value = (torch.zeros(10), [torch.zeros(5, dtype=torch.float16), {"m": torch.zeros(3)}])
     assert cache.put(_key("a"), value)
-    assert cache.used_bytes == 40 + 10 + 12
+    assert cache.used_bytes == 40 + 10 + 1 + 12
     assert cache.put(_key("b"), (torch.zeros(10),))
-    assert _key("a") not in cache  # 62 + 40 > 100: the first one went
+    assert _key("a") not in cache  # 63 + 40 > 100: the first one went
     assert cache.used_bytes == 40
 
 
@@ -273,7 +277,7 @@ def test_stored_tensors_are_detached(seed: int) -> None:
     for t in (stored["hidden"], stored["pooled"][0], stored["raw"]):
         assert not t.requires_grad and t.grad_fn is None
     assert stored["hidden"].data_ptr() == out.data_ptr()  # detached, not copied
-    assert cache.used_bytes == 64 + 16 + 64
+    assert cache.used_bytes == 64 + 16 + 64 + len("hidden") + len("pooled") + len("raw")
 
 
 def test_get_or_compute_returns_fn_result_and_stores_it_detached(seed: int) -> None:
@@ -344,6 +348,24 @@ def test_bad_arguments_raise_and_change_nothing(call: Any, exc: type, name: str)
     assert cache.stats() == before and cache.keys() == [_key("a")]
 
 
+def test_unsizable_value_raises_even_with_reuse_disabled() -> None:
+    # the same put fails whatever the policy, so a config switch cannot hide the bug
+    cache = _cache(100, reuse_across_requests=False)
+    with pytest.raises(TypeError, match=r"^value: .*generator"):
+        cache.put(_key("a"), (t for t in [blob(4)]))
+    assert cache.stats()["rejected"] == 0, "a put that raises must not count as rejected"
+
+
+def test_get_or_compute_with_an_unsizable_result_raises_and_stores_nothing() -> None:
+    cache = _cache(100)
+    cache.put(_key("a"), blob(8))
+    before = cache.stats()
+    with pytest.raises(TypeError, match=r"^value: .*SimpleNamespace"):
+        cache.get_or_compute(_key("b"), lambda: types.SimpleNamespace(t=blob(50)))
+    assert cache.stats() == {**before, "misses": before["misses"] + 1}, cache.stats()
+    assert cache.keys() == [_key("a")]
+
+
 def test_policy_must_be_a_cache_policy() -> None:
     with pytest.raises(TypeError, match="policy"):
         FeatureCache({"class_name": "feature", "max_bytes": 10})  # type: ignore[arg-type]
@@ -399,7 +421,7 @@ class FeatureCacheMachine(RuleBasedStateMachine):
     @rule(key=_keys, sizes=st.lists(st.integers(0, 12), max_size=3))
     def put_nested(self, key: CacheKey, sizes: list[int]) -> None:
         value = {"parts": tuple(torch.zeros(s, dtype=torch.float16) for s in sizes)}
-        size = 2 * sum(sizes)
+        size = 2 * sum(sizes) + len("parts")
         assert self.cache.put(key, value) == self._model_put(key, value, size)
 
     @rule(key=_keys)

@@ -173,6 +173,21 @@ def test_values_are_detached(seed: int) -> None:
     assert not got.requires_grad and got.grad_fn is None and torch.equal(got, r.detach())
 
 
+def test_a_row_of_a_batch_does_not_keep_the_batch_alive(seed: int) -> None:
+    # what a CFG/batched denoiser does: one residual per request from one batch tensor
+    batch = torch.randn(8, 256)  # 8 KiB; each row 1 KiB
+    cache = _cache(4 * 1024)
+    for j in range(4):
+        assert cache.put(f"req{j}", "cond", "tail", batch[j])
+    assert cache.used_bytes == 4 * 1024, f"4 rows must count 4 KiB, got {cache.used_bytes}"
+    for j in range(4):
+        got = cache.get(f"req{j}", "cond", "tail")
+        assert torch.equal(got, batch[j])
+        assert got.untyped_storage().nbytes() == 1024, (
+            f"row {j} keeps {got.untyped_storage().nbytes()} bytes alive, not its own 1024"
+        )
+
+
 @pytest.mark.parametrize(
     "args, exc, name",
     [

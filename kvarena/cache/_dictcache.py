@@ -43,7 +43,7 @@ class _ByteBudgetCache:
 
     @property
     def used_bytes(self) -> int:
-        """int: bytes of the values currently stored."""
+        """int: bytes the stored values keep alive (see :mod:`kvarena.cache._bytes`)."""
         return self._lru.used
 
     @property

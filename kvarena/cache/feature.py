@@ -3,9 +3,10 @@
 Entries are keyed by :attr:`CacheKey.hash`, so a key partitions by component,
 input content, weights version, adapter stack and every other staleness field.
 The cache enforces ``policy.max_bytes`` by evicting least-recently-used entries,
-with exact byte accounting (see :mod:`kvarena.cache._bytes` for what a value
-counts). It is safe to call from several threads (one lock; the ``fn`` of
-:meth:`FeatureCache.get_or_compute` runs outside it).
+charging each value exactly the bytes it keeps alive (see :mod:`kvarena.cache._bytes`
+for what a value counts and when a view is stored as a compact copy). It is safe to
+call from several threads (one lock; the ``fn`` of :meth:`FeatureCache.get_or_compute`
+runs outside it).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvarena.cache._bytes import detached, value_nbytes
+from kvarena.cache._bytes import check_storable, storable
 from kvarena.cache._dictcache import _ByteBudgetCache
 from kvarena.cache.keys import CacheKey, _iter_names
 
@@ -39,19 +40,22 @@ class FeatureCache(_ByteBudgetCache):
     ----------
     policy : CachePolicy
     used_bytes : int
-        Bytes of the stored values (exact; never above ``policy.max_bytes``).
+        Bytes the stored values keep alive (exact; never above ``policy.max_bytes``).
     hits, misses, evictions, rejected : int
         Counters: lookups that found / did not find a value, entries evicted for
         room, puts not stored (value larger than the budget, or reuse disabled).
 
     Notes
     -----
-    Stored tensors are detached (no autograd graph is kept alive) but not copied:
-    ``get`` returns the stored object itself, which callers must treat as
-    read-only. A ``put`` never raises for size: a value larger than the budget is
-    simply not stored and evicts nothing. After ``put(key, value)``, ``get(key)``
-    returns ``value`` or misses, never an older value of that key (so a rejected
-    put also drops the key's previous entry).
+    Stored tensors are detached (no autograd graph is kept alive). A tensor is
+    copied only when that keeps fewer bytes alive, e.g. a small view of a large
+    tensor (see :mod:`kvarena.cache._bytes`); otherwise ``get`` returns the stored
+    object itself, which callers must treat as read-only. A ``put`` never raises for
+    size: a value larger than the budget is simply not stored and evicts nothing. It
+    raises ``TypeError`` for a value holding an object the cache cannot size, before
+    changing anything. After ``put(key, value)``, ``get(key)`` returns ``value`` (or
+    its compact copy) or misses, never an older value of that key (so a rejected put
+    also drops the key's previous entry).
     """
 
     # policy, max_bytes, used_bytes, hits, misses, evictions, rejected, __len__:
@@ -117,8 +121,9 @@ class FeatureCache(_ByteBudgetCache):
         ----------
         key : CacheKey
         value : object
-            A tensor, a nested tuple/list/dict of tensors, or any other object
-            (see :mod:`kvarena.cache._bytes` for its byte count).
+            A tensor, or tensors nested in tuples, lists, dicts, sets, frozensets,
+            deques or dataclass instances; also numpy arrays, str, bytes, numbers,
+            None (see :mod:`kvarena.cache._bytes` for its byte count).
 
         Returns
         -------
@@ -130,15 +135,18 @@ class FeatureCache(_ByteBudgetCache):
         Raises
         ------
         TypeError
-            If ``key`` is not a ``CacheKey``.
+            If ``key`` is not a ``CacheKey``, or ``value`` holds an object whose
+            bytes cannot be counted (a generator, an arbitrary object, a sparse
+            tensor, ...). The cache is then unchanged.
         """
         h = _check_key(key)
         if not self._policy.reuse_across_requests:
+            check_storable(value)  # the same values fail whether or not reuse is on
             with self._lock:
                 self._rejected += 1
             return False
-        value = detached(value)
-        nb = value_nbytes(value)
+        # detach, compact and count outside the lock: it may copy tensors
+        value, nb = storable(value)
         with self._lock:
             if nb > self._lru.max_bytes:
                 self._lru.remove(h)
@@ -155,8 +163,8 @@ class FeatureCache(_ByteBudgetCache):
         key : CacheKey
         fn : callable
             Called with no arguments on a miss, outside the cache's lock (so it may
-            use the cache itself). Its result is stored (detached) with
-            :meth:`put` and returned as ``fn`` returned it.
+            use the cache itself). Its result is stored (detached, views
+            compacted) with :meth:`put` and returned as ``fn`` returned it.
 
         Returns
         -------
@@ -165,7 +173,9 @@ class FeatureCache(_ByteBudgetCache):
         Raises
         ------
         TypeError
-            If ``key`` is not a ``CacheKey`` or ``fn`` is not callable.
+            If ``key`` is not a ``CacheKey`` or ``fn`` is not callable, or ``fn``
+            returned a value :meth:`put` rejects with ``TypeError`` (the miss stays
+            counted; nothing else changes).
 
         Notes
         -----

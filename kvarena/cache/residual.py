@@ -4,7 +4,8 @@ Entries are keyed by ``(namespace, branch, name)``: the namespace is the request
 (or loop) id and the branch the CFG branch (``"cond"``/``"uncond"``) or any other
 explicit id, so two interleaved requests, or the two halves of a CFG batch, never
 see each other's residuals. The cache enforces ``policy.max_bytes`` by evicting
-least-recently-used entries across all namespaces; a miss is always safe (the
+least-recently-used entries across all namespaces, charging each value exactly the
+bytes it keeps alive (see :mod:`kvarena.cache._bytes`); a miss is always safe (the
 caller recomputes). Safe to call from several threads.
 """
 
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from kvarena.cache._bytes import detached, value_nbytes
+from kvarena.cache._bytes import storable
 from kvarena.cache._dictcache import _ByteBudgetCache
 from kvarena.cache.keys import CachePolicy
 
@@ -54,16 +55,19 @@ class ResidualCache(_ByteBudgetCache):
     ----------
     policy : CachePolicy
     used_bytes : int
-        Bytes of the stored values (exact; never above ``policy.max_bytes``).
+        Bytes the stored values keep alive (exact; never above ``policy.max_bytes``).
     hits, misses, evictions, rejected : int
         Lookups that found / did not find a value, entries evicted for room, puts
         of a value larger than the whole budget (not stored).
 
     Notes
     -----
-    Values are detached but not copied; ``get`` returns the stored object. After
-    ``put(ns, branch, name, value)``, ``get`` of that entry returns ``value`` or
-    misses, never an older residual: a rejected put drops the previous one.
+    Values are detached. A tensor is copied only when that keeps fewer bytes alive:
+    a row ``h[j]`` of a batch would otherwise keep the whole batch alive (see
+    :mod:`kvarena.cache._bytes`); otherwise ``get`` returns the stored object. After
+    ``put(ns, branch, name, value)``, ``get`` of that entry returns ``value`` (or its
+    compact copy) or misses, never an older residual: a rejected put drops the
+    previous one.
     """
 
     def __init__(self, policy: CachePolicy) -> None:
@@ -97,7 +101,8 @@ class ResidualCache(_ByteBudgetCache):
         name : str
             What the value is (e.g. ``"block_5.residual"``).
         value : object
-            Usually a tensor; nested containers of tensors are accounted too.
+            Usually a tensor; tensors nested in tuples, lists, dicts, sets,
+            frozensets, deques or dataclass instances are accounted too.
 
         Returns
         -------
@@ -108,13 +113,15 @@ class ResidualCache(_ByteBudgetCache):
         Raises
         ------
         TypeError
-            If ``namespace``, ``branch`` or ``name`` is not a str.
+            If ``namespace``, ``branch`` or ``name`` is not a str, or ``value`` holds
+            an object whose bytes cannot be counted (a generator, an arbitrary
+            object, a sparse tensor, ...). The cache is then unchanged.
         ValueError
             If ``branch`` is empty.
         """
         key = _check_entry(namespace, branch, name)
-        value = detached(value)
-        nb = value_nbytes(value)
+        # detach, compact and count outside the lock: it may copy tensors
+        value, nb = storable(value)
         with self._lock:
             if nb > self._lru.max_bytes:
                 self._remove(key)
