@@ -28,6 +28,7 @@ _EXPORTS = {
     "PagedMetadata": "kvarena.cache.paged",
     "CacheHandle": "kvarena.cache.handle",
     "make_pool": "kvarena.cache.handle",
+    "AttentionSpec": "kvarena.attention.spec",
     "paged_attention": "kvarena.attention.ops",
     "store_kv": "kvarena.attention.ops",
     "merge_attention_states": "kvarena.attention.ops",

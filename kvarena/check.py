@@ -24,6 +24,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from kvarena.cli import UsageError, nonempty, output_file
+
 # Opt-in shared memory per block: 163 KiB on A100 (sm_80), 227 KiB on H100/H200 (sm_90a).
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 TARGET_NAMES = {80: "sm_80", 90: "sm_90a"}
@@ -82,8 +84,11 @@ class _Launch:
 def add_arguments(parser) -> None:
     parser.add_argument("--target", type=int, action="append", choices=sorted(SHARED_LIMIT),
                         help="compute capability to compile for (repeatable; default: 80 and 90)")
-    parser.add_argument("--only", default=None, help="only configurations whose name contains this text")
-    parser.add_argument("--json", dest="json_path", default=None, help="also write the rows as JSON to this file")
+    parser.add_argument("--only", type=nonempty, default=None,
+                        help="only configurations whose name contains this text")
+    # Checked when parsed (a writable file in an existing directory): the compiles take minutes.
+    parser.add_argument("--json", dest="json_path", type=output_file, default=None,
+                        help="also write the rows as JSON to this file")
     parser.add_argument("--all-variants", action="store_true",
                         help="also compile every mask/output flag variant of each attention config "
                              "(causal x kv_start x lse; ~200 compiles, ~4 min) instead of the all-on one")
@@ -102,6 +107,7 @@ def _launches(only: str | None, capability: int, all_variants: bool = False) -> 
     """
     from kvarena.kernels import merge, store
     from kvarena.kernels import paged_attention as pa
+    from kvarena.kernels._common import ROW_TILE_WARPS, head_dim_pad
 
     out = []
     for name, d, group, dt, q_len, split, det in ATTENTION_CASES:
@@ -111,7 +117,8 @@ def _launches(only: str | None, capability: int, all_variants: bool = False) -> 
             flag_sets = [f for f in itertools.product((True, False), repeat=3) if f[2] or not split]
         for causal, has_kv_start, write_lse in flag_sets:
             meta = pa._attn_constexprs(cfg, group, d, causal=causal, has_kv_start=has_kv_start,
-                                       write_lse=write_lse, split=split, upcast=False)
+                                       write_lse=write_lse, split=split, upcast=False,
+                                       guard=pa._needs_guard(q_len, causal, None))
             meta.update(stride_qd=1, stride_od=1)  # unit strides: the JIT specializes them too
             ptrs = {"q_ptr": dt, "k_ptr": dt, "v_ptr": dt, "o_ptr": "fp32" if split else dt, "lse_ptr": "fp32",
                     "block_table_ptr": "i32", "seq_lens_ptr": "i32", "cu_q_ptr": "i32", "kv_start_ptr": "i32"}
@@ -120,16 +127,18 @@ def _launches(only: str | None, capability: int, all_variants: bool = False) -> 
             if (causal, has_kv_start, write_lse) != (True, True, True):
                 desc += " [" + ",".join(n for n, on in zip(("causal", "kv_start", "lse"),
                                                            (causal, has_kv_start, write_lse)) if on) + "]"
+            if meta["GUARD_NONFINITE"]:
+                desc += " +nonfinite-guard"
             out.append(_Launch("attention", desc, pa._paged_attn_kernel, ptrs, meta, cfg["num_warps"],
                                cfg["num_stages"], i64=("stride_kb", "stride_vb"),
                                floats=("scale_log2", "softcap_inv", "softcap_log2"), maxnreg=cfg.get("maxnreg")))
     for name, d, dt in REDUCE_CASES:
-        d_pad = max(16, pa._next_pow2(d))
+        d_pad = head_dim_pad(d)
         block_r = pa._reduce_block_rows(d_pad)
         meta = dict(HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_R=block_r, WRITE_LSE=True, stride_od=1)
         ptrs = {"part_ptr": "fp32", "part_lse_ptr": "fp32", "o_ptr": dt, "lse_ptr": "fp32"}
-        out.append(_Launch("split_reduce", f"{name}: {dt} BR{block_r} w{pa._REDUCE_NUM_WARPS}",
-                           pa._split_reduce_kernel, ptrs, meta, pa._REDUCE_NUM_WARPS, 1,
+        out.append(_Launch("split_reduce", f"{name}: {dt} BR{block_r} w{ROW_TILE_WARPS}",
+                           pa._split_reduce_kernel, ptrs, meta, ROW_TILE_WARPS, 1,
                            i64=("stride_ps",)))
     for name, d, dt in STORE_CASES:
         cfg = store._pick_config(d)
@@ -231,6 +240,8 @@ def run(args) -> int:
         targets = args.target or sorted(SHARED_LIMIT)
         per_target = {cap: _launches(args.only, cap, args.all_variants) for cap in targets}
         n = len(per_target[targets[0]])
+        if n == 0:  # nothing to compile must not read as "all fit"
+            raise UsageError("--only", f"{args.only!r} matches no kernel configuration")
         print(f"kvarena check: {n} configurations x {len(targets)} targets, triton {triton.__version__}")
         t0 = time.perf_counter()
         rows = [_compile(per_target[cap][i], cap) for i in range(n) for cap in targets]

@@ -163,10 +163,10 @@ def test_allocator_alloc_free_order_and_counts() -> None:
 def test_allocator_all_or_nothing_when_full() -> None:
     a = BlockAllocator(3)
     a.alloc(2)
-    before = (list(a._free), list(a._ref))
+    before = (list(a._free), dict(a._ref), a._fresh)
     with pytest.raises(CacheFullError, match="need 2 blocks, only 1"):
         a.alloc(2)
-    assert (list(a._free), list(a._ref)) == before
+    assert (list(a._free), dict(a._ref), a._fresh) == before
 
 
 @pytest.mark.parametrize(
@@ -181,10 +181,10 @@ def test_allocator_all_or_nothing_when_full() -> None:
 def test_allocator_rejects_bad_frees_without_change(blocks: list, match: str) -> None:
     a = BlockAllocator(4)
     a.alloc(2)  # 0 and 1 allocated; 2 and 3 free
-    before = (list(a._free), list(a._ref))
+    before = (list(a._free), dict(a._ref), a._fresh)
     with pytest.raises(ValueError, match=match):
         a.decref([1, *blocks])
-    assert (list(a._free), list(a._ref)) == before
+    assert (list(a._free), dict(a._ref), a._fresh) == before
 
 
 def test_allocator_refcounts() -> None:
@@ -222,8 +222,8 @@ def test_allocator_is_thread_safe() -> None:
     for t in threads:
         t.join()
     assert not errors, errors
-    assert a.num_free == 64 and sorted(a._free) == list(range(64))
-    assert all(r == 0 for r in a._ref)
+    assert a.num_free == 64 and a.num_used == 0
+    assert sorted(a.alloc(64)) == list(range(64)), "a block id was lost or handed out twice"
 
 
 class AllocatorMachine(RuleBasedStateMachine):

@@ -116,6 +116,6 @@ def test_overhead_rows(quick_run):
     for batch in (1, 64, 256):
         ok = {r["what"] for r in rows if r["batch"] == batch and r["status"] == "ok"}
         for what in ("paged.plan (decode step)", "paged.forward (per layer)", "paged.forward, ops stubbed",
-                     "paged_attention validated, impl stubbed", "paged_attention _trusted, impl stubbed",
+                     "paged_attention validated, impl stubbed", "attend trusted, impl stubbed",
                      "slab.plan (new chunk)", "slab.forward commit (per layer)", "slab.forward commit, ops stubbed"):
             assert what in ok, f"batch {batch}: no {what!r} row ({[r for r in rows if r['batch'] == batch]})"

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvarena.attention.ops  # noqa: F401  (registers the kvarena:: ops)
-from kvarena.attention import merge_attention_states, paged_attention, store_kv
+from kvarena.attention import AttentionSpec, merge_attention_states, ops
 from kvarena.attention.reference import paged_attention_ref
+
+_SPEC = AttentionSpec(return_lse=True)
 
 
 @pytest.fixture
@@ -30,8 +31,11 @@ def _paged_inputs(dtype=torch.float32):
 
 def test_opcheck_paged_attention(seed):
     q, kc, vc, bt, sl, cu, mq, mk = _paged_inputs()
-    args = (q, kc, vc, bt, sl, cu, None, 0.25, True, None, None, 0, None, mq, mk, None, False, "torch")
-    torch.library.opcheck(torch.ops.kvarena.paged_attention.default, args)
+    # The schema's option arguments are generated from AttentionSpec's fields.
+    for spec in (AttentionSpec(scale=0.25, backend="torch"),
+                 AttentionSpec(window_left=3, sink_tokens=1, softcap=5.0, chunk_size=2, backend="torch")):
+        args = (q, kc, vc, bt, sl, cu, None, mq, mk, *spec.op_args())
+        torch.library.opcheck(torch.ops.kvarena.paged_attention.default, args)
 
 
 def test_opcheck_store_and_merge(seed):
@@ -48,8 +52,9 @@ def test_opcheck_store_and_merge(seed):
 
 
 def _layer(q, kc, vc, bt, sl, cu, knew, slots, mq, mk):
-    store_kv(knew, knew * 2, kc, vc, slots, _trusted=True)
-    o, lse = paged_attention(q, kc, vc, bt, sl, cu, max_seqlen_q=mq, max_seqlen_k=mk, return_lse=True, _trusted=True)
+    # The pools' per-layer path: validated-once spec, no per-call checks.
+    ops.store(knew, knew * 2, kc, vc, slots, "torch")
+    o, lse = ops.attend(q, kc, vc, bt, sl, cu, None, spec=_SPEC, max_seqlen_q=mq, max_seqlen_k=mk, backend="torch")
     o2, lse2 = merge_attention_states(o, lse, o * 0.5, lse - 1.0)
     return o2, lse2
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from _helpers import TOL, assert_close, one_torch_thread, run_threads  # noqa: F401 - autouse fixture
+from _helpers import assert_close, one_torch_thread, run_threads  # noqa: F401 - autouse fixture
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -158,7 +158,7 @@ def test_shared_arena_regions() -> None:
     with pytest.raises(KeyError, match="nope"):
         PagedKVCache(CachePolicy("paged_kv", 0), arena=arena, region="nope")
     with pytest.raises(ValueError, match="region"):
-        PagedKVCache(CachePolicy("other", 0), arena=KVArena({"x": RegionSpec(lay, 4, 0), "y": RegionSpec(lay, 4, 0)}))
+        PagedKVCache(CachePolicy("paged_kv", 0), arena=KVArena({"x": RegionSpec(lay, 4, 0), "y": RegionSpec(lay, 4, 0)}))
 
 
 # ---------------------------------------------------------------------------------------

@@ -2,5 +2,6 @@
 
 from kvarena.attention import reference
 from kvarena.attention.ops import merge_attention_states, paged_attention, store_kv
+from kvarena.attention.spec import AttentionSpec
 
-__all__ = ["paged_attention", "store_kv", "merge_attention_states", "reference"]
+__all__ = ["AttentionSpec", "paged_attention", "store_kv", "merge_attention_states", "reference"]

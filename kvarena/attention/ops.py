@@ -1,9 +1,19 @@
 """Public attention ops: argument validation and backend dispatch.
 
-``backend="auto"`` runs the Triton kernels on CUDA tensors and the PyTorch path on CPU;
-``"triton"`` on CPU runs the Triton interpreter (TRITON_INTERPRET=1 must be set before
-triton is imported); ``"torch"`` forces the PyTorch path. A call that needs gradients
-takes the PyTorch path (there is no Triton backward yet).
+Two kinds of entry point:
+
+* The functional ops ``paged_attention``, ``store_kv`` and ``merge_attention_states``
+  are one-shot calls: every argument is validated on every call, into an
+  :class:`~kvarena.attention.spec.AttentionSpec` for the options.
+* :func:`attend` and :func:`store` are what the KV pools call per layer. They trust
+  their arguments: the options arrive as an ``AttentionSpec`` (validated when it was
+  made), the metadata comes from the pool's own ``plan`` and the pool has checked
+  q/k/v against its layout. There is no private flag on the public ops.
+
+Backends: ``"auto"`` runs the Triton kernels on CUDA tensors and the PyTorch path on CPU
+and whenever autograd needs a gradient (there is no Triton backward yet); ``"triton"``
+on CPU runs the Triton interpreter (TRITON_INTERPRET=1 must be set before triton is
+imported); ``"torch"`` forces the PyTorch path.
 
 Checks that read only shapes, dtypes and devices always run. Checks that need the
 *values* of block tables, lengths or slots run on CPU tensors and, on CUDA, only under
@@ -13,18 +23,26 @@ Checks that read only shapes, dtypes and devices always run. Checks that need th
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
 from kvarena.attention import reference
+from kvarena.attention.spec import AttentionSpec, check_backend
 
-__all__ = ["paged_attention", "store_kv", "merge_attention_states", "debug_enabled"]
+__all__ = [
+    "paged_attention",
+    "store_kv",
+    "merge_attention_states",
+    "debug_enabled",
+    "attend",
+    "store",
+    "resolve_backend",
+    "check_no_overlap",
+]
 
-_BACKENDS = ("auto", "torch", "triton")
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_TORCH_DTYPES = (*_KERNEL_DTYPES, torch.float64)
-_MAX_HEAD_DIM = 256
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TORCH_DTYPES = (*KERNEL_DTYPES, torch.float64)
+MAX_HEAD_DIM = 256
 
 
 def debug_enabled() -> bool:
@@ -34,6 +52,12 @@ def debug_enabled() -> bool:
 
 def _check_values(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" or debug_enabled()
+
+
+def check_head_dim(name: str, d: int) -> None:
+    """The head dims every backend takes: multiples of 8 in [8, 256]."""
+    if d % 8 or not 8 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"{name}: head_dim must be a multiple of 8 in [8, {MAX_HEAD_DIM}], got {d}")
 
 
 def _require_tensor(name: str, t, ndim: int | None = None) -> torch.Tensor:
@@ -55,29 +79,34 @@ def _require_int_tensor(name: str, t, shape: tuple[int, ...], device: torch.devi
     return t
 
 
-def _opt_int(name: str, value, minimum: int) -> int | None:
+def _opt_host_int(name: str, value) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected None or an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected None or an int >= {minimum}, got {value}")
+        raise TypeError(f"{name}: expected None or an int >= 0, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name}: expected None or an int >= 0, got {value}")
     return value
 
 
-def _resolve_backend(backend: str, device: torch.device, needs_grad: bool) -> str:
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if device.type == "cuda" and not needs_grad else "torch"
-    if backend == "triton":
-        if needs_grad:
-            raise ValueError("backend='triton' has no backward yet: use backend='auto' or 'torch' when gradients are needed")
-        if device.type == "cpu":
-            _require_interpreter()
-        elif device.type != "cuda":
-            raise ValueError(f"backend='triton': expected CUDA or CPU (interpreter) tensors, got device {device}")
-    return backend
+def check_no_overlap(name: str, t: torch.Tensor) -> None:
+    """Reject a tensor whose elements share memory (a stride-0 / expanded view).
+
+    A written-to tensor (``out``, a cache) must give each element its own address, or
+    the writes race and the reads see other rows. The test is the sufficient condition
+    of a non-overlapping layout: sorted by stride, each dimension steps past the whole
+    extent of the smaller ones (size-1 dimensions are ignored).
+    """
+    dims = sorted((t.stride(i), t.shape[i]) for i in range(t.dim()) if t.shape[i] > 1)
+    extent = 1
+    for stride, size in dims:
+        if stride < extent:
+            raise ValueError(
+                f"{name}: overlapping memory (strides {t.stride()} for shape {tuple(t.shape)}, "
+                "e.g. an expand()ed view); pass a tensor whose elements do not alias"
+            )
+        extent = stride * size
+    return None
 
 
 def _require_interpreter() -> None:
@@ -89,18 +118,37 @@ def _require_interpreter() -> None:
         )
 
 
-@dataclass(frozen=True)
-class _PagedArgs:
-    """Normalized arguments of one ``paged_attention`` call."""
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, needs_grad: bool,
+                    what: str = "q") -> str:
+    """The backend that runs a call: ``"torch"`` or ``"triton"``.
 
-    cu_seqlens_q: torch.Tensor
-    scale: float
-    chunk_size: int | None
-    window_left: int | None
-    sink_tokens: int
-    softcap: float | None
-    max_seqlen_q: int
-    max_seqlen_k: int
+    ``backend`` is an already validated name. Raises before anything runs when the
+    chosen backend cannot serve the call: ``"triton"`` under autograd (no backward yet),
+    on a device other than CUDA/CPU, on CPU without the interpreter, or for a dtype the
+    kernels do not take (``what`` names the tensor in the message).
+    """
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and not needs_grad else "torch"
+    if backend == "triton":
+        if needs_grad:
+            raise ValueError(
+                "backend: 'triton' has no backward yet; use backend='auto' or 'torch' when "
+                "gradients are needed"
+            )
+        if device.type == "cpu":
+            _require_interpreter()
+        elif device.type != "cuda":
+            raise ValueError(f"backend: 'triton' takes CUDA or CPU (interpreter) tensors, got device {device}")
+        if dtype not in KERNEL_DTYPES:
+            raise TypeError(f"{what}: the Triton kernels take float16, bfloat16 or float32, got {dtype}")
+    return backend
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# --------------------------------------------------------------------------- attention
 
 
 def _check_out(out, q: torch.Tensor) -> None:
@@ -112,38 +160,16 @@ def _check_out(out, q: torch.Tensor) -> None:
             f"out: expected shape {tuple(q.shape)}, dtype {q.dtype}, device {q.device}; "
             f"got {tuple(out.shape)}, {out.dtype}, {out.device}"
         )
+    check_no_overlap("out", out)
 
 
-def _normalize_options(d, causal, scale, chunk_size, window_left, sink_tokens, softcap, max_seqlen_q, max_seqlen_k):
-    """Validate the scalar options; returns (scale, chunk_size, window_left, softcap, max_q, max_k)."""
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    chunk_size = _opt_int("chunk_size", chunk_size, 1)
-    window_left = _opt_int("window_left", window_left, 0)
-    if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
-        raise ValueError(f"sink_tokens: expected an int >= 0, got {sink_tokens!r}")
-    if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0:
-            raise ValueError(f"softcap: expected None, 0 (off) or a float > 0, got {softcap!r}")
-        softcap = float(softcap) if softcap > 0 else None
-    if scale is None:
-        scale = d**-0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (abs(scale) < float("inf")):
-        raise ValueError(f"scale: expected None or a finite float, got {scale!r}")
-    max_seqlen_q = _opt_int("max_seqlen_q", max_seqlen_q, 0)
-    max_seqlen_k = _opt_int("max_seqlen_k", max_seqlen_k, 0)
-    return float(scale), chunk_size, window_left, softcap, max_seqlen_q, max_seqlen_k
-
-
-def _validate_paged(
-    q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, *,
-    scale, causal, chunk_size, window_left, sink_tokens, softcap, max_seqlen_q, max_seqlen_k,
-    check_values: bool,
-) -> _PagedArgs:
+def _validate_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out,
+                    max_seqlen_q, max_seqlen_k) -> tuple[torch.Tensor, int, int]:
+    """Check one functional call's tensors; returns ``(cu_seqlens_q, max_q, max_k)``."""
     _require_tensor("q", q, 3)
     _require_tensor("k_cache", k_cache, 4)
     _require_tensor("v_cache", v_cache, 4)
-    if q.dtype not in _TORCH_DTYPES:
+    if q.dtype not in TORCH_DTYPES:
         raise TypeError(f"q: expected dtype float16, bfloat16, float32 or float64, got {q.dtype}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != q.dtype:
@@ -152,23 +178,26 @@ def _validate_paged(
             raise ValueError(f"{name}: expected q's device {q.device}, got {t.device}")
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous, got strides {t.stride()}")
+        check_no_overlap(name, t)
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache: expected k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     total_q, h_q, d = q.shape
     num_blocks, block_size, h_kv, d_k = k_cache.shape
     if d_k != d:
         raise ValueError(f"k_cache: head_dim {d_k} differs from q's head_dim {d}")
-    if d % 8 or not 8 <= d <= _MAX_HEAD_DIM:
-        raise ValueError(f"q: head_dim must be a multiple of 8 in [8, {_MAX_HEAD_DIM}], got {d}")
-    if h_kv == 0 or h_q % h_kv:
-        raise ValueError(f"q: H_q ({h_q}) must be a multiple of the caches' H_kv ({h_kv})")
+    check_head_dim("q", d)
+    if h_kv == 0:
+        raise ValueError("k_cache: H_kv (dim 2) must be >= 1")
+    if h_q == 0 or h_q % h_kv:
+        raise ValueError(f"q: H_q ({h_q}) must be a positive multiple of the caches' H_kv ({h_kv})")
     if block_size < 1:
         raise ValueError(f"k_cache: block_size (dim 1) must be >= 1, got {block_size}")
     _require_tensor("block_table", block_table, 2)
-    b = block_table.shape[0]
-    max_blocks = block_table.shape[1]
+    b, max_blocks = block_table.shape
     _require_int_tensor("block_table", block_table, (b, max_blocks), q.device)
     _require_int_tensor("seq_lens", seq_lens, (b,), q.device)
+    max_seqlen_q = _opt_host_int("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _opt_host_int("max_seqlen_k", max_seqlen_k)
     if cu_seqlens_q is None:
         if total_q != b:
             raise ValueError(f"q: with cu_seqlens_q=None there is one query per sequence ({b}), got {total_q}")
@@ -180,16 +209,13 @@ def _validate_paged(
     if kv_start is not None:
         _require_int_tensor("kv_start", kv_start, (b,), q.device)
     _check_out(out, q)
-    scale, chunk_size, window_left, softcap, max_seqlen_q, max_seqlen_k = _normalize_options(
-        d, causal, scale, chunk_size, window_left, sink_tokens, softcap, max_seqlen_q, max_seqlen_k
-    )
     capacity = max_blocks * block_size
     if max_seqlen_k is not None and max_seqlen_k > capacity:
         raise ValueError(
             f"max_seqlen_k: {max_seqlen_k} exceeds what block_table can address "
             f"({max_blocks} blocks x {block_size} tokens = {capacity})"
         )
-
+    check_values = _check_values(q)
     if check_values or max_seqlen_q is None or max_seqlen_k is None:
         lens = seq_lens.tolist()
         cus = cu.tolist()
@@ -198,12 +224,10 @@ def _validate_paged(
             max_seqlen_q = max(q_lens, default=0)
         if max_seqlen_k is None:
             max_seqlen_k = max(lens, default=0)
-    if check_values:
-        _check_paged_values(
-            lens, cus, q_lens, block_table, kv_start, total_q, num_blocks, block_size, capacity,
-            max_seqlen_q, max_seqlen_k,
-        )
-    return _PagedArgs(cu, scale, chunk_size, window_left, sink_tokens, softcap, max_seqlen_q, max_seqlen_k)
+        if check_values:
+            _check_paged_values(lens, cus, q_lens, block_table, kv_start, total_q, num_blocks, block_size,
+                                capacity, max_seqlen_q, max_seqlen_k)
+    return cu, max_seqlen_q, max_seqlen_k
 
 
 def _check_paged_values(lens, cus, q_lens, block_table, kv_start, total_q, num_blocks, block_size, capacity,
@@ -262,87 +286,126 @@ def paged_attention(
     backend: str = "auto",
     num_splits: int | None = None,
     deterministic: bool = False,
-    _trusted: bool = False,
 ):
     """Block-table gather attention over a paged (or slab) KV cache.
 
     Parameters
     ----------
-    q : ``[total_q, H_q, D]``, fp16/bf16/fp32 (fp64 on the torch path), the caches' dtype.
-    k_cache, v_cache : ``[num_blocks, block_size, H_kv, D]``; any strides, last dim contiguous.
-    block_table : int32 ``[B, max_blocks]``; token t of sequence b lives in block
-        ``block_table[b, t // block_size]``, row ``t % block_size``.
-    seq_lens : int32 ``[B]``; keys at logical positions ``0 .. L-1``.
-    cu_seqlens_q : int32 ``[B + 1]`` or None (one query per sequence). Queries of
-        sequence b sit at positions ``L - q_len .. L - 1`` (bottom-right aligned).
-    scale : softmax scale, default ``D ** -0.5``.
-    causal, chunk_size, window_left, sink_tokens, softcap, kv_start : masks (DESIGN.md).
-    max_seqlen_q, max_seqlen_k : host ints bounding the lengths (None = read from device).
-    return_lse : also return the fp32 log-sum-exp ``[total_q, H_q]``.
-    out : optional ``[total_q, H_q, D]`` output buffer.
-    backend : ``"auto"``, ``"torch"`` or ``"triton"``.
-    num_splits : split-KV count override for the Triton path (None = heuristic).
-    deterministic : Triton split size independent of the batch.
+    q : Tensor ``[total_q, H_q, D]``
+        fp16/bf16/fp32 (fp64 on the torch path), the caches' dtype; ``D`` a multiple of
+        8 up to 256; ``H_q`` a multiple of ``H_kv`` (GQA/MQA).
+    k_cache, v_cache : Tensor ``[num_blocks, block_size, H_kv, D]``
+        Any strides with a contiguous last dim and no aliasing elements.
+    block_table : Tensor, int32 ``[B, max_blocks]``
+        Token t of sequence b lives in block ``block_table[b, t // block_size]``, row
+        ``t % block_size``; only entries covering ``0 .. L-1`` are read.
+    seq_lens : Tensor, int32 ``[B]``
+        ``L``: keys at logical positions ``0 .. L-1``.
+    cu_seqlens_q : Tensor, int32 ``[B + 1]``, optional
+        Query offsets (None = one query per sequence). Queries of sequence b sit at
+        positions ``L - q_len .. L - 1`` (bottom-right aligned).
+    scale, causal, chunk_size, window_left, sink_tokens, softcap, backend, num_splits, deterministic, return_lse
+        The options of :class:`kvarena.AttentionSpec` (same names, meanings, checks).
+    kv_start : Tensor, int32 ``[B]``, optional
+        Keys ``t < kv_start[b]`` are invisible (left padding).
+    max_seqlen_q, max_seqlen_k : int, optional
+        Host bounds of the query / key lengths (None = read from the device: a sync).
+    out : Tensor ``[total_q, H_q, D]``, optional
+        Output buffer (q's shape, dtype and device; no aliasing elements).
 
     Returns
     -------
-    ``out`` or ``(out, lse)``.
+    ``out [total_q, H_q, D]``, or ``(out, lse [total_q, H_q] fp32)`` with ``return_lse``.
+    A query that sees no key gets ``out = 0`` and ``lse = -inf``.
+
+    Examples
+    --------
+    Two sequences of 5 and 3 keys in 4-token blocks, one decode query each:
+
+    >>> import torch
+    >>> from kvarena import paged_attention
+    >>> k_cache = torch.randn(4, 4, 2, 8)             # [num_blocks, block_size, H_kv, D]
+    >>> v_cache = torch.randn(4, 4, 2, 8)
+    >>> block_table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+    >>> seq_lens = torch.tensor([5, 3], dtype=torch.int32)
+    >>> q = torch.randn(2, 4, 8)                      # [total_q, H_q = 2 * H_kv, D]
+    >>> out, lse = paged_attention(q, k_cache, v_cache, block_table, seq_lens, return_lse=True)
+    >>> out.shape, lse.shape
+    (torch.Size([2, 4, 8]), torch.Size([2, 4]))
     """
-    needs_grad = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k_cache, v_cache)
+    spec = AttentionSpec(
+        scale=scale, causal=causal, chunk_size=chunk_size, window_left=window_left,
+        sink_tokens=sink_tokens, softcap=softcap, backend=backend, num_splits=num_splits,
+        deterministic=deterministic, return_lse=return_lse,
     )
-    if _trusted and cu_seqlens_q is not None and max_seqlen_q is not None and max_seqlen_k is not None:
-        # A pool's own caches and plan() metadata, q/k/v already checked against its layout:
-        # only the caller's options are validated (keeps a decode layer's Python ~2x cheaper).
-        _check_out(out, q)
-        opts = _normalize_options(
-            q.shape[-1], causal, scale, chunk_size, window_left, sink_tokens, softcap, max_seqlen_q, max_seqlen_k
-        )
-        args = _PagedArgs(cu_seqlens_q, opts[0], opts[1], opts[2], sink_tokens, opts[3], opts[4], opts[5])
-    else:
-        args = _validate_paged(
-            q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out,
-            scale=scale, causal=causal, chunk_size=chunk_size, window_left=window_left,
-            sink_tokens=sink_tokens, softcap=softcap, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, check_values=(not _trusted) and _check_values(q),
-        )
-    _opt_int("num_splits", num_splits, 1)
-    chosen = _resolve_backend(backend, q.device, needs_grad)
-    if chosen == "triton" and q.dtype not in _KERNEL_DTYPES:
-        raise TypeError(f"q: the Triton kernels take float16, bfloat16 or float32, got {q.dtype}")
-    if needs_grad:
+    cu, max_q, max_k = _validate_paged(
+        q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, max_seqlen_q, max_seqlen_k
+    )
+    chosen = resolve_backend(spec.backend, q.device, q.dtype, _needs_grad(q, k_cache, v_cache))
+    return attend(q, k_cache, v_cache, block_table, seq_lens, cu, kv_start, spec=spec, max_seqlen_q=max_q,
+                  max_seqlen_k=max_k, backend=chosen, out=out)
+
+
+def attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_start: torch.Tensor | None,
+    *,
+    spec: AttentionSpec,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    backend: str,
+    out: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+):
+    """Block-table attention with already validated arguments (what the pools call).
+
+    ``backend`` is :func:`resolve_backend`'s answer. ``new_kv = (k, v)``, each
+    ``[total_q, H_kv, D]``: the keys/values of the query rows themselves, which the
+    caller has just stored at the rows' positions; on the differentiable path the
+    attention reads them from these tensors (so gradients reach them) instead of from
+    the cache. Returns like :func:`paged_attention`.
+    """
+    kn, vn = new_kv if new_kv is not None else (None, None)
+    if backend == "torch" and _needs_grad(q, k_cache, v_cache, kn, vn):
         # Differentiable path: plain torch ops that autograd (and dynamo) trace through.
         result, lse = reference.paged_attention_torch(
-            q, k_cache, v_cache, block_table, seq_lens, args.cu_seqlens_q,
-            scale=args.scale, causal=causal, chunk_size=args.chunk_size, window_left=args.window_left,
-            sink_tokens=args.sink_tokens, softcap=args.softcap, kv_start=kv_start,
-            max_seqlen_q=args.max_seqlen_q, max_seqlen_k=args.max_seqlen_k,
+            q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec=spec,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, new_kv=new_kv,
         )
-    elif chosen == "triton" and not torch.compiler.is_compiling():
+    elif backend == "triton" and not torch.compiler.is_compiling():
         # Eager Triton: launch straight into the caller's ``out`` (no extra copy) and skip
         # the lse store when it is not asked for; also skips ~10-20 us of op dispatch.
         result = torch.empty_like(q) if out is None else out
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
-        _launch_triton(q, k_cache, v_cache, block_table, seq_lens, args.cu_seqlens_q, kv_start, result, lse,
-                       args.scale, causal, args.chunk_size, args.window_left, args.sink_tokens, args.softcap,
-                       args.max_seqlen_q, args.max_seqlen_k, num_splits, deterministic)
-        return (result, lse) if return_lse else result
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if spec.return_lse else None
+        _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, result, lse, spec,
+                       max_seqlen_q, max_seqlen_k)
+        return (result, lse) if spec.return_lse else result
     else:
         # Under torch.compile: one opaque custom op with a fake impl. Eager calls the body
         # directly, skipping the ~10-20 us of custom-op dispatch per layer.
-        op = torch.ops.kvarena.paged_attention if torch.compiler.is_compiling() else _paged_attention_impl
-        result, lse = op(
-            q, k_cache, v_cache, block_table, seq_lens, args.cu_seqlens_q, kv_start,
-            args.scale, causal, args.chunk_size, args.window_left, args.sink_tokens, args.softcap,
-            args.max_seqlen_q, args.max_seqlen_k, num_splits, deterministic, chosen,
-        )
+        if torch.compiler.is_compiling():
+            result, lse = torch.ops.kvarena.paged_attention(
+                q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, max_seqlen_q,
+                max_seqlen_k, *spec.replace(backend=backend).op_args(),
+            )
+        else:
+            result, lse = _paged_attention_body(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
+                                                kv_start, spec, max_seqlen_q, max_seqlen_k, backend)
     if out is not None:
         out.copy_(result)
         result = out
-    return (result, lse) if return_lse else result
+    return (result, lse) if spec.return_lse else result
 
 
-def _validate_store(k, v, k_cache, v_cache, slot_mapping, check_values: bool) -> None:
+# --------------------------------------------------------------------------- store
+
+
+def _validate_store(k, v, k_cache, v_cache, slot_mapping) -> None:
     _require_tensor("k", k, 3)
     _require_tensor("v", v, 3)
     _require_tensor("k_cache", k_cache, 4)
@@ -361,8 +424,10 @@ def _validate_store(k, v, k_cache, v_cache, slot_mapping, check_values: bool) ->
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous, got strides {t.stride()}")
+    check_no_overlap("k_cache", k_cache)
+    check_no_overlap("v_cache", v_cache)
     _require_int_tensor("slot_mapping", slot_mapping, (k.shape[0],), k_cache.device, (torch.int32, torch.int64))
-    if check_values and slot_mapping.numel():
+    if _check_values(k_cache) and slot_mapping.numel():
         reference.check_slots(slot_mapping.long().cpu(), k_cache.shape[0] * k_cache.shape[1])
 
 
@@ -374,23 +439,44 @@ def store_kv(
     slot_mapping: torch.Tensor,
     *,
     backend: str = "auto",
-    _trusted: bool = False,
 ) -> None:
     """Scatter new keys/values into the cache in place.
 
     Parameters
     ----------
-    k, v : ``[N, H_kv, D]`` in the caches' dtype.
-    k_cache, v_cache : ``[num_blocks, block_size, H_kv, D]`` (strided views are fine).
-    slot_mapping : int32/int64 ``[N]``; token i goes to block ``s // block_size``, row
-        ``s % block_size``; ``s < 0`` is skipped. Nothing is written unless every slot is
-        valid (in range, no duplicates).
+    k, v : Tensor ``[N, H_kv, D]``
+        In the caches' dtype (stored detached: the cache never joins autograd).
+    k_cache, v_cache : Tensor ``[num_blocks, block_size, H_kv, D]``
+        Strided views are fine; elements must not alias.
+    slot_mapping : Tensor, int32/int64 ``[N]``
+        Token i goes to block ``s // block_size``, row ``s % block_size``; ``s < 0`` is
+        skipped. Nothing is written unless every slot is valid (in range, no
+        duplicates; checked on CPU, and on CUDA under ``KVARENA_DEBUG=1``).
+    backend : {"auto", "torch", "triton"}
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kvarena import store_kv
+    >>> k_cache, v_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    >>> k = torch.ones(2, 1, 8)
+    >>> store_kv(k, 2 * k, k_cache, v_cache, torch.tensor([5, -1]))   # block 1, row 1; skip
+    >>> k_cache[1, 1, 0, 0].item(), v_cache[1, 1, 0, 0].item(), k_cache.sum().item()
+    (1.0, 2.0, 8.0)
     """
-    if not _trusted:  # a pool's trusted call has checked k/v against its own layout and caches
-        _validate_store(k, v, k_cache, v_cache, slot_mapping, _check_values(k_cache))
-    chosen = _resolve_backend(backend, k_cache.device, needs_grad=False)
+    check_backend(backend)
+    _validate_store(k, v, k_cache, v_cache, slot_mapping)
+    store(k, v, k_cache, v_cache, slot_mapping, resolve_backend(backend, k_cache.device, k_cache.dtype, False,
+                                                                 "k_cache"))
+
+
+def store(k, v, k_cache, v_cache, slot_mapping, backend: str) -> None:
+    """``store_kv`` with validated arguments and a resolved backend (what the pools call)."""
     op = torch.ops.kvarena.store_kv if torch.compiler.is_compiling() else _store_kv_impl
-    op(k.detach(), v.detach(), k_cache, v_cache, slot_mapping, chosen)
+    op(k.detach(), v.detach(), k_cache, v_cache, slot_mapping, backend)
+
+
+# --------------------------------------------------------------------------- merge
 
 
 def merge_attention_states(
@@ -405,12 +491,25 @@ def merge_attention_states(
 
     Parameters
     ----------
-    out_a, out_b : ``[N, H, D]``, same dtype.
-    lse_a, lse_b : ``[N, H]`` fp32 (fp64 with fp64 outputs); ``-inf`` marks an empty part.
+    out_a, out_b : Tensor ``[N, H, D]``
+        Same shape and dtype.
+    lse_a, lse_b : Tensor ``[N, H]``
+        fp32 (fp64 with fp64 outputs) natural-log sum-exp; ``-inf`` marks an empty part.
+    backend : {"auto", "torch", "triton"}
 
     Returns
     -------
     ``(out [N, H, D], lse [N, H])``: softmax over the union of both key sets.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kvarena import merge_attention_states
+    >>> o = torch.ones(1, 1, 8)
+    >>> lse = torch.zeros(1, 1)
+    >>> out, lse2 = merge_attention_states(o, lse, 3 * o, lse)    # equal weights
+    >>> out[0, 0, 0].item(), round(lse2.item(), 4)
+    (2.0, 0.6931)
     """
     for name, t in (("out_a", out_a), ("out_b", out_b)):
         _require_tensor(name, t, 3)
@@ -418,7 +517,7 @@ def merge_attention_states(
         _require_tensor(name, t, 2)
     if out_b.shape != out_a.shape or out_b.dtype != out_a.dtype or out_b.device != out_a.device:
         raise ValueError(f"out_b: expected out_a's shape/dtype/device {tuple(out_a.shape)}/{out_a.dtype}, got {tuple(out_b.shape)}/{out_b.dtype}")
-    if out_a.dtype not in _TORCH_DTYPES:
+    if out_a.dtype not in TORCH_DTYPES:
         raise TypeError(f"out_a: expected a floating dtype, got {out_a.dtype}")
     for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
         if tuple(t.shape) != tuple(out_a.shape[:2]):
@@ -427,79 +526,73 @@ def merge_attention_states(
             raise TypeError(f"{name}: expected float32 (or float64), got {t.dtype}")
         if t.device != out_a.device:
             raise ValueError(f"{name}: expected out_a's device {out_a.device}, got {t.device}")
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (out_a, lse_a, out_b, lse_b))
-    chosen = _resolve_backend(backend, out_a.device, needs_grad)
-    if chosen == "triton" and out_a.dtype not in _KERNEL_DTYPES:
-        raise TypeError(f"out_a: the Triton kernels take float16, bfloat16 or float32, got {out_a.dtype}")
-    if needs_grad:
+    check_backend(backend)
+    needs_grad = _needs_grad(out_a, lse_a, out_b, lse_b)
+    return merge(out_a, lse_a, out_b, lse_b, resolve_backend(backend, out_a.device, out_a.dtype, needs_grad, "out_a"))
+
+
+def merge(out_a, lse_a, out_b, lse_b, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``merge_attention_states`` with validated arguments and a resolved backend."""
+    if backend == "torch" and _needs_grad(out_a, lse_a, out_b, lse_b):
         return reference.merge_attention_states_torch(out_a, lse_a, out_b, lse_b)
     op = torch.ops.kvarena.merge_attention_states if torch.compiler.is_compiling() else _merge_impl
-    return op(out_a, lse_a, out_b, lse_b, chosen)
+    return op(out_a, lse_a, out_b, lse_b, backend)
 
 
-# --- custom ops -------------------------------------------------------------------------
-# Each op takes the already-validated, normalized arguments plus the resolved backend, so
-# the op body is pure dispatch. Fake impls give shapes only, for torch.compile/FakeTensor.
+# --------------------------------------------------------------------------- custom ops
+# Each op takes validated arguments plus the resolved backend, so the op body is pure
+# dispatch. The attention op's option arguments are generated from AttentionSpec's fields
+# (AttentionSpec.op_schema / op_args / from_op_args): one list of options for the public
+# op, the custom op, its fake, the launcher, the torch path and the oracle.
 
 
-def _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse, scale, causal,
-                   chunk_size, window_left, sink_tokens, softcap, max_seqlen_q, max_seqlen_k, num_splits,
-                   deterministic) -> None:
+def _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse, spec,
+                   max_seqlen_q, max_seqlen_k) -> None:
     from kvarena.kernels.paged_attention import paged_attention_fwd
 
-    paged_attention_fwd(
-        q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse,
-        scale=scale, causal=causal, chunk_size=chunk_size, window_left=window_left,
-        sink_tokens=sink_tokens, softcap=softcap, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, num_splits=num_splits, deterministic=deterministic,
-    )
+    paged_attention_fwd(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse,
+                        spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
 
 
-def _paged_attention_impl(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    kv_start: torch.Tensor | None,
-    scale: float,
-    causal: bool,
-    chunk_size: int | None,
-    window_left: int | None,
-    sink_tokens: int,
-    softcap: float | None,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    num_splits: int | None,
-    deterministic: bool,
-    backend: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _paged_attention_body(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec,
+                          max_seqlen_q, max_seqlen_k, backend) -> tuple[torch.Tensor, torch.Tensor]:
     if backend == "triton":
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse, scale, causal,
-                       chunk_size, window_left, sink_tokens, softcap, max_seqlen_q, max_seqlen_k, num_splits,
-                       deterministic)
+        _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse, spec,
+                       max_seqlen_q, max_seqlen_k)
         return out, lse
     return reference.paged_attention_torch(
-        q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
-        scale=scale, causal=causal, chunk_size=chunk_size, window_left=window_left,
-        sink_tokens=sink_tokens, softcap=softcap, kv_start=kv_start,
+        q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec=spec,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
     )
 
 
-_paged_attention_op = torch.library.custom_op(
-    "kvarena::paged_attention", _paged_attention_impl, mutates_args=()
+_LIB = torch.library.Library("kvarena", "FRAGMENT")
+_LIB.define(
+    "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
+    "Tensor cu_seqlens_q, Tensor? kv_start, SymInt max_seqlen_q, SymInt max_seqlen_k, "
+    f"{AttentionSpec.op_schema()}) -> (Tensor, Tensor)"
 )
 
 
-@_paged_attention_op.register_fake
-def _(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, scale, causal, chunk_size,
-      window_left, sink_tokens, softcap, max_seqlen_q, max_seqlen_k, num_splits, deterministic, backend):
+def _paged_attention_op_impl(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, max_seqlen_q,
+                             max_seqlen_k, *spec_args):
+    spec = AttentionSpec.from_op_args(spec_args)
+    backend = resolve_backend(spec.backend, q.device, q.dtype, False)
+    out, lse = _paged_attention_body(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec,
+                                     int(max_seqlen_q), int(max_seqlen_k), backend)
+    return out, lse
+
+
+def _paged_attention_op_fake(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, max_seqlen_q,
+                             max_seqlen_k, *spec_args):
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=lse_dtype)
+
+
+_LIB.impl("paged_attention", _paged_attention_op_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("kvarena::paged_attention", _paged_attention_op_fake, lib=_LIB)
 
 
 def _store_kv_impl(

@@ -11,7 +11,7 @@ Two implementations of block-table attention live here on purpose:
   read of device data (only the host maxima shape it), so it runs under FakeTensorMode,
   on the ``meta`` device, under ``torch.compile(fullgraph=True)`` and with autograd.
 
-Both compute in fp32 (fp64 when given fp64) and follow the semantics of DESIGN.md:
+Both compute in fp32 (fp64 when given fp64) and follow the semantics of docs/contract.md:
 queries bottom-right aligned, keys ``t < kv_start`` invisible, ``causal`` /
 ``chunk_size`` (block-causal) / ``window_left`` + ``sink_tokens`` masks, optional
 ``softcap``, rows that see no key give ``out = 0`` and ``lse = -inf``. Slots outside
@@ -21,6 +21,8 @@ a sequence's visible range are never allowed to reach the output (NaN there stay
 from __future__ import annotations
 
 import torch
+
+from kvarena.attention.spec import AttentionSpec
 
 __all__ = [
     "paged_attention_ref",
@@ -38,32 +40,27 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def visibility_mask(
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    *,
-    causal: bool,
-    chunk_size: int | None,
-    window_left: int | None,
-    sink_tokens: int,
-) -> torch.Tensor:
+def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
     """Boolean mask ``[..., Q, K]`` of the position rules (not the length/kv_start rules).
 
     Parameters
     ----------
     q_pos : Tensor ``[..., Q]`` of query positions.
     k_pos : Tensor ``[..., K]`` of key positions.
+    spec : AttentionSpec
+        ``causal``, ``chunk_size``, ``window_left`` and ``sink_tokens`` are read.
     """
     qp = q_pos.unsqueeze(-1)  # [..., Q, 1]
     kp = k_pos.unsqueeze(-2)  # [..., 1, K]
     vis = torch.ones(torch.broadcast_shapes(qp.shape, kp.shape), dtype=torch.bool, device=q_pos.device)
-    if causal:
-        if chunk_size is not None:
-            vis = vis & (torch.div(kp, chunk_size, rounding_mode="floor") <= torch.div(qp, chunk_size, rounding_mode="floor"))
+    if spec.causal:
+        if spec.chunk_size is not None:
+            c = spec.chunk_size
+            vis = vis & (torch.div(kp, c, rounding_mode="floor") <= torch.div(qp, c, rounding_mode="floor"))
         else:
             vis = vis & (kp <= qp)
-    if window_left is not None:
-        vis = vis & ((kp >= qp - window_left) | (kp < sink_tokens))
+    if spec.window_left is not None:
+        vis = vis & ((kp >= qp - spec.window_left) | (kp < spec.sink_tokens))
     return vis
 
 
@@ -72,7 +69,10 @@ def _masked_softmax_attend(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the last dim of ``scores`` restricted to ``vis``, then ``@ v``.
 
-    Returns ``(out, lse)``; a row with no visible key gives ``out = 0``, ``lse = -inf``.
+    ``vis`` broadcasts to ``scores``. Returns ``(out, lse)``; a row with no visible key
+    gives ``out = 0``, ``lse = -inf``. A non-finite value in a key a row cannot see never
+    reaches that row (``0 * NaN`` would): values are multiplied with non-finite entries
+    zeroed, and a row that sees a non-finite value gets NaN in that head.
     """
     neg_inf = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)
     s = torch.where(vis, scores, neg_inf)
@@ -81,7 +81,13 @@ def _masked_softmax_attend(
     p = torch.exp(s - m_safe)  # masked entries: exp(-inf) = 0
     denom = p.sum(dim=-1, keepdim=True)
     empty = denom == 0
-    out = torch.einsum(equation, p / torch.where(empty, torch.ones_like(denom), denom), v)
+    finite = torch.isfinite(v)
+    v_clean = torch.where(finite, v, torch.zeros((), dtype=v.dtype, device=v.device))
+    out = torch.einsum(equation, p / torch.where(empty, torch.ones_like(denom), denom), v_clean)
+    # [..., 1] per output row and head: how many visible keys hold a non-finite value.
+    bad = (~finite).any(dim=-1, keepdim=True).to(v.dtype)
+    hits = torch.einsum(equation, vis.to(v.dtype).expand(p.shape), bad)
+    out = torch.where(hits > 0, torch.full((), float("nan"), dtype=out.dtype, device=out.device), out)
     lse = torch.where(empty, neg_inf, m_safe + torch.log(torch.where(empty, torch.ones_like(denom), denom)))
     return out, lse.squeeze(-1)
 
@@ -101,17 +107,12 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor | None = None,
     *,
-    scale: float | None = None,
-    causal: bool = True,
-    chunk_size: int | None = None,
-    window_left: int | None = None,
-    sink_tokens: int = 0,
-    softcap: float | None = None,
     kv_start: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
-    return_lse: bool = False,
     out: torch.Tensor | None = None,
+    spec: AttentionSpec | None = None,
+    **options,
 ):
     """Oracle block-table attention: one Python iteration per sequence.
 
@@ -123,6 +124,11 @@ def paged_attention_ref(
     seq_lens : int ``[B]``.
     cu_seqlens_q : int ``[B + 1]`` or None (one query per sequence).
     kv_start : int ``[B]`` or None.
+    spec : AttentionSpec, optional
+        The options; ``**options`` (the same keywords as
+        :func:`kvarena.paged_attention`: ``scale``, ``causal``, ``window_left``, ...)
+        build one, or override ``spec``'s fields. ``backend``, ``num_splits`` and
+        ``deterministic`` do not change the oracle's answer.
 
     Returns
     -------
@@ -130,11 +136,12 @@ def paged_attention_ref(
     ``lse [total_q, H_q]`` (fp32; fp64 for fp64 inputs).
     """
     del max_seqlen_q, max_seqlen_k  # the oracle reads the lengths themselves
+    spec = AttentionSpec(**options) if spec is None else spec.replace(**options)
     total_q, h_q, d = q.shape
     block_size, h_kv = k_cache.shape[1], k_cache.shape[2]
     group = h_q // h_kv
     acc = _acc_dtype(q.dtype)
-    scale = d**-0.5 if scale is None else scale
+    scale = spec.scale_for(d)
     lens = seq_lens.tolist()
     b_count = len(lens)
     cu = list(range(b_count + 1)) if cu_seqlens_q is None else cu_seqlens_q.tolist()
@@ -154,14 +161,12 @@ def paged_attention_ref(
         v = v.repeat_interleave(group, dim=1)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
-        vis = visibility_mask(
-            q_pos, k_pos, causal=causal, chunk_size=chunk_size, window_left=window_left, sink_tokens=sink_tokens
-        ) & (k_pos >= starts[b])  # [Q, L]
+        vis = visibility_mask(q_pos, k_pos, spec) & (k_pos >= starts[b])  # [Q, L]
         # Invisible keys are zeroed so that garbage (even NaN) in them cannot leak via 0 * NaN.
         key_ok = (k_pos >= starts[b])[:, None, None]
         k = torch.where(key_ok, k, torch.zeros_like(k))
         v = torch.where(key_ok, v, torch.zeros_like(v))
-        s = _scores(q[q0:q1].to(acc), k, "qhd,khd->hqk", scale, softcap)  # [H_q, Q, L]
+        s = _scores(q[q0:q1].to(acc), k, "qhd,khd->hqk", scale, spec.softcap)  # [H_q, Q, L]
         o, l_ = _masked_softmax_attend(s, vis.unsqueeze(0), v, "hqk,khd->qhd")
         res[q0:q1] = o
         lse[q0:q1] = l_.transpose(0, 1)
@@ -169,7 +174,7 @@ def paged_attention_ref(
     if out is not None:
         out.copy_(result)
         result = out
-    if return_lse:
+    if spec.return_lse:
         return result, lse if acc == torch.float64 else lse.float()
     return result
 
@@ -181,21 +186,20 @@ def paged_attention_torch(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
-    *,
-    scale: float,
-    causal: bool,
-    chunk_size: int | None,
-    window_left: int | None,
-    sink_tokens: int,
-    softcap: float | None,
     kv_start: torch.Tensor | None,
+    *,
+    spec: AttentionSpec,
     max_seqlen_q: int,
     max_seqlen_k: int,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched, sync-free block-table attention (the CPU path; differentiable).
 
-    All arguments are already validated and normalized by ``kvarena.attention.ops``:
-    ``cu_seqlens_q`` is a tensor and the maxima are host ints bounding the real lengths.
+    All arguments are already validated by ``kvarena.attention.ops``: ``cu_seqlens_q`` is
+    a tensor and the maxima are host ints bounding the real lengths. ``new_kv = (k, v)``
+    ``[total_q, H_kv, D]`` are read instead of the cache at the query rows' own
+    positions (``L - q_len + i``), so that gradients reach the keys a pool has just
+    stored.
 
     Returns
     -------
@@ -215,6 +219,10 @@ def paged_attention_torch(
     lens = seq_lens.long()
     cu = cu_seqlens_q.long()
     q_lens = cu[1:] - cu[:-1]  # [B]
+    # Packed query row r belongs to sequence b(r), row i(r) of it.
+    r = torch.arange(total_q, device=dev)
+    b_of_r = torch.searchsorted(cu[1:], r, right=True).clamp(max=b_count - 1)
+    i_of_r = r - cu[b_of_r]
 
     # Queries, padded to [B, Mq]: row i of sequence b is token cu[b] + i.
     qi = torch.arange(max_seqlen_q, device=dev)
@@ -223,7 +231,7 @@ def paged_attention_torch(
     qp = q[q_rows].to(acc).view(b_count, max_seqlen_q, h_kv, group, d)  # [B, Mq, H_kv, G, D]
 
     # Keys, gathered through the block table into [B, Mk]. Only entries below seq_len are
-    # dereferenced (others point at block 0), and invisible keys are zeroed afterwards.
+    # dereferenced (others point at block 0), and keys out of [kv_start, L) are zeroed.
     tk = torch.arange(max_seqlen_k, device=dev)
     k_in = tk[None, :] < lens[:, None]  # [B, Mk]
     if kv_start is not None:
@@ -231,23 +239,27 @@ def paged_attention_torch(
     blocks = block_table.long()[:, tk // block_size]  # [B, Mk]
     blocks = torch.where(k_in, blocks, torch.zeros_like(blocks))
     rows = (tk % block_size).expand(b_count, -1)
+    kg = k_cache[blocks, rows].to(acc)  # [B, Mk, H_kv, D]
+    vg = v_cache[blocks, rows].to(acc)
+    if new_kv is not None:
+        # Row r's own key sits at position L - q_len + i; padding rows (seq_len 0) go to a
+        # dummy column Mk that is sliced off again.
+        pos = (lens - q_lens)[b_of_r] + i_of_r  # [total_q]
+        pos = torch.where(pos >= 0, pos, torch.full_like(pos, max_seqlen_k))
+        pad = torch.zeros((b_count, 1, h_kv, d), dtype=acc, device=dev)
+        kg = torch.cat([kg, pad], 1).index_put((b_of_r, pos), new_kv[0].to(acc))[:, :max_seqlen_k]
+        vg = torch.cat([vg, pad], 1).index_put((b_of_r, pos), new_kv[1].to(acc))[:, :max_seqlen_k]
     zero = torch.zeros((), dtype=acc, device=dev)
-    kp = torch.where(k_in[..., None, None], k_cache[blocks, rows].to(acc), zero)  # [B, Mk, H_kv, D]
-    vp = torch.where(k_in[..., None, None], v_cache[blocks, rows].to(acc), zero)
+    kp = torch.where(k_in[..., None, None], kg, zero)
+    vp = torch.where(k_in[..., None, None], vg, zero)
 
-    s = _scores(qp, kp, "bmhgd,bkhd->bhgmk", scale, softcap)  # [B, H_kv, G, Mq, Mk]
+    s = _scores(qp, kp, "bmhgd,bkhd->bhgmk", spec.scale_for(d), spec.softcap)  # [B, H_kv, G, Mq, Mk]
     q_pos = (lens - q_lens)[:, None] + qi[None, :]  # [B, Mq]
-    vis = visibility_mask(
-        q_pos, tk.expand(b_count, -1), causal=causal, chunk_size=chunk_size, window_left=window_left,
-        sink_tokens=sink_tokens,
-    )  # [B, Mq, Mk]
+    vis = visibility_mask(q_pos, tk.expand(b_count, -1), spec)  # [B, Mq, Mk]
     vis = vis & k_in[:, None, :] & q_valid[:, :, None]
     o, lse = _masked_softmax_attend(s, vis[:, None, None], vp, "bhgmk,bkhd->bmhgd")  # o [B, Mq, H_kv, G, D]
 
-    # Back to the packed layout: query row r belongs to sequence b(r), row r - cu[b(r)].
-    r = torch.arange(total_q, device=dev)
-    b_of_r = torch.searchsorted(cu[1:], r, right=True).clamp(max=b_count - 1)
-    i_of_r = r - cu[b_of_r]
+    # Back to the packed layout.
     out = o[b_of_r, i_of_r].reshape(total_q, h_q, d).to(q.dtype)
     lse = lse.permute(0, 3, 1, 2)[b_of_r, i_of_r].reshape(total_q, h_q)  # [total_q, H_q]
     return out, lse

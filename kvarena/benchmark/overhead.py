@@ -2,7 +2,7 @@
 
 Shapes are tiny on purpose (2 layers, 4 q / 2 kv heads, head_dim 64, bf16; decode with
 16-token pages and 17-30 keys per sequence; slab chunks of 16 tokens, window 3, one
-sink), so that what is measured is the Python and dispatch cost that DESIGN.md bounds
+sink), so that what is measured is the Python and dispatch cost that docs/contract.md bounds
 (<= 30 us of Python per layer at decode), not attention arithmetic.
 
 Rows
@@ -18,10 +18,11 @@ Rows
     ``merge_attention_states`` replaced by stubs that return at once: the pool's own
     Python (argument checks, metadata checks, commit bookkeeping), independent of the
     device and of the kernels.
-``paged_attention validated / _trusted, impl stubbed``
+``paged_attention validated / attend trusted, impl stubbed``
     The public op with its implementation stubbed out: the cost of the wrapper with
     value checks (which read ``seq_lens`` etc.: on CPU tensors always, on CUDA only under
-    ``KVARENA_DEBUG=1``) and with ``_trusted=True`` (what the pools call).
+    ``KVARENA_DEBUG=1``), and of ``ops.attend`` with a ready ``AttentionSpec`` (what the
+    pools call per layer).
 
 The stubs are module-attribute patches restored on exit; if the names move, those rows
 are reported as skipped rather than silently measuring something else.
@@ -73,17 +74,17 @@ def _rnd(device):
     return lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=_DTYPE)
 
 
-def _stub_attention(q, *args, return_lse=False, **kwargs):
-    if return_lse:
+def _stub_attention(q, *args, spec, **kwargs):
+    if spec.return_lse:
         return q, q.new_zeros(q.shape[:2], dtype=torch.float32)
     return q
 
 
-def _stub_store(*args, **kwargs):
+def _stub_store(*args):
     return None
 
 
-def _stub_merge(out_a, lse_a, out_b, lse_b, **kwargs):
+def _stub_merge(out_a, lse_a, out_b, lse_b, backend):
     return out_a, lse_a
 
 
@@ -198,7 +199,7 @@ def _paged(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]
              f"store + attend, up to {pool.seq_len(names[0])} keys/seq"),
     ]
     try:
-        with _patched("kvarena.cache.paged", store_kv=_stub_store, paged_attention=_stub_attention):
+        with _patched("kvarena.cache.paged", store=_stub_store, attend=_stub_attention):
             decode(None, t_stub)
         rows.append(_row("paged.forward, ops stubbed", batch, device, t_stub, "the pool's own Python"))
     except Exception as exc:
@@ -207,18 +208,21 @@ def _paged(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]
     region = next(iter(pool.arena.regions.values()))
     args = (q, region.k(0), region.v(0), meta.block_table, meta.seq_lens, meta.cu_seqlens_q)
     kw = dict(max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k)
+    spec = pool.attention_spec(0)
+    backend = ops.resolve_backend(spec.backend, q.device, q.dtype, False)
     t_val, t_tr = [], []
     try:
-        with _patched("kvarena.attention.ops", _paged_attention_impl=lambda q, *a: (q, None)):
+        with _patched("kvarena.attention.ops", _paged_attention_body=lambda q, *a: (q, None),
+                      _launch_triton=lambda *a: None):
             for i in range(steps):
                 dt_v = _time_call(lambda: ops.paged_attention(*args, **kw))
-                dt_t = _time_call(lambda: ops.paged_attention(*args, **kw, _trusted=True))
+                dt_t = _time_call(lambda: ops.attend(*args, None, spec=spec, backend=backend, **kw))
                 if i >= warm:
                     t_val.append(dt_v)
                     t_tr.append(dt_t)
         checks = "value checks on" if device.type == "cpu" or ops.debug_enabled() else "no value checks (CUDA)"
         rows.append(_row("paged_attention validated, impl stubbed", batch, device, t_val, checks))
-        rows.append(_row("paged_attention _trusted, impl stubbed", batch, device, t_tr, "what the pools call"))
+        rows.append(_row("attend trusted, impl stubbed", batch, device, t_tr, "what the pools call"))
     except Exception as exc:
         rows.append(_skipped("paged_attention wrapper", batch, device, _reason(exc)))
     return rows
@@ -254,8 +258,7 @@ def _slab(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]:
              f"store + attend {(sinks + window) * chunk} keys"),
     ]
     try:
-        with _patched("kvarena.cache.slab", store_kv=_stub_store, paged_attention=_stub_attention,
-                      merge_attention_states=_stub_merge):
+        with _patched("kvarena.cache.slab", store=_stub_store, attend=_stub_attention, merge=_stub_merge):
             rollout(warm + reps, None, t_stub, warm)
         rows.append(_row("slab.forward commit, ops stubbed", batch, device, t_stub, "the pool's own Python"))
     except Exception as exc:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 
 import torch
 
@@ -11,8 +10,8 @@ from kvarena.cache.arena import ArenaRegion, KVArena, KVLayout
 
 __all__ = [
     "StaleMetadataError",
+    "as_device",
     "check_forward_tensor",
-    "check_attn_kwargs",
     "next_version",
     "pick_region",
     "region_of_arena",
@@ -48,13 +47,24 @@ def upload(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def check_attn_kwargs(kwargs: dict, reserved: Sequence[str]) -> None:
-    """Reject attention keywords the pool sets itself."""
-    for name in reserved:
-        if name in kwargs:
-            raise TypeError(
-                f"{name}: set by the pool from its metadata; do not pass it to forward()"
-            )
+def as_device(device) -> torch.device | None:
+    """``device`` as a ``torch.device`` (None stays None); ``ValueError`` naming it otherwise.
+
+    Catches what torch would report later as a RuntimeError: an unknown device string,
+    or CUDA asked for on a machine without it.
+    """
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"device: expected a torch.device or a device string such as 'cpu' or 'cuda:0', got {device!r}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} asks for CUDA, which is not available on this machine")
+    try:
+        return torch.empty(0, device=dev).device  # "cuda" -> "cuda:0", as on the arena's views
+    except RuntimeError as exc:
+        raise ValueError(f"device: cannot allocate on {device!r}: {exc}") from exc
 
 
 def check_forward_tensor(
@@ -129,6 +139,6 @@ def region_of_arena(
             f"{tokens_name}: {tokens} differs from the arena region {reg.name!r}'s "
             f"block_tokens {reg.block_tokens}"
         )
-    if device is not None and torch.empty(0, device=device).device != arena.device:
+    if device is not None and as_device(device) != arena.device:
         raise ValueError(f"device: {device} differs from the arena's device {arena.device}")
     return reg, layout

@@ -50,6 +50,8 @@ __all__ = [
 ALIGN_BYTES = 256
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# torch sizes are int64; keep room for the alignment padding of a few regions.
+_MAX_ARENA_BYTES = 2**62
 
 
 class CacheFullError(RuntimeError):
@@ -91,6 +93,16 @@ class KVLayout:
     ------
     TypeError, ValueError
         For a field of the wrong type or value (the message names the field).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kvarena import KVLayout
+    >>> layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype=torch.float32)
+    >>> layout.token_bytes, layout.block_bytes(4)     # token: 2 layers x (K, V) x 1 x 8 x 4 B
+    (128, 512)
+    >>> KVLayout.from_kv(torch.zeros(2, 5, 1, 8)) == layout   # [num_layers, T, H_kv, D]
+    True
     """
 
     num_layers: int
@@ -168,6 +180,11 @@ class RegionSpec:
             raise TypeError(f"layout: expected a KVLayout, got {type(self.layout).__name__}")
         _check_pos_int("block_tokens", self.block_tokens)
         _check_pos_int("max_bytes", self.max_bytes, 0)
+        if self.num_blocks * self.block_bytes > _MAX_ARENA_BYTES:
+            raise ValueError(
+                f"max_bytes: {self.max_bytes} is more than one device allocation can address "
+                f"(at most {_MAX_ARENA_BYTES} bytes)"
+            )
 
     @property
     def block_bytes(self) -> int:
@@ -183,36 +200,56 @@ class RegionSpec:
 class BlockAllocator:
     """Reference-counted allocator of ``num_blocks`` block ids ``0 .. num_blocks-1``.
 
-    Free ids sit on a stack (O(1) alloc and free; a freed id is the next one handed
-    out, which keeps re-planned rollouts on the same blocks). Every call is
-    all-or-nothing and thread-safe.
+    Freed ids sit on a stack (O(1) alloc and free; a freed id is the next one handed
+    out, which keeps re-planned rollouts on the same blocks); ids never handed out yet
+    come from a counter, so the allocator's memory grows with the blocks in use, not
+    with ``num_blocks`` (a budget of 2**60 one-byte blocks costs nothing up front).
+    Every call is all-or-nothing and thread-safe.
 
     Parameters
     ----------
     num_blocks : int
         Number of blocks, ``>= 0``.
+
+    Examples
+    --------
+    >>> from kvarena.cache.arena import BlockAllocator
+    >>> alloc = BlockAllocator(4)
+    >>> blocks = alloc.alloc(2)
+    >>> blocks, alloc.num_free
+    ([0, 1], 2)
+    >>> alloc.incref([0])                       # a fork shares block 0
+    >>> alloc.decref(blocks), alloc.refcount(0)  # block 1 is free again, block 0 still held
+    ([1], 1)
+    >>> alloc.alloc(1)                          # the freed id is handed out first
+    [1]
+    >>> alloc.alloc(3)
+    Traceback (most recent call last):
+        ...
+    kvarena.cache.arena.CacheFullError: need 3 blocks, only 2 of 4 are free
     """
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = _check_pos_int("num_blocks", num_blocks, 0)
         self._lock = threading.Lock()
-        self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() yields 0, 1, 2, ...
-        self._ref = [0] * self.num_blocks
+        self._free: list[int] = []  # freed ids, reused first (LIFO)
+        self._fresh = 0  # ids >= _fresh were never handed out
+        self._ref: dict[int, int] = {}  # allocated id -> reference count
 
     @property
     def num_free(self) -> int:
         """int: blocks not allocated."""
-        return len(self._free)
+        return len(self._free) + self.num_blocks - self._fresh
 
     @property
     def num_used(self) -> int:
         """int: blocks allocated (refcount >= 1)."""
-        return self.num_blocks - len(self._free)
+        return len(self._ref)
 
     def refcount(self, block: int) -> int:
         """Reference count of ``block`` (0 when free)."""
         self._check_id(block)
-        return self._ref[block]
+        return self._ref.get(block, 0)
 
     def alloc(self, n: int = 1) -> list[int]:
         """Allocate ``n`` blocks, each with refcount 1.
@@ -231,11 +268,14 @@ class BlockAllocator:
         """
         n = _check_pos_int("n", n, 0)
         with self._lock:
-            if n > len(self._free):
+            if n > self.num_free:
                 raise CacheFullError(
-                    f"need {n} blocks, only {len(self._free)} of {self.num_blocks} are free"
+                    f"need {n} blocks, only {self.num_free} of {self.num_blocks} are free"
                 )
-            out = [self._free.pop() for _ in range(n)]
+            reused = min(n, len(self._free))
+            out = [self._free.pop() for _ in range(reused)]
+            out += range(self._fresh, self._fresh + n - reused)
+            self._fresh += n - reused
             for b in out:
                 self._ref[b] = 1
             return out
@@ -252,7 +292,7 @@ class BlockAllocator:
         with self._lock:
             for b in blocks:
                 self._check_id(b)
-                if self._ref[b] == 0:
+                if b not in self._ref:
                     raise ValueError(f"block {b} is not allocated (incref of a free block)")
             for b in blocks:
                 self._ref[b] += 1
@@ -279,15 +319,16 @@ class BlockAllocator:
             for b in blocks:
                 self._check_id(b)
                 drops[b] = drops.get(b, 0) + 1
-                if drops[b] > self._ref[b]:
+                if drops[b] > self._ref.get(b, 0):
                     raise ValueError(
                         f"block {b} freed more often than referenced (refcount "
-                        f"{self._ref[b]}): double free or foreign block id"
+                        f"{self._ref.get(b, 0)}): double free or foreign block id"
                     )
             freed = []
             for b in blocks:
                 self._ref[b] -= 1
                 if self._ref[b] == 0:
+                    del self._ref[b]
                     self._free.append(b)
                     freed.append(b)
             return freed
@@ -392,6 +433,22 @@ class KVArena:
         The one ``uint8 [nbytes]`` allocation.
     regions : dict of str to ArenaRegion
     device : torch.device
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kvarena import KVArena, KVLayout
+    >>> from kvarena.cache.arena import RegionSpec
+    >>> layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype=torch.float32)
+    >>> arena = KVArena({"slab_kv": RegionSpec(layout, block_tokens=6, max_bytes=2048),
+    ...                  "paged_kv": RegionSpec(layout, block_tokens=4, max_bytes=2048)})
+    >>> paged = arena.regions["paged_kv"]
+    >>> paged.block_bytes, paged.num_blocks, paged.offset, tuple(paged.k(1).shape)
+    (512, 4, 1536, (4, 4, 1, 8))
+    >>> paged.allocator.alloc(2)
+    [0, 1]
+    >>> paged.used_bytes, arena.regions["slab_kv"].used_bytes, arena.used_bytes
+    (1024, 0, 1024)
     """
 
     def __init__(self, regions: Mapping[str, RegionSpec], *, device=None) -> None:
@@ -412,9 +469,13 @@ class KVArena:
             offsets.append((name, spec, total))
             total += spec.num_blocks * spec.block_bytes
         self.nbytes = -(-total // ALIGN_BYTES) * ALIGN_BYTES
-        self.buffer = torch.empty(
-            self.nbytes, dtype=torch.uint8, device=torch.device("cpu" if device is None else device)
-        )
+        if self.nbytes > _MAX_ARENA_BYTES:
+            raise ValueError(f"regions: {self.nbytes} bytes in all, over one allocation's {_MAX_ARENA_BYTES}")
+        try:
+            dev = torch.device("cpu" if device is None else device)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise ValueError(f"device: expected a torch.device or a device string, got {device!r}") from exc
+        self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=dev)
         # The allocation's own device: "cuda" normalizes to "cuda:0", as on the views.
         self.device = self.buffer.device
         self.regions: dict[str, ArenaRegion] = {

@@ -15,26 +15,20 @@ is copied first (copy-on-write at plan time: a new block gets the whole
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from kvarena.attention.ops import debug_enabled, paged_attention, store_kv
-from kvarena.cache._meta import (
-    StaleMetadataError,
-    check_attn_kwargs,
-    check_forward_tensor,
-    next_version,
-    region_of_arena,
-    upload,
-)
+from kvarena.attention.ops import attend, store
+from kvarena.attention.spec import check_bool
+from kvarena.cache._meta import StaleMetadataError, as_device, next_version, region_of_arena, upload
+from kvarena.cache._pool import KVPoolBase
 from kvarena.cache.arena import BlockAllocator, CacheFullError, KVArena, KVLayout, _check_int
 
 __all__ = ["PagedKVCache", "PagedMetadata"]
 
-_RESERVED_KWARGS = ("causal", "kv_start", "cu_seqlens_q", "max_seqlen_q", "max_seqlen_k", "_trusted")
+_FROM_META = "set by the pool from the plan's metadata; do not pass it to forward()"
 _DEFAULT_MAX_SEQS = 256
 _DEFAULT_MAX_BLOCKS = 512
 
@@ -74,6 +68,7 @@ class PagedMetadata:
     num_tokens: int
     _owner: int = field(repr=False)
     _versions: tuple = field(repr=False)
+    _epoch: int = field(repr=False)
     _graph_gen: int | None = field(default=None, repr=False)
 
 
@@ -91,13 +86,13 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class PagedKVCache:
+class PagedKVCache(KVPoolBase):
     """Arena-backed paged KV pool (AR decode), the seed's ``PagedKVCache`` made real.
 
     Parameters
     ----------
     policy : CachePolicy
-        ``max_bytes`` is the budget (``total_blocks = max_bytes // block_bytes``);
+        Of class ``"paged_kv"``. ``max_bytes`` is the budget (``total_blocks = max_bytes // block_bytes``);
         ``block_bytes`` is 0 (derived from ``layout``) or must equal
         ``layout.block_bytes(block_size)``. Without a layout it must be ``> 0`` and the
         pool does block bookkeeping only.
@@ -123,6 +118,12 @@ class PagedKVCache:
         fixed persistent metadata buffers for CUDA-graph replay, filled by
         ``plan(..., graph=True)`` (see :meth:`plan`). ``q_per_seq`` defaults to 1
         (decode).
+    attention : AttentionSpec, list of AttentionSpec, or mapping, optional
+        The attention options of each layer (scale, softcap, window, sink tokens,
+        block-causal chunking, backend, split policy, determinism), validated here
+        once: one spec for every layer, a list with one per layer, or a mapping
+        ``{layer or iterable of layers: spec}`` (unnamed layers take the default
+        ``AttentionSpec()``). Default: ``AttentionSpec()`` everywhere.
 
     Attributes
     ----------
@@ -149,12 +150,10 @@ class PagedKVCache:
         max_seqs: int | None = None,
         max_blocks_per_seq: int | None = None,
         graph_capacity: tuple | None = None,
+        attention=None,
     ) -> None:
-        self.policy = policy
-        self.hits = 0
-        self.misses = 0
-        self._lock = threading.RLock()
-        self._cache_id = next_version()  # process-unique, never reused (unlike id())
+        self._init_pool(policy, attention)
+        device = as_device(device)
         if block_size is not None:
             _check_int("block_size", block_size, 1)
         policy_bb = int(getattr(policy, "block_bytes", 0))
@@ -180,6 +179,7 @@ class PagedKVCache:
                     f"policy.block_bytes: expected 0 (derived) or {bb} = layout.block_bytes"
                     f"({block_size}), got {policy_bb}"
                 )
+            self._specs = self._bind_layout(layout, device or torch.device("cpu"))
             arena = KVArena.single("paged_kv", layout, block_size, policy.max_bytes, device=device)
             reg = arena["paged_kv"]
         else:
@@ -192,6 +192,8 @@ class PagedKVCache:
                 )
             block_size = 16 if block_size is None else block_size
             reg = None
+        if arena is not None and not self._specs:
+            self._specs = self._bind_layout(layout, arena.device)
         self.arena = arena
         self.layout = layout
         self.block_size = block_size
@@ -203,7 +205,7 @@ class PagedKVCache:
         else:
             self.block_bytes = policy_bb
             self.allocator = BlockAllocator(policy.max_bytes // policy_bb)
-            self.device = torch.empty(0, device=device).device
+            self.device = device or torch.device("cpu")
         total = self.allocator.num_blocks
         self._slot_dtype = torch.int32 if total * block_size < 2**31 else torch.int64
         rows = _check_int("max_seqs", max_seqs, 1) if max_seqs is not None else None
@@ -224,6 +226,9 @@ class PagedKVCache:
             self._graph = self._make_graph_buffers(graph_capacity)
 
     # ------------------------------------------------------------------ accounting
+    def _blocks(self):
+        return self.allocator, self.block_bytes
+
     @property
     def total_blocks(self) -> int:
         """int: blocks in the pool's budget."""
@@ -233,16 +238,6 @@ class PagedKVCache:
     def free(self) -> int:
         """int: free blocks."""
         return self.allocator.num_free
-
-    @property
-    def used_bytes(self) -> int:
-        """int: bytes of allocated blocks."""
-        return self.allocator.num_used * self.block_bytes
-
-    @property
-    def free_bytes(self) -> int:
-        """int: bytes of free blocks."""
-        return self.allocator.num_free * self.block_bytes
 
     def __contains__(self, namespace: object) -> bool:
         return namespace in self._seqs
@@ -358,6 +353,7 @@ class PagedKVCache:
             seq = self._seqs.pop(namespace, None)
             if seq is not None:
                 self._release(seq)
+                self._stamp()
 
     # ------------------------------------------------------------------ fork / truncate
     def fork(self, src: Hashable, dst: Hashable) -> None:
@@ -389,7 +385,7 @@ class PagedKVCache:
             # now shared with dst, and dst's next plan may copy such a block (CoW) before
             # that forward writes them, leaving dst with garbage where src's last planned
             # tokens should be. Forward src's metadata first, then fork.
-            s.version = next_version()
+            s.version = self._stamp()
 
     def truncate(self, namespace: Hashable, n_tokens: int) -> None:
         """Roll ``namespace`` back to its first ``n_tokens`` tokens, freeing unneeded blocks.
@@ -417,7 +413,7 @@ class PagedKVCache:
                 self.allocator.decref(seq.blocks[keep:])
                 del seq.blocks[keep:]
             seq.seq_len = n_tokens
-            seq.version = next_version()
+            seq.version = self._stamp()
 
     # ------------------------------------------------------------------ plan
     def _make_graph_buffers(self, capacity) -> dict:
@@ -469,6 +465,7 @@ class PagedKVCache:
         TypeError, ValueError
             Bad counts, an empty batch, or a batch over the graph capacity.
         """
+        check_bool("graph", graph)
         if not isinstance(batch, Mapping):
             raise TypeError(f"batch: expected a mapping of namespace -> n_new_tokens, got {type(batch).__name__}")
         if not batch:
@@ -539,7 +536,7 @@ class PagedKVCache:
                     self._set_entries(seq, start)
                 old_lens.append(old)
                 seq.seq_len = old + n
-                seq.version = next_version()
+                seq.version = self._stamp()
             if copies_src and self._region is not None:
                 src = upload(copies_src, torch.int64, self.device)
                 dst = upload(copies_dst, torch.int64, self.device)
@@ -588,6 +585,7 @@ class PagedKVCache:
                 num_tokens=total_q,
                 _owner=self._cache_id,
                 _versions=versions,
+                _epoch=self._epoch,
             )
         g = self._graph
         g["slot_mapping"][:total_q].copy_(slots)
@@ -610,6 +608,7 @@ class PagedKVCache:
             num_tokens=total_q,
             _owner=self._cache_id,
             _versions=versions,
+            _epoch=self._epoch,
             _graph_gen=self._graph_gen,
         )
 
@@ -639,6 +638,17 @@ class PagedKVCache:
                 what = "freed" if seq is None else "planned again, truncated or forked"
                 raise StaleMetadataError(f"meta: stale, namespace {ns!r} was {what} since this plan")
 
+    CLASS_NAME = "paged_kv"
+    FORWARD_OPTIONS = frozenset(
+        ("backend", "scale", "softcap", "return_lse", "num_splits", "deterministic", "window_left",
+         "sink_tokens", "chunk_size")
+    )
+    NOT_FORWARD_OPTIONS = {
+        "causal": "a layer's causality is part of its AttentionSpec: pass attention= to the constructor",
+        "out": "forward() returns a new tensor; kvarena.paged_attention(..., out=) writes into a buffer",
+        **{name: _FROM_META for name in ("kv_start", "cu_seqlens_q", "max_seqlen_q", "max_seqlen_k")},
+    }
+
     def forward(
         self,
         q: torch.Tensor,
@@ -646,28 +656,47 @@ class PagedKVCache:
         v: torch.Tensor,
         meta: PagedMetadata,
         layer: int,
-        **attn_kwargs,
+        **options,
     ):
         """Store one layer's new K/V, then attend (causal, bottom-right aligned).
+
+        Everything is checked before the first write: a call that raises leaves the
+        cache as it was.
 
         Parameters
         ----------
         q : Tensor ``[total_q, H_q, D]``
             Queries of the step's new tokens, rows as in ``meta`` (``H_q % H_kv == 0``).
         k, v : Tensor ``[total_q, H_kv, D]``
-            The new tokens' keys/values (stored detached).
+            The new tokens' keys/values (stored detached; under autograd the attention
+            reads them from these tensors, so gradients reach them).
         meta : PagedMetadata
-            From this cache's :meth:`plan`.
+            From this cache's :meth:`plan`, not stale.
         layer : int
             Layer index in ``[0, num_layers)``.
-        **attn_kwargs
-            Passed to :func:`kvarena.attention.paged_attention` (``scale``,
-            ``window_left``, ``sink_tokens``, ``softcap``, ``return_lse``, ``out``,
-            ``backend``, ...). ``backend`` also selects the store path.
+        **options
+            Per-call overrides of the layer's :class:`AttentionSpec`: ``backend``,
+            ``scale``, ``softcap``, ``return_lse``, ``num_splits``, ``deterministic``,
+            ``window_left``, ``sink_tokens``, ``chunk_size`` (validated; no cost when
+            none is given). Any other keyword is a ``TypeError`` saying where it goes.
 
         Returns
         -------
-        Tensor ``[total_q, H_q, D]`` (or ``(out, lse)`` with ``return_lse=True``).
+        Tensor ``[total_q, H_q, D]`` (or ``(out, lse [total_q, H_q])`` with ``return_lse``).
+
+        Examples
+        --------
+        >>> import torch
+        >>> from kvarena import AttentionSpec, CachePolicy, KVLayout, PagedKVCache
+        >>> layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype=torch.float32)
+        >>> pool = PagedKVCache(CachePolicy("paged_kv", max_bytes=1 << 16), layout=layout,
+        ...                     block_size=4, attention=AttentionSpec(window_left=3))
+        >>> meta = pool.plan({"req0": 5})                 # a 5-token prefill
+        >>> q, k, v = torch.randn(5, 2, 8), torch.randn(5, 1, 8), torch.randn(5, 1, 8)
+        >>> pool.forward(q, k, v, meta, 0).shape
+        torch.Size([5, 2, 8])
+        >>> pool.forward(q, k, v, meta, 1, window_left=None).shape   # a per-call override
+        torch.Size([5, 2, 8])
         """
         region = self._region
         if region is None:
@@ -675,26 +704,18 @@ class PagedKVCache:
                 "forward: this PagedKVCache has no layout (block bookkeeping only); "
                 "construct it with layout=KVLayout(...) to store and attend"
             )
-        if not isinstance(meta, PagedMetadata) or meta._owner != self._cache_id or debug_enabled():
-            self.check_metadata(meta)
+        if type(meta) is not PagedMetadata or meta._owner != self._cache_id or meta._epoch != self._epoch:
+            self.check_metadata(meta)  # raises unless still current (host data: no sync)
+        layer = self._check_layer(layer)
+        spec = self._call_spec(layer, options)
+        self._check_qkv(q, k, v, (meta.total_q,), "[total_q, H, D]")
+        attn_backend, store_backend, kv_grad = self._backends(spec, q, k, v)
         kc, vc = region.k(layer), region.v(layer)
-        lay = self.layout
-        if not isinstance(q, torch.Tensor) or q.dim() != 3:
-            shape = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
-            raise ValueError(f"q: expected a [total_q, H_q, D] tensor, got {shape}")
-        h_q = q.shape[1]
-        if h_q == 0 or h_q % lay.num_kv_heads:
-            raise ValueError(f"q: H_q ({h_q}) must be a positive multiple of the layout's H_kv ({lay.num_kv_heads})")
-        n, d = meta.total_q, lay.head_dim
-        check_forward_tensor("q", q, (n, h_q, d), lay.dtype, self.device, "[total_q, H_q, D] of the plan/layout")
-        check_forward_tensor("k", k, (n, lay.num_kv_heads, d), lay.dtype, self.device, "[total_q, H_kv, D]")
-        check_forward_tensor("v", v, (n, lay.num_kv_heads, d), lay.dtype, self.device, "[total_q, H_kv, D]")
-        check_attn_kwargs(attn_kwargs, _RESERVED_KWARGS)
-        store_kv(k, v, kc, vc, meta.slot_mapping, backend=attn_kwargs.get("backend", "auto"), _trusted=True)
-        return paged_attention(
-            q, kc, vc, meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
-            causal=True, max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
-            _trusted=True, **attn_kwargs,
+        store(k, v, kc, vc, meta.slot_mapping, store_backend)
+        return attend(
+            q, kc, vc, meta.block_table, meta.seq_lens, meta.cu_seqlens_q, None, spec=spec,
+            max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, backend=attn_backend,
+            new_kv=(k, v) if kv_grad else None,
         )
 
     def __repr__(self) -> str:

@@ -24,30 +24,44 @@ attending to a history chunk not committed at the layer being run raises.
 
 from __future__ import annotations
 
-import threading
+import copy
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvarena.attention.ops import merge_attention_states, paged_attention, store_kv
+from kvarena.attention.ops import attend, merge, store
+from kvarena.attention.spec import AttentionSpec, check_bool
 from kvarena.cache._meta import (
     StaleMetadataError,
-    check_attn_kwargs,
+    as_device,
     check_forward_tensor,
     next_version,
     region_of_arena,
     upload,
 )
+from kvarena.cache._pool import KVPoolBase
 from kvarena.cache.arena import ArenaRegion, CacheFullError, KVArena, KVLayout, _check_int
 
 __all__ = ["Slab", "SlabKVCache", "SlabMetadata", "SlabSnapshot"]
 
 _UNBOUNDED_WINDOW = 1 << 30
-_RESERVED_KWARGS = (
-    "causal", "kv_start", "cu_seqlens_q", "max_seqlen_q", "max_seqlen_k", "out", "_trusted",
+_VISIBILITY = (
+    "the slab pool's visibility is whole chunks, set by CachePolicy per_component "
+    "{'sinks': n, 'window': m}; it cannot be changed per layer or per call"
 )
+
+
+def _op_specs(spec: AttentionSpec) -> tuple[AttentionSpec, AttentionSpec]:
+    """What a slab forward passes to the op for a layer spec: ``(spec, spec with lse)``.
+
+    The block tables list only visible chunks, so the op runs non-causal (full
+    attention over them, block-causal overall). Made once per layer at construction,
+    and per call only for a call with overrides.
+    """
+    op = spec.replace(causal=False)
+    return op, op.replace(return_lse=True)
 
 
 @dataclass
@@ -142,8 +156,16 @@ class SlabMetadata:
     hist_has_kv_start: bool
     _owner: int = field(repr=False)
     _versions: tuple = field(repr=False)
+    _epoch: int = field(repr=False)
     _current: tuple = field(repr=False)  # _Chunk per row
     _history: tuple = field(repr=False)  # (namespace, _Chunk) of every history chunk
+
+    def __deepcopy__(self, memo) -> SlabMetadata:
+        # The chunk records are the pool's own bookkeeping, not data of the plan: a copy
+        # must mark commits on the pool's records, or a commit through it would write the
+        # slab and leave the chunk uncommitted.
+        fields = {k: copy.deepcopy(v, memo) for k, v in vars(self).items() if k not in ("_current", "_history")}
+        return SlabMetadata(**fields, _current=self._current, _history=self._history)
 
 
 @dataclass(frozen=True, eq=False)
@@ -156,13 +178,13 @@ class SlabSnapshot:
     _last: int = field(repr=False)
 
 
-class SlabKVCache:
+class SlabKVCache(KVPoolBase):
     """Arena-backed chunk-KV slabs with in-place sliding-window recycling.
 
     Parameters
     ----------
     policy : CachePolicy
-        ``max_bytes // slab_bytes`` is the number of slabs (slots) of the pool's own
+        Of class ``"slab_kv"``. ``max_bytes // slab_bytes`` is the number of slabs (slots) of the pool's own
         arena; ``block_bytes`` is 0 or ``layout.block_bytes(slab_tokens)``;
         ``per_component``: ``"window"`` (chunks attended and kept, the current one
         included; default unbounded), ``"sinks"`` (default 0), optionally
@@ -179,6 +201,11 @@ class SlabKVCache:
         A shared arena; the pool uses ``region`` of it (default: the only region, else
         the one named after ``policy.class_name``, else ``"slab_kv"``).
     region : str, optional
+    attention : AttentionSpec, list of AttentionSpec, or mapping, optional
+        Per-layer attention options (as :class:`PagedKVCache`): ``scale``, ``softcap``,
+        ``backend``, ``num_splits``, ``deterministic``, ``return_lse``. Visibility is
+        the pool's (sinks + window chunks, block-causal), so ``window_left``,
+        ``sink_tokens``, ``chunk_size`` and ``causal`` keep their defaults.
 
     Attributes
     ----------
@@ -201,16 +228,14 @@ class SlabKVCache:
         device=None,
         arena: KVArena | None = None,
         region: str | None = None,
+        attention=None,
     ) -> None:
-        self.policy = policy
-        self.hits = 0
-        self.misses = 0
+        self._init_pool(policy, attention)
+        device = as_device(device)
         per = policy.per_component
         self.window = max(1, int(per.get("window", _UNBOUNDED_WINDOW)))
         self.sinks = int(per.get("sinks", 0))
         self.training_mode = bool(policy.training_mode_disables_recycle)
-        self._lock = threading.RLock()
-        self._cache_id = next_version()  # process-unique, never reused (unlike id())
         self._rollouts: dict[Hashable, _Rollout] = {}
         if slab_tokens is not None:
             _check_int("slab_tokens", slab_tokens, 1)
@@ -226,7 +251,7 @@ class SlabKVCache:
                 arena, region, policy, "slab_kv", layout, "slab_tokens", slab_tokens, device
             )
             self._check_block_bytes(reg.block_bytes, reg.layout, reg.block_tokens)
-            self._attach(arena, reg)
+            self._attach(arena, reg, self._bind_layout(reg.layout, arena.device))
         elif region is not None:
             raise ValueError("region: only meaningful together with arena=")
         elif layout is not None:
@@ -250,10 +275,18 @@ class SlabKVCache:
     def _materialize(self, layout: KVLayout, slab_tokens: int, device) -> None:
         bb = layout.block_bytes(slab_tokens)
         self._check_block_bytes(bb, layout, slab_tokens)
+        specs = self._bind_layout(layout, device or torch.device("cpu"))
         arena = KVArena.single("slab_kv", layout, slab_tokens, self.policy.max_bytes, device=device)
-        self._attach(arena, arena["slab_kv"])
+        self._attach(arena, arena["slab_kv"], specs)
 
-    def _attach(self, arena: KVArena, reg: ArenaRegion) -> None:
+    def _check_spec(self, spec: AttentionSpec, where: str) -> None:
+        for name, default in (("window_left", None), ("sink_tokens", 0), ("chunk_size", None), ("causal", True)):
+            if getattr(spec, name) != default:
+                raise ValueError(f"{where}.{name}: must stay {default!r}: {_VISIBILITY}")
+
+    def _attach(self, arena: KVArena, reg: ArenaRegion, specs: tuple) -> None:
+        self._specs = specs
+        self._op_pairs = tuple(_op_specs(s) for s in specs)
         self.arena = arena
         self._region = reg
         self.layout = reg.layout
@@ -272,24 +305,13 @@ class SlabKVCache:
         return self._region
 
     # ------------------------------------------------------------------ accounting
+    def _blocks(self):
+        return None if self._region is None else (self._region.allocator, self.slab_bytes)
+
     @property
     def num_slots(self) -> int:
         """int: slabs the budget holds (0 before the arena exists)."""
         return 0 if self._region is None else self._region.num_blocks
-
-    @property
-    def used_bytes(self) -> int:
-        """int: bytes of the slabs in use (whole slabs)."""
-        if self._region is None:
-            return 0
-        return self._region.allocator.num_used * self.slab_bytes
-
-    @property
-    def free_bytes(self) -> int:
-        """int: bytes of free slabs (the whole budget before the arena exists)."""
-        if self._region is None:
-            return int(self.policy.max_bytes)
-        return self._region.allocator.num_free * self.slab_bytes
 
     def __contains__(self, namespace: object) -> bool:
         return namespace in self._rollouts
@@ -407,7 +429,7 @@ class SlabKVCache:
                 else:  # recycle the oldest non-sink chunk in place
                     oldest = next(i for i in r.chunks if i >= self.sinks)
                     slot = r.chunks.pop(oldest).slot
-                    r.version = next_version()
+                    r.version = self._stamp()
                 known = r.chunks[c] = _Chunk(c, slot, n, self.layout.num_layers)
                 r.last = c
             out.append((ns, r, known))
@@ -515,6 +537,7 @@ class SlabKVCache:
             hist_has_kv_start=any(hist_starts),
             _owner=self._cache_id,
             _versions=tuple(r.version for _ns, r, _c in rows),
+            _epoch=self._epoch,
             _current=tuple(c for _ns, _r, c in rows),
             _history=tuple(history),
         )
@@ -544,6 +567,16 @@ class SlabKVCache:
                     "since this plan"
                 )
 
+    CLASS_NAME = "slab_kv"
+    FORWARD_OPTIONS = frozenset(("backend", "scale", "softcap", "return_lse", "num_splits", "deterministic"))
+    NOT_FORWARD_OPTIONS = {
+        **{name: _VISIBILITY for name in ("window_left", "sink_tokens", "chunk_size", "causal")},
+        "kv_start": "set by the pool from the plan's metadata (a short first chunk); do not pass it",
+        "out": "forward() returns a new tensor; kvarena.paged_attention(..., out=) writes into a buffer",
+        **{name: "set by the pool from the plan's metadata; do not pass it"
+           for name in ("cu_seqlens_q", "max_seqlen_q", "max_seqlen_k")},
+    }
+
     def forward(
         self,
         q: torch.Tensor,
@@ -553,26 +586,32 @@ class SlabKVCache:
         layer: int,
         *,
         commit: bool = True,
-        **attn_kwargs,
+        **options,
     ):
         """Attend one layer's chunk queries over sinks + window (block-causal chunks).
+
+        Everything is checked before the first write: a call that raises leaves the
+        cache (slab bytes and commit flags) as it was.
 
         Parameters
         ----------
         q : Tensor ``[B, T, H_q, D]``
         k, v : Tensor ``[B, T, H_kv, D]``
-            The chunk's keys/values at this layer.
+            The chunk's keys/values at this layer. Under autograd, gradients reach
+            ``q``, ``k`` and ``v`` for either value of ``commit`` (the cached history is a
+            constant).
         meta : SlabMetadata
-            From this cache's :meth:`plan`.
+            From this cache's :meth:`plan`, not stale.
         layer : int
         commit : bool, default True
             True (the clean pass): write detached ``k, v`` into the chunk's slab, then
             attend over the visible slabs. False (a denoising step): write nothing;
-            attend over the committed history and the given ``k, v`` (merged by LSE),
-            differentiable w.r.t. ``q, k, v``.
-        **attn_kwargs
-            ``scale``, ``softcap``, ``return_lse``, ``backend``, ``num_splits``,
-            ``deterministic`` pass to :func:`kvarena.attention.paged_attention`.
+            attend over the committed history and the given ``k, v`` (merged by LSE).
+            Both give the same result for the same inputs.
+        **options
+            Per-call overrides of the layer's :class:`AttentionSpec`: ``backend``,
+            ``scale``, ``softcap``, ``return_lse``, ``num_splits``, ``deterministic``.
+            Any other keyword is a ``TypeError`` saying where it goes.
 
         Returns
         -------
@@ -582,72 +621,66 @@ class SlabKVCache:
         ------
         RuntimeError
             A history chunk was planned but never committed at this layer.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from kvarena import CachePolicy, KVLayout, SlabKVCache
+        >>> layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32)
+        >>> policy = CachePolicy("slab_kv", max_bytes=1 << 16, per_component={"window": 2})
+        >>> pool = SlabKVCache(policy, layout=layout, slab_tokens=3)
+        >>> q, k, v = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 1, 8), torch.randn(1, 3, 1, 8)
+        >>> meta = pool.plan({"video0": 0})                         # chunk 0 of one rollout
+        >>> noisy = pool.forward(q, k, v, meta, 0, commit=False)    # a denoising step
+        >>> clean = pool.forward(q, k, v, meta, 0, commit=True)     # the clean pass stores
+        >>> torch.allclose(noisy, clean, atol=1e-6), pool.chunk_indices("video0")
+        (True, [0])
         """
         region = self._require_arena("forward")
-        if not isinstance(meta, SlabMetadata) or meta._owner != self._cache_id:
-            self.check_metadata(meta)
-        if not isinstance(commit, bool):
-            raise TypeError(f"commit: expected a bool, got {commit!r}")
-        kc, vc = region.k(layer), region.v(layer)
-        lay = self.layout
+        if type(meta) is not SlabMetadata or meta._owner != self._cache_id or meta._epoch != self._epoch:
+            self.check_metadata(meta)  # raises unless still current
+        check_bool("commit", commit)
+        layer = self._check_layer(layer)
+        spec = self._call_spec(layer, options)
         b, t = meta.num_seqs, meta.n_tokens
-        if not isinstance(q, torch.Tensor) or q.dim() != 4:
-            shape = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
-            raise ValueError(f"q: expected a [B, T, H_q, D] tensor, got {shape}")
-        h_q, h_kv, d = q.shape[2], lay.num_kv_heads, lay.head_dim
-        if h_q == 0 or h_q % h_kv:
-            raise ValueError(f"q: H_q ({h_q}) must be a positive multiple of the layout's H_kv ({h_kv})")
-        check_forward_tensor("q", q, (b, t, h_q, d), lay.dtype, self.device, "[B, T, H_q, D] of the plan/layout")
-        check_forward_tensor("k", k, (b, t, h_kv, d), lay.dtype, self.device, "[B, T, H_kv, D]")
-        check_forward_tensor("v", v, (b, t, h_kv, d), lay.dtype, self.device, "[B, T, H_kv, D]")
-        check_attn_kwargs(attn_kwargs, _RESERVED_KWARGS)
-        return_lse = bool(attn_kwargs.pop("return_lse", False))
-        # Host-only bookkeeping (no lock: plain reads and single stores, traceable).
-        for ns, ver in zip(meta.namespaces, meta._versions):
-            r = self._rollouts.get(ns)
-            if r is None or r.version != ver:
-                self.check_metadata(meta)  # raises with the details
+        h_q = self._check_qkv(q, k, v, (b, t), "[B, T, H, D]")
+        h_kv, d = self.layout.num_kv_heads, self.layout.head_dim
+        attn_backend, store_backend, kv_grad = self._backends(spec, q, k, v)
         for ns, ch in meta._history:
             if not ch.committed[layer]:
                 raise RuntimeError(
                     f"forward: chunk {ch.index} of namespace {ns!r} is in the history but was "
                     f"never committed at layer {layer} (run forward(..., commit=True) for it)"
                 )
-        if commit:
-            store_kv(
-                k.reshape(b * t, h_kv, d), v.reshape(b * t, h_kv, d), kc, vc, meta.slot_mapping,
-                backend=attn_kwargs.get("backend", "auto"), _trusted=True,
-            )
-            for ch in meta._current:
-                ch.committed[layer] = True
+        op_spec, op_spec_lse = _op_specs(spec) if options else self._op_pairs[layer]
+        kc, vc = region.k(layer), region.v(layer)
         qf = q.reshape(b * t, h_q, d)
+        kf, vf = k.reshape(b * t, h_kv, d), v.reshape(b * t, h_kv, d)
         if commit:
-            res = paged_attention(
+            store(kf, vf, kc, vc, meta.slot_mapping, store_backend)
+            for ch in meta._current:  # host-only bookkeeping: single stores, no lock, traceable
+                ch.committed[layer] = True
+            res = attend(
                 qf, kc, vc, meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
-                causal=False, kv_start=meta.kv_start if meta.has_kv_start else None,
-                max_seqlen_q=t, max_seqlen_k=meta.max_seqlen_k, return_lse=return_lse,
-                _trusted=True, **attn_kwargs,
+                meta.kv_start if meta.has_kv_start else None, spec=op_spec, max_seqlen_q=t,
+                max_seqlen_k=meta.max_seqlen_k, backend=attn_backend, new_kv=(kf, vf) if kv_grad else None,
             )
-            out, lse = res if return_lse else (res, None)
+            out, lse = res if spec.return_lse else (res, None)
         else:
-            out_h, lse_h = paged_attention(
+            out_h, lse_h = attend(
                 qf, kc, vc, meta.hist_block_table, meta.hist_seq_lens, meta.cu_seqlens_q,
-                causal=False, kv_start=meta.hist_kv_start if meta.hist_has_kv_start else None,
-                max_seqlen_q=t, max_seqlen_k=meta.hist_max_seqlen_k, return_lse=True,
-                _trusted=True, **attn_kwargs,
+                meta.hist_kv_start if meta.hist_has_kv_start else None, spec=op_spec_lse, max_seqlen_q=t,
+                max_seqlen_k=meta.hist_max_seqlen_k, backend=attn_backend,
             )
             kd = k if k.stride(-1) == 1 else k.contiguous()
             vd = v if v.stride(-1) == 1 else v.contiguous()
-            out_c, lse_c = paged_attention(
-                qf, kd, vd, meta.dense_block_table, meta.dense_seq_lens, meta.cu_seqlens_q,
-                causal=False, max_seqlen_q=t, max_seqlen_k=t, return_lse=True, _trusted=True,
-                **attn_kwargs,
+            out_c, lse_c = attend(
+                qf, kd, vd, meta.dense_block_table, meta.dense_seq_lens, meta.cu_seqlens_q, None,
+                spec=op_spec_lse, max_seqlen_q=t, max_seqlen_k=t, backend=attn_backend,
             )
-            out, lse = merge_attention_states(
-                out_h, lse_h, out_c, lse_c, backend=attn_kwargs.get("backend", "auto")
-            )
+            out, lse = merge(out_h, lse_h, out_c, lse_c, attn_backend)
         out = out.reshape(b, t, h_q, d)
-        return (out, lse.reshape(b, t, h_q)) if return_lse else out
+        return (out, lse.reshape(b, t, h_q)) if spec.return_lse else out
 
     # ------------------------------------------------------------------ seed API
     def append(self, namespace: Hashable, slab: Slab) -> None:
@@ -682,6 +715,7 @@ class SlabKVCache:
                 layout = KVLayout.from_kv(k)
                 st = self.slab_tokens if self.slab_tokens is not None else t
                 self._materialize(layout, st, k.device if self._device_arg is None else self._device_arg)
+
             try:
                 lay = self.layout
                 shape = (lay.num_layers, t, lay.num_kv_heads, lay.head_dim)
@@ -692,6 +726,7 @@ class SlabKVCache:
                 if fresh:  # a failed first append leaves the pool as it was: no arena
                     self.arena = self._region = self.layout = None
                     self.slab_tokens = prev_st
+                    self._specs = ()
                 raise
             (_ns, _r, ch) = rows[0]
             st = self.slab_tokens
@@ -727,6 +762,8 @@ class SlabKVCache:
         """Free every slab of ``namespace`` (unknown: no-op)."""
         with self._lock:
             r = self._rollouts.pop(namespace, None)
+            if r is not None:
+                self._stamp()
             if r is not None and r.chunks:
                 self._region.allocator.decref(
                     [ch.slot for ch in sorted(r.chunks.values(), key=lambda c: -c.index)]
@@ -777,7 +814,7 @@ class SlabKVCache:
                 self._region.allocator.decref([ch.slot for ch in extra])
             r.chunks = dict(snap._chunks)
             r.last = snap._last
-            r.version = next_version()
+            r.version = self._stamp()
 
     def __repr__(self) -> str:
         return (

@@ -11,13 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# ----------------------------------------------------------------------------- constants
-
-LOG2E = 1.4426950408889634
-# ~4096 elements per program (32 fp32 per thread at 4 warps): a bandwidth-bound kernel.
-_TILE_ELEMS = 4096
-_NUM_WARPS = 4
-
+from kvarena.kernels._common import row_tile
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -68,14 +62,9 @@ def _merge_states_kernel(
 # ----------------------------------------------------------------------------- launcher
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _pick_config(head_dim: int) -> dict:
     """Tile of one merge launch (pure; ``kvarena check`` compiles what it returns)."""
-    d_pad = max(16, _next_pow2(head_dim))
-    return dict(HEAD_DIM_PAD=d_pad, BLOCK_R=max(1, _TILE_ELEMS // d_pad), num_warps=_NUM_WARPS)
+    return row_tile(head_dim)
 
 
 def merge_attention_states_fwd(out_a, lse_a, out_b, lse_b, out, lse) -> None:

@@ -28,16 +28,21 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-# ----------------------------------------------------------------------------- constants
+from kvarena.kernels._common import (
+    I32_MAX,
+    LOG2E,
+    ROW_TILE_ELEMS,
+    ROW_TILE_WARPS,
+    head_dim_pad,
+    interpreting,
+)
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+# ----------------------------------------------------------------------------- constants
 
 # H100/H200 have 132 SMs; read from the device on CUDA, assumed on CPU (interpreter).
 _DEFAULT_SM_COUNT = 132
@@ -55,14 +60,10 @@ _SPLIT_WAVE_EFFICIENCY = 0.85
 # result never depends on which other sequences share the launch. 4096 keys keep the
 # scratch at 1/16 of K/V bytes per query row at D = 128 ... and 32 splits at 128K keys.
 _DET_SPLIT_KEYS = 4096
-# Reduce tile: ~4096 fp32 elements per program (32 per thread at 4 warps): it streams
-# num_splits partial rows per output row, a bandwidth-bound loop.
-_REDUCE_TILE_ELEMS = 4096
-_REDUCE_NUM_WARPS = 4
-_I32_MAX = 2**31 - 1
 _MAXNREG = 255
-# The sentinel window for "no sliding window": row_lo = p - 2**30 < 0 for any p < 2**30.
-_NO_WINDOW = 1 << 30
+# The sentinel window for "no sliding window": row_lo = p - (2**31 - 1) < 0 for any int32
+# position p (AttentionSpec clamps every window to this too).
+_NO_WINDOW = I32_MAX
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -98,12 +99,13 @@ def _paged_attn_kernel(
     WRITE_LSE: tl.constexpr,
     SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
+    GUARD_NONFINITE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split_id = tl.program_id(1)
     num_splits = tl.num_programs(1)
     # Heaviest q tile (latest queries, most keys under causal) first.
-    q_tile = num_q_tiles - 1 - pid % num_q_tiles
+    q_tile_idx = num_q_tiles - 1 - pid % num_q_tiles
     bh = pid // num_q_tiles
     b = bh // num_kv_heads
     kvh = bh % num_kv_heads
@@ -111,7 +113,7 @@ def _paged_attn_kernel(
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + b)
-    m0 = q_tile * BLOCK_M
+    m0 = q_tile_idx * BLOCK_M
     n_rows = q_len * GROUP
     if m0 >= n_rows:
         return
@@ -128,32 +130,32 @@ def _paged_attn_kernel(
     # offsets stay 1 register per row through the key loop (int64 per-row offsets kept
     # alive until the epilogue cost ~80 registers and spilled at 128 x 128 on sm_80).
     # The launcher guarantees (BLOCK_M // GROUP + 1) * stride_t + GROUP * stride_h + D < 2**31.
-    p0 = m0 // GROUP
-    local = pos_idx - p0  # [BLOCK_M] in [0, BLOCK_M // GROUP]
+    pos0 = m0 // GROUP
+    local = pos_idx - pos0  # [BLOCK_M] in [0, BLOCK_M // GROUP]
     head_in = j % GROUP
     pos_base = seq_len - q_len
-    p = pos_base + pos_idx  # [BLOCK_M] key-space position of each row's query
+    q_pos = pos_base + pos_idx  # [BLOCK_M] key-space position of each row's query
     if CAUSAL:
-        # chunk_size = 1 is plain causal: t <= p  <=>  t < (p // 1 + 1) * 1.
-        row_hi = tl.minimum((p // chunk_size + 1) * chunk_size, seq_len)
+        # chunk_size = 1 is plain causal: t <= q_pos  <=>  t < (q_pos // 1 + 1) * 1.
+        row_hi = tl.minimum((q_pos // chunk_size + 1) * chunk_size, seq_len)
     else:
-        row_hi = tl.zeros_like(p) + seq_len
-    row_lo = p - window_left  # window: t >= p - window_left (or t < sink_tokens)
+        row_hi = tl.zeros_like(q_pos) + seq_len
+    row_lo = q_pos - window_left  # window: t >= q_pos - window_left (or t < sink_tokens)
 
-    # ---- key range of the whole tile (scalars): rows are monotone in p
-    p_min = pos_base + m0 // GROUP
-    p_max = pos_base + (tl.minimum(m0 + BLOCK_M, n_rows) - 1) // GROUP
+    # ---- key range of the whole tile (scalars): rows are monotone in q_pos
+    q_pos_min = pos_base + m0 // GROUP
+    q_pos_max = pos_base + (tl.minimum(m0 + BLOCK_M, n_rows) - 1) // GROUP
     if CAUSAL:
-        hi = tl.minimum((p_max // chunk_size + 1) * chunk_size, seq_len)
+        hi = tl.minimum((q_pos_max // chunk_size + 1) * chunk_size, seq_len)
     else:
         hi = seq_len
-    lo = tl.maximum(kv_lo, p_min - window_left)
+    lo = tl.maximum(kv_lo, q_pos_min - window_left)
     # The tightest row bounds of the tile (for the interior-tile test below).
     if CAUSAL:
-        hi_min = tl.minimum((p_min // chunk_size + 1) * chunk_size, seq_len)
+        hi_min = tl.minimum((q_pos_min // chunk_size + 1) * chunk_size, seq_len)
     else:
         hi_min = seq_len
-    lo_max = p_max - window_left
+    lo_max = q_pos_max - window_left
     sink_hi = tl.minimum(tl.minimum(sink_tokens, lo), hi)
     sink_base = (kv_lo // BLOCK_N) * BLOCK_N
     main_base = (lo // BLOCK_N) * BLOCK_N
@@ -172,11 +174,11 @@ def _paged_attn_kernel(
     # ---- query tile
     d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
     d_ok = d < HEAD_DIM
-    tok0 = (q_start + p0).to(tl.int64)  # first query token of the tile
+    tok0 = (q_start + pos0).to(tl.int64)  # first query token of the tile
     head0 = (kvh * GROUP).to(tl.int64)  # first query head of the kv head's group
-    q_tile = q_ptr + tok0 * stride_qt + head0 * stride_qh
+    q_base = q_ptr + tok0 * stride_qt + head0 * stride_qh
     q_off = local[:, None] * stride_qt + head_in[:, None] * stride_qh + d[None, :] * stride_qd
-    q = tl.load(q_tile + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
+    q = tl.load(q_base + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -186,6 +188,7 @@ def _paged_attn_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    bad_w = tl.zeros([BLOCK_M], tl.float32)  # weight on visible non-finite values (GUARD_NONFINITE)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     n_off = tl.arange(0, BLOCK_N)  # [BLOCK_N]
 
@@ -221,7 +224,7 @@ def _paged_attn_kernel(
             s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead
-        # keeps exp2(-inf - (-inf)) = NaN out of alpha and p.
+        # keeps exp2(-inf - (-inf)) = NaN out of alpha and pr.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M]
         pr = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
@@ -229,6 +232,16 @@ def _paged_attn_kernel(
         v = tl.load(v_head + v_off[:, None] + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
         if UPCAST:
             v = v.to(tl.float32)
+        if GUARD_NONFINITE:  # noqa: SIM102 - a constexpr branch: no code at all when off
+            if not interior:
+                # A key invisible to a row has pr = 0 there, but 0 * NaN (or inf) in the
+                # P.V dot is NaN: a boundary tile's non-finite values are zeroed, and the
+                # rows that see such a key (pr > 0) are marked to give NaN, as they would
+                # have. Interior tiles need neither (every row sees every key).
+                v_ok = tl.abs(v) < float("inf")  # [BLOCK_N, HEAD_DIM_PAD]; False for NaN
+                key_bad = tl.max(tl.where(v_ok, 0.0, 1.0), 1)  # [BLOCK_N]
+                bad_w += tl.sum(pr * key_bad[None, :], 1)
+                v = tl.where(v_ok, v, 0.0)
         acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
@@ -236,15 +249,17 @@ def _paged_attn_kernel(
     has_key = l_i > 0.0
     inv_l = tl.where(has_key, 1.0 / tl.where(has_key, l_i, 1.0), 0.0)
     o = acc * inv_l[:, None]  # [BLOCK_M, HEAD_DIM_PAD]
-    o_tile = o_ptr + split_id.to(tl.int64) * stride_os + tok0 * stride_ot + head0 * stride_oh
+    if GUARD_NONFINITE:
+        o = tl.where(bad_w[:, None] > 0.0, float("nan"), o)
+    o_base = o_ptr + split_id.to(tl.int64) * stride_os + tok0 * stride_ot + head0 * stride_oh
     o_off = local[:, None] * stride_ot + head_in[:, None] * stride_oh + d[None, :] * stride_od
-    tl.store(o_tile + o_off, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(o_base + o_off, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if WRITE_LSE:
         lse2 = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("-inf"))
         if not SPLIT:
             lse2 = lse2 * 0.6931471805599453  # natural log for the caller
-        l_tile = lse_ptr + split_id.to(tl.int64) * stride_ls + tok0 * stride_lt + head0 * stride_lh
-        tl.store(l_tile + local * stride_lt + head_in * stride_lh, lse2, mask=row_ok)
+        lse_base = lse_ptr + split_id.to(tl.int64) * stride_ls + tok0 * stride_lt + head0 * stride_lh
+        tl.store(lse_base + local * stride_lt + head_in * stride_lh, lse2, mask=row_ok)
 
 
 @triton.jit
@@ -309,14 +324,6 @@ def _split_reduce_kernel(
 # ----------------------------------------------------------------------------- launcher
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | None,
                  capability: int = 90) -> dict:
     """Tile sizes, warps and stages of one attention launch: a pure function of its args.
@@ -333,7 +340,7 @@ def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | No
     sm_90a's wgmma reads it from shared memory. Shared memory: K and V tiles per stage
     plus the q tile, <= 100 KiB everywhere here (163 KiB on sm_80, 227 KiB on sm_90a).
     """
-    d_pad = max(16, _next_pow2(head_dim))
+    d_pad = head_dim_pad(head_dim)
     rows = None if q_len_max is None else max(1, q_len_max) * group
     decode = rows is not None and rows <= 16
     hopper = capability >= 90
@@ -416,13 +423,26 @@ def _pick_num_splits(programs: int, max_seqlen_k: int, sm_count: int) -> int:
 
 
 def _attn_constexprs(cfg: dict, group: int, head_dim: int, *, causal: bool, has_kv_start: bool,
-                     write_lse: bool, split: bool, upcast: bool) -> dict:
+                     write_lse: bool, split: bool, upcast: bool, guard: bool) -> dict:
     """The constexpr arguments of ``_paged_attn_kernel`` (shared with ``kvarena check``)."""
     return dict(
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, HAS_KV_START=has_kv_start, WRITE_LSE=write_lse,
-        SPLIT=split, UPCAST=upcast,
+        SPLIT=split, UPCAST=upcast, GUARD_NONFINITE=guard,
     )
+
+
+def _needs_guard(max_seqlen_q: int, causal: bool, window_left: int | None) -> bool:
+    """Whether rows of one tile can see different keys of one key tile.
+
+    Only then can an invisible key share a tile with a visible one for some row and leak
+    a non-finite value through ``0 * NaN``. With one query position per sequence
+    (decode) every row of a tile sees the same keys, and the tile-level key range masks
+    the loads exactly; without causal masks or a window (the slab pool) every row sees
+    every loaded key. The guard costs registers and a V register round trip on boundary
+    tiles, so it is compiled in only where it can matter.
+    """
+    return max_seqlen_q > 1 and (causal or window_left is not None)
 
 
 def _tile_span(t: torch.Tensor, block_m: int, group: int) -> int:
@@ -433,22 +453,23 @@ def _tile_span(t: torch.Tensor, block_m: int, group: int) -> int:
     return span
 
 
-def _reduce_block_rows(head_dim_pad: int) -> int:
-    return max(1, _REDUCE_TILE_ELEMS // head_dim_pad)
+def _reduce_block_rows(d_pad: int) -> int:
+    # The reduce is a row kernel: it streams num_splits fp32 partial rows per output row.
+    return max(1, ROW_TILE_ELEMS // d_pad)
 
 
 def paged_attention_fwd(
     q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse, *,
-    scale, causal, chunk_size, window_left, sink_tokens, softcap, max_seqlen_q, max_seqlen_k,
-    num_splits=None, deterministic=False,
+    spec, max_seqlen_q, max_seqlen_k,
 ) -> None:
     """Launch block-table attention; writes ``out`` and (if not None) ``lse`` in place.
 
-    Arguments are validated by ``kvarena.attention.ops``. No host read of device data:
-    the grid comes from ``max_seqlen_q`` / ``max_seqlen_k`` alone.
+    Arguments are validated by ``kvarena.attention.ops``; ``spec`` is an
+    ``AttentionSpec`` (its normalized fields are read here). No host read of device
+    data: the grid comes from ``max_seqlen_q`` / ``max_seqlen_k`` alone.
 
-    ``num_splits``: split-KV count (None = ``_pick_num_splits``; 1 = never split).
-    ``deterministic``: the tile config ignores ``max_seqlen_q`` and each split covers a
+    ``spec.num_splits``: split-KV count (None = ``_pick_num_splits``; 1 = never split).
+    ``spec.deterministic``: the tile config ignores ``max_seqlen_q`` and each split covers a
     fixed 4096 keys, so a sequence's output is bitwise the same in any batch; only
     ``num_splits=1`` overrides it (no split, equally batch-invariant). Its fp32 scratch is
     ``ceil(max_seqlen_k / 4096) * total_q * H_q * (D + 1) * 4`` bytes: meant for decode
@@ -460,6 +481,14 @@ def paged_attention_fwd(
     group = h_q // h_kv
     if total_q == 0 or b_count == 0 or max_seqlen_q == 0:
         return  # no query row exists
+    num_splits, deterministic = spec.num_splits, spec.deterministic
+    scale = spec.scale_for(head_dim)
+    causal, chunk_size, window_left = spec.causal, spec.chunk_size, spec.window_left
+    sink_tokens, softcap = spec.sink_tokens, spec.softcap
+    if causal and chunk_size is not None and chunk_size >= max_seqlen_k:
+        # Every position lies in chunk 0: block-causal is full attention (and the chunk
+        # end (p // C + 1) * C could pass int32 for a huge C).
+        causal = False
     dev = None
     if q.device.type == "cuda":
         dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
@@ -492,9 +521,10 @@ def paged_attention_fwd(
     sinks = sink_tokens if window_left is not None else 0
     split = num_splits > 1
     write_lse = lse is not None or split
-    upcast = _interpreting()
+    upcast = interpreting()
     meta = _attn_constexprs(cfg, group, head_dim, causal=causal, has_kv_start=kv_start is not None,
-                            write_lse=write_lse, split=split, upcast=upcast)
+                            write_lse=write_lse, split=split, upcast=upcast,
+                            guard=_needs_guard(max_seqlen_q, causal, window_left))
     # 1-D metadata is read with unit stride; .contiguous() is free when it already is.
     seq_lens, cu_seqlens_q = seq_lens.contiguous(), cu_seqlens_q.contiguous()
     kv_start_arg = kv_start.contiguous() if kv_start is not None else seq_lens  # else never read
@@ -503,12 +533,12 @@ def paged_attention_fwd(
 
     # The kernel addresses rows as an int64 tile base + int32 in-tile offsets; a view with a
     # row stride near 2**31 / BLOCK_M elements (never a real activation) goes via a copy.
-    if _tile_span(q, block_m, group) > _I32_MAX:
+    if _tile_span(q, block_m, group) > I32_MAX:
         q = q.contiguous()
     out_k, lse_k = out, lse
-    if not split and _tile_span(out, block_m, group) > _I32_MAX:
+    if not split and _tile_span(out, block_m, group) > I32_MAX:
         out_k = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-    if not split and lse is not None and _tile_span(lse, block_m, group) > _I32_MAX:
+    if not split and lse is not None and _tile_span(lse, block_m, group) > I32_MAX:
         lse_k = torch.empty(lse.shape, dtype=lse.dtype, device=lse.device)
 
     if split:
@@ -555,5 +585,5 @@ def paged_attention_fwd(
         *lse_strides,
         n_rows, h_q, num_splits,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_R=block_r,
-        WRITE_LSE=lse is not None, num_warps=_REDUCE_NUM_WARPS,
+        WRITE_LSE=lse is not None, num_warps=ROW_TILE_WARPS,
     )

@@ -12,13 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# ----------------------------------------------------------------------------- constants
-
-# ~4096 elements per program: 16 bytes per thread per operand at 4 warps and bf16 for
-# D = 128 (32 rows), enough bytes in flight for a copy kernel without register pressure.
-_TILE_ELEMS = 4096
-_NUM_WARPS = 4
-
+from kvarena.kernels._common import row_tile
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -57,14 +51,9 @@ def _store_kv_kernel(
 # ----------------------------------------------------------------------------- launcher
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _pick_config(head_dim: int) -> dict:
     """Tile of one store launch (pure; ``kvarena check`` compiles what it returns)."""
-    d_pad = max(16, _next_pow2(head_dim))
-    return dict(HEAD_DIM_PAD=d_pad, BLOCK_R=max(1, _TILE_ELEMS // d_pad), num_warps=_NUM_WARPS)
+    return row_tile(head_dim)
 
 
 def store_kv_fwd(k, v, k_cache, v_cache, slot_mapping) -> None:

@@ -1,0 +1,204 @@
+"""``AttentionSpec``: the per-layer constants of attention, validated once.
+
+Every option of block-table attention that is not per-step data (block tables, lengths)
+lives in one frozen dataclass. It is the single source of truth for the op's
+parameters: the public op builds one from its keywords, a KV pool builds one per layer
+at construction, the custom op's schema is generated from its fields, and the
+launchers, the torch path and the oracle read the normalized values from it. Adding an
+option is one field here plus its kernel code.
+
+Normalization (so that equal meanings compare equal and every value fits the kernels):
+
+* ``softcap`` of 0 or ``inf`` means off and is stored as ``None`` (``c * tanh(s / c)``
+  tends to ``s`` as ``c`` grows).
+* ``window_left``, ``chunk_size`` and ``sink_tokens`` at or above ``2**31 - 1`` are
+  stored as ``2**31 - 1``: sequence lengths are int32, so a larger value selects the
+  same keys.
+* ``scale=None`` stays ``None`` and means ``head_dim ** -0.5`` (see :meth:`scale_for`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["AttentionSpec", "BACKENDS", "INT_LIMIT", "check_backend", "check_bool"]
+
+#: The backends every op accepts: ``"auto"`` = Triton on CUDA, torch on CPU.
+BACKENDS = ("auto", "torch", "triton")
+#: Largest meaningful window / chunk / sink count: lengths are int32.
+INT_LIMIT = 2**31 - 1
+
+
+def check_bool(name: str, value) -> bool:
+    """``value`` if it is a bool; else ``TypeError`` naming ``name``.
+
+    One check for every flag of the package (``1``, ``"no"`` or ``None`` are not bools).
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool (True or False), got {value!r}")
+    return value
+
+
+def check_backend(backend) -> str:
+    """``backend`` if it is one of :data:`BACKENDS`; else ``ValueError`` naming it."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _opt_count(name: str, value, minimum: int) -> int | None:
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise TypeError(f"{name}: expected None or an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected None or an int >= {minimum}, got {value}")
+    return min(int(value), INT_LIMIT)
+
+
+def _opt_float(name: str, value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected None or a float, got {value!r}")
+    return float(value)
+
+
+def _op(schema: str) -> dict:
+    """Field metadata: the field's type in the custom op's schema."""
+    return {"schema": schema}
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The constants of one attention layer, validated on construction.
+
+    Parameters
+    ----------
+    scale : float, optional
+        Softmax scale; ``None`` = ``head_dim ** -0.5``. Finite.
+    causal : bool, default True
+        Query at position p sees keys ``t <= p`` (queries are bottom-right aligned).
+    chunk_size : int, optional
+        With ``causal``: block-causal, ``t // chunk_size <= p // chunk_size``. ``>= 1``.
+    window_left : int, optional
+        Sliding window: ``t >= p - window_left`` (or ``t < sink_tokens``). ``>= 0``;
+        vLLM's ``sliding_window=W`` is ``window_left=W - 1``.
+    sink_tokens : int, default 0
+        With a window, keys ``t < sink_tokens`` stay visible. ``>= 0``.
+    softcap : float, optional
+        ``softcap * tanh(scores / softcap)``; ``None``, 0 or ``inf`` = off, else ``> 0``.
+    backend : {"auto", "torch", "triton"}, default "auto"
+        ``"auto"``: Triton on CUDA tensors, the torch path on CPU and under autograd.
+    num_splits : int, optional
+        Split-KV count of the Triton path (``None`` = heuristic; 1 = never split).
+    deterministic : bool, default False
+        Triton split size independent of the batch (bitwise batch-invariant).
+    return_lse : bool, default False
+        Also return the fp32 natural-log sum-exp of each query row.
+
+    Raises
+    ------
+    TypeError
+        A field of the wrong type (the message names it).
+    ValueError
+        A field out of range (the message names it and the expected range).
+
+    Examples
+    --------
+    >>> from kvarena import AttentionSpec
+    >>> spec = AttentionSpec(window_left=127, softcap=50.0)
+    >>> spec.replace(softcap=0).softcap is None       # 0 means off
+    True
+    >>> spec.scale_for(128) == 128 ** -0.5
+    True
+    >>> AttentionSpec(window_left=-1)
+    Traceback (most recent call last):
+    ...
+    ValueError: window_left: expected None or an int >= 0, got -1
+    """
+
+    scale: float | None = field(default=None, metadata=_op("float?"))
+    causal: bool = field(default=True, metadata=_op("bool"))
+    chunk_size: int | None = field(default=None, metadata=_op("int?"))
+    window_left: int | None = field(default=None, metadata=_op("int?"))
+    sink_tokens: int = field(default=0, metadata=_op("int"))
+    softcap: float | None = field(default=None, metadata=_op("float?"))
+    backend: str = field(default="auto", metadata=_op("str"))
+    num_splits: int | None = field(default=None, metadata=_op("int?"))
+    deterministic: bool = field(default=False, metadata=_op("bool"))
+    # Not an op argument: the op always computes the lse; the wrappers drop it.
+    return_lse: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        scale = _opt_float("scale", self.scale)
+        if scale is not None and not math.isfinite(scale):
+            raise ValueError(f"scale: expected None or a finite float, got {self.scale!r}")
+        set_(self, "scale", scale)
+        check_bool("causal", self.causal)
+        set_(self, "chunk_size", _opt_count("chunk_size", self.chunk_size, 1))
+        set_(self, "window_left", _opt_count("window_left", self.window_left, 0))
+        if not _is_int(self.sink_tokens):
+            raise TypeError(f"sink_tokens: expected an int >= 0, got {self.sink_tokens!r}")
+        if self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens: expected an int >= 0, got {self.sink_tokens}")
+        set_(self, "sink_tokens", min(int(self.sink_tokens), INT_LIMIT))
+        softcap = _opt_float("softcap", self.softcap)
+        if softcap is not None and not softcap >= 0:  # negative or NaN
+            raise ValueError(f"softcap: expected None, 0 / inf (off) or a float > 0, got {self.softcap!r}")
+        set_(self, "softcap", softcap if softcap is not None and 0 < softcap < math.inf else None)
+        check_backend(self.backend)
+        set_(self, "num_splits", _opt_count("num_splits", self.num_splits, 1))
+        check_bool("deterministic", self.deterministic)
+        check_bool("return_lse", self.return_lse)
+
+    # ------------------------------------------------------------------ derived values
+    def scale_for(self, head_dim: int) -> float:
+        """The softmax scale at ``head_dim`` (``scale``, else ``head_dim ** -0.5``)."""
+        return head_dim**-0.5 if self.scale is None else self.scale
+
+    @property
+    def masks_window(self) -> bool:
+        """bool: a sliding window applies (then ``sink_tokens`` matter)."""
+        return self.window_left is not None
+
+    def replace(self, **changes) -> AttentionSpec:
+        """A copy with ``changes`` applied and validated.
+
+        Raises
+        ------
+        TypeError
+            A name that is not a field of AttentionSpec (listed in the message).
+        """
+        unknown = sorted(set(changes) - _FIELD_NAMES)
+        if unknown:
+            raise TypeError(
+                f"{unknown[0]}: not an attention option (AttentionSpec has {sorted(_FIELD_NAMES)})"
+            )
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ custom-op plumbing
+    def op_args(self) -> tuple:
+        """The fields that the custom op takes, in schema order."""
+        return tuple(getattr(self, f.name) for f in _OP_FIELDS)
+
+    @classmethod
+    def from_op_args(cls, args) -> AttentionSpec:
+        """Inverse of :meth:`op_args`."""
+        return cls(**{f.name: a for f, a in zip(_OP_FIELDS, args)})
+
+    @classmethod
+    def op_schema(cls) -> str:
+        """The op-argument fields as a ``torch.library`` schema fragment."""
+        return ", ".join(f"{f.metadata['schema']} {f.name}" for f in _OP_FIELDS)
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(AttentionSpec))
+_OP_FIELDS = tuple(f for f in dataclasses.fields(AttentionSpec) if "schema" in f.metadata)

@@ -1,0 +1,219 @@
+"""What the two KV pools share: policy checks, per-layer attention specs, accounting,
+metadata freshness and the per-call option rule of ``forward``.
+
+A pool validates its attention options once, at construction, into one
+:class:`~kvarena.attention.spec.AttentionSpec` per layer. ``forward`` then takes the
+layer's spec as it is (no per-call work), or, when the caller passes overrides, a copy
+with them applied and validated, before anything is written.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+from kvarena.attention.ops import check_head_dim, resolve_backend
+from kvarena.attention.spec import AttentionSpec
+from kvarena.cache._meta import next_version
+from kvarena.cache.arena import KVLayout
+from kvarena.cache.keys import CachePolicy
+
+__all__ = ["KVPoolBase", "layer_specs"]
+
+
+def _spec_layers(key, num_layers: int | None) -> list[int]:
+    """The layer indices a key of the ``attention`` mapping names."""
+    if isinstance(key, bool):
+        raise TypeError(f"attention: a key must be a layer index or an iterable of them, got {key!r}")
+    if isinstance(key, int):
+        layers = [key]
+    elif isinstance(key, Iterable) and not isinstance(key, (str, bytes)):
+        layers = list(key)
+    else:
+        raise TypeError(f"attention: a key must be a layer index or an iterable of them, got {key!r}")
+    for layer in layers:
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"attention: layer index {layer!r} (in key {key!r}) is not an int")
+        if layer < 0 or (num_layers is not None and layer >= num_layers):
+            bound = "" if num_layers is None else f" < num_layers ({num_layers})"
+            raise ValueError(f"attention: layer index {layer} (in key {key!r}) must be >= 0{bound}")
+    return layers
+
+
+def layer_specs(attention, num_layers: int | None) -> tuple[AttentionSpec, ...] | None:
+    """Normalize a pool's ``attention=`` argument into one spec per layer.
+
+    Parameters
+    ----------
+    attention : None, AttentionSpec, sequence of AttentionSpec, or mapping
+        ``None``: the default spec everywhere. A spec: every layer. A sequence: one
+        per layer (its length must be ``num_layers``). A mapping from a layer index or
+        an iterable of them (``range(0, 30, 6)``, a tuple) to a spec: the layers it
+        names (each at most once); the others take the default spec.
+    num_layers : int or None
+        None checks only the types (a pool that does not know its layout yet) and
+        returns None.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A value that is not an AttentionSpec, a bad key, a layer out of range or named
+        twice, or a sequence of the wrong length.
+    """
+    default = AttentionSpec()
+    if attention is None:
+        return None if num_layers is None else (default,) * num_layers
+    if isinstance(attention, AttentionSpec):
+        return None if num_layers is None else (attention,) * num_layers
+    if isinstance(attention, Mapping):
+        chosen: dict[int, AttentionSpec] = {}
+        for key, spec in attention.items():
+            if not isinstance(spec, AttentionSpec):
+                raise TypeError(f"attention[{key!r}]: expected an AttentionSpec, got {type(spec).__name__}")
+            for layer in _spec_layers(key, num_layers):
+                if layer in chosen:
+                    raise ValueError(f"attention: layer {layer} is named twice (again in key {key!r})")
+                chosen[layer] = spec
+        return None if num_layers is None else tuple(chosen.get(i, default) for i in range(num_layers))
+    if isinstance(attention, Sequence) and not isinstance(attention, (str, bytes)):
+        for i, spec in enumerate(attention):
+            if not isinstance(spec, AttentionSpec):
+                raise TypeError(f"attention[{i}]: expected an AttentionSpec, got {type(spec).__name__}")
+        if num_layers is None:
+            return None
+        if len(attention) != num_layers:
+            raise ValueError(f"attention: {len(attention)} specs for {num_layers} layers (one per layer)")
+        return tuple(attention)
+    raise TypeError(
+        "attention: expected an AttentionSpec, a list of them (one per layer) or a mapping "
+        f"{{layer or layers: AttentionSpec}}, got {type(attention).__name__}"
+    )
+
+
+class KVPoolBase:
+    """Shared state and checks of :class:`PagedKVCache` and :class:`SlabKVCache`.
+
+    Subclasses set ``CLASS_NAME`` (the policy class they serve), ``FORWARD_OPTIONS``
+    (the spec fields ``forward`` takes as per-call overrides) and ``NOT_FORWARD_OPTIONS``
+    (keyword -> where it goes instead, for the message of the TypeError).
+    """
+
+    CLASS_NAME = ""
+    FORWARD_OPTIONS: frozenset = frozenset()
+    NOT_FORWARD_OPTIONS: Mapping[str, str] = {}
+
+    def _init_pool(self, policy, attention) -> None:
+        if not isinstance(policy, CachePolicy):
+            raise TypeError(f"policy: expected a kvarena.CachePolicy, got {type(policy).__name__}")
+        if policy.class_name != self.CLASS_NAME:
+            raise ValueError(
+                f"policy.class_name: {type(self).__name__} serves {self.CLASS_NAME!r} policies, "
+                f"got {policy.class_name!r} (make_pool picks the class from it)"
+            )
+        layer_specs(attention, None)  # types now; layer coverage once the layout is known
+        self.policy = policy
+        self.hits = 0
+        self.misses = 0
+        self._lock = threading.RLock()
+        self._cache_id = next_version()  # process-unique, never reused (unlike id())
+        self._attention = attention
+        self._specs: tuple[AttentionSpec, ...] = ()
+        # Any change that can make metadata stale stamps a new epoch; metadata planned at
+        # the current epoch is fresh without looking at its namespaces (O(1) per layer).
+        self._epoch = next_version()
+
+    def _stamp(self) -> int:
+        """A new version for a changed namespace; also moves the pool's epoch."""
+        self._epoch = next_version()
+        return self._epoch
+
+    def _bind_layout(self, layout: KVLayout, device: torch.device) -> tuple[AttentionSpec, ...]:
+        """Check the layout against the ops and resolve the per-layer specs (no state change)."""
+        check_head_dim("layout.head_dim", layout.head_dim)
+        specs = layer_specs(self._attention, layout.num_layers)
+        for i, spec in enumerate(specs):
+            if i == 0 or spec is not specs[i - 1]:
+                self._check_spec(spec, f"attention[{i}]")
+                resolve_backend(spec.backend, device, layout.dtype, False, "layout.dtype")
+        return specs
+
+    def _check_spec(self, spec: AttentionSpec, where: str) -> None:
+        """Pool-specific limits of a spec (subclasses)."""
+
+    # ------------------------------------------------------------------ accounting
+    def _blocks(self):
+        """``(allocator, bytes per block)`` or None before the pool has an arena."""
+        raise NotImplementedError
+
+    @property
+    def used_bytes(self) -> int:
+        """int: bytes of the blocks in use (whole blocks)."""
+        got = self._blocks()
+        return 0 if got is None else got[0].num_used * got[1]
+
+    @property
+    def free_bytes(self) -> int:
+        """int: bytes of free blocks (the whole budget before the arena exists)."""
+        got = self._blocks()
+        return int(self.policy.max_bytes) if got is None else got[0].num_free * got[1]
+
+    # ------------------------------------------------------------------ per-layer options
+    def attention_spec(self, layer: int) -> AttentionSpec:
+        """The :class:`AttentionSpec` of ``layer`` (validated at construction)."""
+        return self._specs[self._check_layer(layer)]
+
+    def _check_layer(self, layer) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"layer: expected an int, got {type(layer).__name__}")
+        if not 0 <= layer < len(self._specs):
+            raise ValueError(f"layer: expected 0 <= layer < {len(self._specs)}, got {layer}")
+        return layer
+
+    def _call_spec(self, layer: int, overrides: dict) -> AttentionSpec:
+        """The layer's spec with ``forward``'s overrides applied (validated)."""
+        spec = self._specs[layer]
+        if not overrides:
+            return spec
+        for name in overrides:
+            if name not in self.FORWARD_OPTIONS:
+                where = self.NOT_FORWARD_OPTIONS.get(name)
+                if where is None:
+                    where = (f"not an option of {type(self).__name__}.forward (per-call options: "
+                             f"{', '.join(sorted(self.FORWARD_OPTIONS))})")
+                raise TypeError(f"{name}: {where}")
+        spec = spec.replace(**overrides)
+        self._check_spec(spec, "forward")
+        return spec
+
+    def _check_qkv(self, q, k, v, lead: tuple[int, ...], what: str) -> int:
+        """q ``[*lead, H_q, D]``, k/v ``[*lead, H_kv, D]`` of the layout; returns ``H_q``."""
+        lay = self.layout
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if q.dim() != len(lead) + 2:
+            raise ValueError(f"q: expected a {what} tensor, got shape {tuple(q.shape)}")
+        h_q, h_kv, d = q.shape[-2], lay.num_kv_heads, lay.head_dim
+        if h_q == 0 or h_q % h_kv:
+            raise ValueError(f"q: H_q ({h_q}) must be a positive multiple of the layout's H_kv ({h_kv})")
+        for name, t, heads in (("q", q, h_q), ("k", k, h_kv), ("v", v, h_kv)):
+            shape = (*lead, heads, d)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name}: expected shape {shape} ({what} of the plan/layout), got {tuple(t.shape)}")
+            if t.dtype != lay.dtype:
+                raise TypeError(f"{name}: expected the layout's dtype {lay.dtype}, got {t.dtype}")
+            if t.device != self.device:
+                raise ValueError(f"{name}: expected the cache's device {self.device}, got {t.device}")
+            if d > 1 and t.stride(-1) != 1:
+                raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous, got strides {t.stride()}")
+        return h_q
+
+    def _backends(self, spec: AttentionSpec, q, k, v) -> tuple[str, str, bool]:
+        """``(attention backend, store backend, k/v need gradients)``, resolved before any write."""
+        grad_on = torch.is_grad_enabled()
+        kv_grad = grad_on and (k.requires_grad or v.requires_grad)
+        attn = resolve_backend(spec.backend, self.device, self.layout.dtype, kv_grad or (grad_on and q.requires_grad))
+        store = resolve_backend(spec.backend, self.device, self.layout.dtype, False)
+        return attn, store, kv_grad
