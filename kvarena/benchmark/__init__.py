@@ -3,7 +3,7 @@
 Modules
 -------
 cases
-    The case registry (shapes from DESIGN.md "Realistic shapes", plus a tiny CPU set)
+    The case registry (shapes from docs/contract.md "Realistic shapes", plus a tiny CPU set)
     and which providers run on each kind of case. Imports nothing heavy.
 providers
     The implementations: kvarena's public ops and the baselines (gather + SDPA, SDPA on

@@ -25,7 +25,7 @@ quick
     Tiny CPU shapes (2-4 heads, head_dim 64, 64-512 keys) that run in seconds, for the
     smoke test and for a laptop.
 gpu
-    DESIGN.md's realistic shapes, sized so that one H200 finishes the whole set in about
+    docs/contract.md's realistic shapes, sized so that one H200 finishes the whole set in about
     three minutes (``bench/gpu.sh`` gives the benchmarks a 3-minute slot).
 """
 
@@ -136,7 +136,7 @@ PROVIDERS: dict[str, tuple[str, ...]] = {
 }
 
 # The same-run baseline each kind's ratio column is computed against (speedup =
-# baseline time / provider time). Chunk: DESIGN.md's target is >= 0.9x SDPA on
+# baseline time / provider time). Chunk: docs/contract.md's target is >= 0.9x SDPA on
 # contiguous data (flash backend on CUDA).
 BASELINE: dict[str, str] = {
     "decode": "gather_sdpa",
@@ -171,7 +171,7 @@ def _gpu_set() -> list[Case]:
     out.append(_chunk("wan1.3b", 12, 12, 4680, 4, kind="store"))
     out.append(_chunk("magi1", 24, 8, 12150, 4, kind="store"))
     # AR decode, 32 q / 8 kv heads, d128, page 16. batch x context <= 2M tokens (8 GiB of
-    # bf16 K+V per layer at 8 x 128 x 2 B x 2); B x ctx >= 256K is where DESIGN.md's 85%
+    # bf16 K+V per layer at 8 x 128 x 2 B x 2); B x ctx >= 256K is where docs/contract.md's 85%
     # of copy bandwidth target applies. FlexAttention (compiled per shape on CUDA, ~10 s
     # each) runs on the batch-16 sweep only, to fit the 3-minute slot of bench/gpu.sh.
     k = 1024

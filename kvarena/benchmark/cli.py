@@ -3,7 +3,7 @@
 Examples
 --------
 ``kvarena bench --quick``                      tiny CPU set, seconds
-``kvarena bench --device cuda``                DESIGN.md's shapes (about 3 minutes on an H200)
+``kvarena bench --device cuda``                docs/contract.md's shapes (about 3 minutes on an H200)
 ``kvarena bench --cases decode-b16,wan1.3b``   only cases whose name contains one of these
 ``kvarena bench --sections recycle``           only the recycling comparison
 
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     results["meta"]["KVARENA_DEBUG"] = os.environ.get("KVARENA_DEBUG")
     if device.type == "cpu":
         results["notes"].append("CPU run: kvarena runs its PyTorch path (no Triton); throughput targets "
-                                "in DESIGN.md apply to the GPU run only")
+                                "in docs/contract.md apply to the GPU run only")
     exit_code = 0
 
     def checkpoint() -> None:

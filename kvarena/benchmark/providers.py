@@ -18,7 +18,7 @@ gather_sdpa[_flash|_efficient]
     ``torch.nn.attention.sdpa_kernel``. The gather is timed: it is what a framework
     without a paged kernel pays.
 sdpa_contiguous
-    SDPA on K/V that are already contiguous (gathered once, untimed): DESIGN.md's 0.9x
+    SDPA on K/V that are already contiguous (gathered once, untimed): docs/contract.md's 0.9x
     target baseline for chunk attention. On CUDA it forces the flash backend.
 gather_flex, flex_contiguous
     FlexAttention (compiled on CUDA, eager on CPU where it materializes the scores).
@@ -401,7 +401,7 @@ _BUILDERS: dict[str, Callable[[Case, CaseData], Bench]] = {
     "gather_sdpa": lambda c, d: _sdpa(c, d, gather=True, backend=None),
     "gather_sdpa_flash": lambda c, d: _sdpa(c, d, gather=True, backend="flash"),
     "gather_sdpa_efficient": lambda c, d: _sdpa(c, d, gather=True, backend="efficient"),
-    # On CUDA the contiguous baseline is the flash backend (DESIGN.md's target); on CPU
+    # On CUDA the contiguous baseline is the flash backend (docs/contract.md's target); on CPU
     # the default dispatch (the CPU flash kernel when it applies).
     "sdpa_contiguous": lambda c, d: _sdpa(c, d, gather=False,
                                           backend="flash" if d.device.type == "cuda" else None),

@@ -104,7 +104,7 @@ def measure_ceilings(device: torch.device, *, quick: bool = False) -> dict[str, 
     dst = torch.empty_like(src)
     t_copy = time_fn(lambda: dst.copy_(src), device, cpu_reps=10)["median_ms"]
     src = dst = None  # free before the matmul operands
-    # bf16 on CUDA (DESIGN.md's ceiling). On CPU the attention paths compute in fp32 and
+    # bf16 on CUDA (docs/contract.md's ceiling). On CPU the attention paths compute in fp32 and
     # bf16 GEMM is emulated (measured here: ~1 GFLOP/s vs tens for fp32), so fp32 is the
     # honest ceiling there.
     mm_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

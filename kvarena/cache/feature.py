@@ -56,6 +56,21 @@ class FeatureCache(_ByteBudgetCache):
     changing anything. After ``put(key, value)``, ``get(key)`` returns ``value`` (or
     its compact copy) or misses, never an older value of that key (so a rejected put
     also drops the key's previous entry).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kvarena import CacheKey, CachePolicy, FeatureCache
+    >>> cache = FeatureCache(CachePolicy("feature", max_bytes=4096))
+    >>> key = CacheKey.from_content("text_encoder", [101, 2023, 102], "w1")
+    >>> emb = torch.zeros(3, 16)                          # 192 bytes
+    >>> cache.put(key, emb), cache.get(key) is emb, cache.used_bytes
+    (True, True, 192)
+    >>> cache.get(CacheKey.from_content("text_encoder", [101, 2023, 102], "w2"))  # other weights
+    >>> cache.hits, cache.misses
+    (1, 1)
+    >>> cache.put(key, torch.zeros(2048)), key in cache   # 8 KB > budget: rejected, old entry gone
+    (False, False)
     """
 
     # policy, max_bytes, used_bytes, hits, misses, evictions, rejected, __len__:
@@ -182,6 +197,21 @@ class FeatureCache(_ByteBudgetCache):
         Two threads missing the same key at once both call ``fn``; the last put
         wins. An exception from ``fn`` propagates and leaves the cache unchanged
         (the miss stays counted).
+
+        Examples
+        --------
+        >>> import torch
+        >>> from kvarena import CacheKey, CachePolicy, FeatureCache
+        >>> cache = FeatureCache(CachePolicy("feature", max_bytes=4096))
+        >>> key = CacheKey.from_content("text_encoder", "a red fox", "w1")
+        >>> calls = []
+        >>> def encode():
+        ...     calls.append(1)
+        ...     return torch.ones(3, 16)
+        >>> first = cache.get_or_compute(key, encode)     # miss: computed and stored
+        >>> again = cache.get_or_compute(key, encode)     # hit: fn is not called
+        >>> again is first, len(calls), tuple(again.shape), (cache.hits, cache.misses)
+        (True, 1, (3, 16), (1, 1))
         """
         h = _check_key(key)
         if not callable(fn):

@@ -96,6 +96,21 @@ def make_pool(policy: CachePolicy, **kwargs: Any) -> Any:
     KeyError
         If ``policy.class_name`` is not a registered class; the message lists the
         known ones.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kvarena import CachePolicy, KVLayout, make_pool
+    >>> make_pool(CachePolicy("feature", max_bytes=1024))
+    FeatureCache(entries=0, used_bytes=0, max_bytes=1024)
+    >>> layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32)
+    >>> pool = make_pool(CachePolicy("paged_kv", max_bytes=2048), layout=layout, block_size=4)
+    >>> type(pool).__name__, pool.total_blocks            # 2048 B // (4 tokens x 64 B)
+    ('PagedKVCache', 8)
+    >>> make_pool(CachePolicy("lru", max_bytes=1024))
+    Traceback (most recent call last):
+        ...
+    KeyError: "unknown cache class 'lru' in policy.class_name (known: feature, residual, ...)"
     """
     _check_policy("policy", policy)
     return _CLASS_REGISTRY[policy.class_name](policy, **kwargs)
@@ -127,6 +142,19 @@ def _collect_policies(policies: Any) -> dict[str, CachePolicy]:
     return out
 
 
+def _check_per_kv_class(name: str, mapping: Any, by_class: Mapping[str, CachePolicy], expected: str) -> None:
+    """A per-KV-class argument: None or a mapping whose keys are KV classes with a policy."""
+    if mapping is None:
+        return
+    if not isinstance(mapping, Mapping):
+        raise TypeError(f"{name} must be a dict {expected} or None, got {type(mapping).__qualname__}")
+    for cls_name in mapping:
+        if cls_name not in KV_CLASSES:
+            raise KeyError(f"{name} has key {cls_name!r}; expected one of {', '.join(KV_CLASSES)}")
+        if cls_name not in by_class:
+            raise ValueError(f"{name}[{cls_name!r}] is given but policies has no {cls_name!r} policy")
+
+
 class CacheHandle:
     """One statically budgeted pool per cache class, behind one object.
 
@@ -143,6 +171,10 @@ class CacheHandle:
         Tokens per slab of the ``slab_kv`` pool.
     block_size : int, default 16
         Tokens per block of the ``paged_kv`` pool.
+    attention : mapping of str to attention specs, optional
+        Per KV class, the pool's ``attention=`` argument (an ``AttentionSpec``, a list
+        with one per layer, or ``{layers: spec}``), e.g. ``{"paged_kv": {range(0, 26, 2):
+        sliding}}``; classes not named take the default spec.
 
     Attributes
     ----------
@@ -152,8 +184,9 @@ class CacheHandle:
     paged_kv : PagedKVCache or None
         ``None`` for a class without a policy.
     arena : KVArena or None
-        The single device allocation of the KV classes; ``None`` when only dict
-        classes are configured.
+        The single device allocation of the KV classes that have a layout; ``None``
+        when no KV class has one (only dict classes, or KV pools given without
+        ``layouts``, which then make their own arenas or do bookkeeping only).
     policies : mapping of str to CachePolicy
         Read-only.
 
@@ -161,6 +194,25 @@ class CacheHandle:
     ------
     TypeError, ValueError, KeyError
         For a malformed argument, two policies of one class, or an unknown class.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kvarena import CacheHandle, CachePolicy, KVLayout
+    >>> layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype=torch.float32)
+    >>> handle = CacheHandle(
+    ...     [CachePolicy("slab_kv", max_bytes=4096, per_component={"window": 2}),
+    ...      CachePolicy("paged_kv", max_bytes=4096)],
+    ...     layouts={"slab_kv": layout, "paged_kv": layout}, slab_tokens=4, block_size=4)
+    >>> list(handle.arena.regions), handle.slab_kv.num_slots, handle.paged_kv.total_blocks
+    (['slab_kv', 'paged_kv'], 8, 8)
+    >>> handle.paged_kv.allocate("req0", 3), sorted(handle.stats())
+    (True, ['paged_kv', 'slab_kv'])
+    >>> handle.stats()["paged_kv"]["used_bytes"], handle.arena.used_bytes   # 3 blocks x 512 B
+    (1536, 1536)
+    >>> handle.end_request("req0")                        # frees the request's blocks everywhere
+    >>> handle.arena.used_bytes
+    0
     """
 
     def __init__(
@@ -171,23 +223,12 @@ class CacheHandle:
         device: Any = None,
         slab_tokens: int | None = None,
         block_size: int = 16,
+        attention: Mapping[str, Any] | None = None,
     ) -> None:
         by_class = _collect_policies(policies)
-        if layouts is not None:
-            if not isinstance(layouts, Mapping):
-                raise TypeError(
-                    "layouts must be a dict {'slab_kv': KVLayout, 'paged_kv': KVLayout} or "
-                    f"None, got {type(layouts).__qualname__}"
-                )
-            for cls_name in layouts:
-                if cls_name not in KV_CLASSES:
-                    raise KeyError(
-                        f"layouts has key {cls_name!r}; expected one of {', '.join(KV_CLASSES)}"
-                    )
-                if cls_name not in by_class:
-                    raise ValueError(
-                        f"layouts[{cls_name!r}] is given but policies has no {cls_name!r} policy"
-                    )
+        _check_per_kv_class("layouts", layouts, by_class, "{'slab_kv': KVLayout, 'paged_kv': KVLayout}")
+        _check_per_kv_class("attention", attention, by_class,
+                            "{'slab_kv': ..., 'paged_kv': ...} of the pools' attention= arguments")
         if slab_tokens is not None and (
             not isinstance(slab_tokens, int) or isinstance(slab_tokens, bool) or slab_tokens < 1
         ):
@@ -200,6 +241,7 @@ class CacheHandle:
         self._device = device
         self._slab_tokens = slab_tokens
         self._block_size = block_size
+        self._attention = dict(attention or {})
         self.feature: Any = None
         self.residual: Any = None
         self.slab_kv: Any = None
@@ -250,12 +292,15 @@ class CacheHandle:
         for cls_name in KV_CLASSES:
             if cls_name not in by_class:
                 continue
+            attn = self._attention.get(cls_name)
             if cls_name in specs:
-                pool = make_pool(by_class[cls_name], arena=self.arena, region=cls_name)
+                pool = make_pool(by_class[cls_name], arena=self.arena, region=cls_name, attention=attn)
             elif cls_name == "slab_kv":
-                pool = make_pool(by_class[cls_name], slab_tokens=self._slab_tokens, device=self._device)
+                pool = make_pool(by_class[cls_name], slab_tokens=self._slab_tokens, device=self._device,
+                                 attention=attn)
             else:
-                pool = make_pool(by_class[cls_name], block_size=self._block_size, device=self._device)
+                pool = make_pool(by_class[cls_name], block_size=self._block_size, device=self._device,
+                                 attention=attn)
             setattr(self, cls_name, pool)
 
     @property

@@ -195,6 +195,23 @@ def content_hash(obj: Any) -> str:
     that every NaN is one value (``0.0`` and ``-0.0`` differ). Tensor bytes are
     taken in the machine's byte order (little-endian on every platform torch
     supports).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kvarena import content_hash
+    >>> content_hash("hello")[:16]                    # the same in every process
+    'c64bd9e83a94ab9d'
+    >>> content_hash({"ids": [1, 2], "n": 3}) == content_hash({"n": 3, "ids": [1, 2]})
+    True
+    >>> content_hash(1) == content_hash(1.0), content_hash((1, 2)) == content_hash([1, 2])
+    (False, False)
+    >>> content_hash(torch.arange(8.0)[::2]) == content_hash(torch.tensor([0.0, 2.0, 4.0, 6.0]))
+    True
+    >>> content_hash(object())
+    Traceback (most recent call last):
+        ...
+    TypeError: content_hash: cannot hash an object of type object by content; ...
     """
     h = hashlib.sha256(_ENCODING_VERSION)
     _Encoder().feed(h, obj)
@@ -261,6 +278,21 @@ class CacheKey:
     TypeError, ValueError
         On construction, for a field of the wrong type or value (the message names
         the field).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kvarena import CacheKey
+    >>> key = CacheKey.from_content("text_encoder", [101, 2023, 102], "w1",
+    ...                             dtype=torch.bfloat16, max_length=77)
+    >>> key.dtype, key.max_length, len(key.hash)
+    ('bfloat16', 77, 64)
+    >>> same = CacheKey.from_content("text_encoder", [101, 2023, 102], "w1",
+    ...                              dtype="torch.bfloat16", max_length=77)
+    >>> same == key, same.hash == key.hash
+    (True, True)
+    >>> CacheKey("text_encoder", key.content_hash, "w2", dtype="bfloat16", max_length=77) == key
+    False
     """
 
     component_id: str
@@ -323,7 +355,19 @@ class CacheKey:
 
     @property
     def hash(self) -> str:
-        """str: SHA-256 hex digest of the fields, equal across processes for equal keys."""
+        """str: SHA-256 hex digest of the fields, equal across processes for equal keys.
+
+        Examples
+        --------
+        >>> from kvarena import CacheKey
+        >>> key = CacheKey("vae", "ab12", "w1")
+        >>> key.hash[:16]                                 # the same in every process
+        'ae852ed42ec8b930'
+        >>> key.hash == CacheKey("vae", "ab12", "w1").hash
+        True
+        >>> key.hash == CacheKey("vae", "ab12", "w2").hash     # other weights: other digest
+        False
+        """
         return self._digest
 
     @classmethod
@@ -387,6 +431,19 @@ class CachePolicy:
         accepted as one). The message names the field.
     ValueError
         For a negative budget or ``per_component`` value, or an empty ``class_name``.
+
+    Examples
+    --------
+    >>> from kvarena import CachePolicy
+    >>> policy = CachePolicy("slab_kv", max_bytes=1 << 20, per_component={"window": 6, "sinks": 1})
+    >>> dict(policy.per_component), policy.per_component.get("window"), policy.block_bytes
+    ({'sinks': 1, 'window': 6}, 6, 0)
+    >>> policy == CachePolicy("slab_kv", 1 << 20, per_component={"sinks": 1, "window": 6})
+    True
+    >>> CachePolicy("feature", max_bytes=-1)
+    Traceback (most recent call last):
+        ...
+    ValueError: max_bytes must be >= 0, got -1
     """
 
     class_name: str

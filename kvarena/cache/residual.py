@@ -68,6 +68,21 @@ class ResidualCache(_ByteBudgetCache):
     ``put(ns, branch, name, value)``, ``get`` of that entry returns ``value`` (or its
     compact copy) or misses, never an older residual: a rejected put drops the
     previous one.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kvarena import CachePolicy, ResidualCache
+    >>> cache = ResidualCache(CachePolicy("residual", max_bytes=4096))
+    >>> h = torch.zeros(2, 16)                            # a CFG batch: row 0 cond, row 1 uncond
+    >>> cache.put("req0", "cond", "block_5.residual", h[0])
+    True
+    >>> cache.get("req0", "cond", "block_5.residual").shape, cache.used_bytes  # a compact copy
+    (torch.Size([16]), 64)
+    >>> cache.get("req0", "uncond", "block_5.residual") is None   # branches never mix
+    True
+    >>> cache.clear_namespace("req0"), len(cache)
+    (1, 0)
     """
 
     def __init__(self, policy: CachePolicy) -> None:
@@ -208,6 +223,19 @@ class ResidualCache(_ByteBudgetCache):
         ------
         TypeError
             If ``namespace`` is not a str (raised on entry).
+
+        Examples
+        --------
+        >>> import torch
+        >>> from kvarena import CachePolicy, ResidualCache
+        >>> cache = ResidualCache(CachePolicy("residual", max_bytes=4096))
+        >>> with cache.scope("req1"):
+        ...     cache.put("req1", "cond", "block_0.residual", torch.ones(8))
+        ...     cache.namespaces(), len(cache)
+        True
+        (['req1'], 1)
+        >>> cache.namespaces(), len(cache)                # cleared on exit
+        ([], 0)
         """
         _check_namespace(namespace)
         try:
