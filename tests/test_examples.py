@@ -8,19 +8,17 @@ import sys
 
 import pytest
 import torch
+from _helpers import MODEL_TOL
 
 from kvarena.examples.ar_decode import run_ar_decode
 from kvarena.examples.causal_dit import run_causal_dit
-
-# fp32 everywhere on CPU; both examples compare against fp64/fp32 dense recomputation
-TOL = {torch.float32: 1e-4, torch.float64: 1e-9}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 def test_causal_dit_rollout_matches_dense_sink_window(dtype):
     rep = run_causal_dit(num_chunks=7, rollouts=2, steps=3, sinks=1, window=3, dtype=dtype, seed=3)
     assert rep.checked_passes == rep.passes == 7 * 4, "every pass must be checked when reuse is off"
-    assert rep.max_err <= TOL[dtype], f"max abs err vs dense sink+window recomputation: {rep.max_err:.3e}"
+    assert rep.max_err <= MODEL_TOL[dtype], f"max abs err vs dense sink+window recomputation: {rep.max_err:.3e}"
     assert rep.arena_ptr_stable, "the arena was reallocated during the rollout"
     assert rep.retained_bytes_moved == 0, f"{rep.retained_bytes_moved} bytes of retained KV moved"
     assert len(rep.arena_used_bytes_after_window) == 7 - 4 and len(set(rep.arena_used_bytes_after_window)) == 1, (
@@ -35,12 +33,12 @@ def test_causal_dit_residual_reuse_skips_layers_and_commit_stays_exact():
     assert rep.skipped_layer_evals > 0, "threshold 0.5 should let some denoising steps reuse residuals"
     # commit passes never skip, so they are always checked (plus the unskipped denoising steps)
     assert rep.checked_passes >= 4
-    assert rep.max_err <= TOL[torch.float32]
+    assert rep.max_err <= MODEL_TOL[torch.float32]
 
 
 def test_ar_decode_matches_dense_and_forks():
     rep = run_ar_decode(prompt_lens=(5, 17, 30), new_tokens=5, prefill_chunk=8, block_size=16, seed=2)
-    assert rep.max_logit_err <= TOL[torch.float32], f"max logit err vs dense: {rep.max_logit_err:.3e}"
+    assert rep.max_logit_err <= MODEL_TOL[torch.float32], f"max logit err vs dense: {rep.max_logit_err:.3e}"
     assert rep.greedy_match
     fork, base = rep.outputs["r0.fork"], rep.outputs["r0"]
     assert fork[:5] == base[:5] and fork[5] != base[5], "the fork shares the prompt and diverges after it"
@@ -51,7 +49,7 @@ def test_ar_decode_matches_dense_and_forks():
 def test_ar_decode_odd_block_sizes(block_size):
     rep = run_ar_decode(prompt_lens=(1, 17, 100), new_tokens=3, prefill_chunk=33, block_size=block_size,
                         num_blocks=200, seed=4)
-    assert rep.max_logit_err <= TOL[torch.float32] and rep.greedy_match
+    assert rep.max_logit_err <= MODEL_TOL[torch.float32] and rep.greedy_match
 
 
 def _run_cli(*args, env_extra=None, timeout=600):

@@ -19,51 +19,15 @@ import sys
 
 import pytest
 import torch
+from _helpers import DEVICE, assert_close, assert_lse_close, paged_case, paged_case_ref
 
 import kvarena.kernels.paged_attention as pa
-from kvarena.attention import paged_attention
+from kvarena.attention import AttentionSpec, paged_attention
 from kvarena.attention.reference import paged_attention_ref
 
 pytestmark = pytest.mark.interpreter
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# ||out - ref|| / ||ref|| against an fp64 reference computation; lse: |err| / (1 + |lse|).
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-LSE_TOL = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-4}
-
-# ------------------------------------------------------------------- comparison helpers
-
-
-def assert_rel_close(got: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
-    """Relative Frobenius error <= tol; NaN anywhere fails; the message says where."""
-    g, r = got.double(), ref.double()
-    assert not torch.isnan(g).any(), f"{what}: NaN at {torch.isnan(g).nonzero()[:5].tolist()}"
-    err = (g - r).abs()
-    denom = r.norm().item()
-    rel = (g - r).norm().item() / denom if denom > 0 else err.max().item()
-    if rel > tol:
-        idx = tuple(torch.unravel_index(err.argmax(), err.shape))
-        idx = tuple(int(i) for i in idx)
-        raise AssertionError(
-            f"{what}: rel err {rel:.3e} > {tol:.1e}; max abs err {err.max().item():.3e} at "
-            f"{idx} (got {g[idx].item():.6g}, ref {r[idx].item():.6g})"
-        )
-
-
-def assert_lse_close(got: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
-    g, r = got.double(), ref.double()
-    assert not torch.isnan(g).any(), f"{what}: NaN at {torch.isnan(g).nonzero()[:5].tolist()}"
-    ninf_g, ninf_r = torch.isneginf(g), torch.isneginf(r)
-    if not torch.equal(ninf_g, ninf_r):
-        bad = (ninf_g != ninf_r).nonzero()[:5].tolist()
-        raise AssertionError(f"{what}: -inf pattern differs at {bad} (got {g[ninf_g != ninf_r][:5].tolist()})")
-    fin = ~ninf_r
-    err = ((g - r).abs() / (1 + r.abs()))[fin]
-    if err.numel() and err.max().item() > tol:
-        where = fin.nonzero()[err.argmax()].tolist()
-        raise AssertionError(f"{what}: lse rel err {err.max().item():.3e} > {tol:.1e} at {where}")
-
 
 # ------------------------------------------------------------------- case construction
 
@@ -78,58 +42,15 @@ _KV_START_PATTERN = [1, 3, 60, 0, 20]  # seq 0 loses its only key: an empty row
 
 
 def make_case(*, dtype, group, head_dim, block_size, mode, kv_start, seed, h_kv=None):
-    """Tensors of one case, laid out like the arena: per-layer strided views, NaN elsewhere."""
-    gen = torch.Generator().manual_seed(seed)
+    """The shared NaN-poisoned case (``_helpers.paged_case``) of one query mode."""
     spec = _MODES[mode]
-    lens, q_lens = spec["lens"], spec["q_lens"]
-    b = len(lens)
-    h_kv = h_kv or (2 if group < 4 else 1)
-    h_q = h_kv * group
-    n_blocks_seq = [-(-n // block_size) for n in lens]
-    max_blocks = max(n_blocks_seq) + 2  # padding columns
-    pool = 2 * sum(n_blocks_seq) + 1
-    # Arena [num_blocks, layers=2, k/v, block_size, H_kv, D]; the case uses layer 1.
-    arena = torch.full((pool, 2, 2, block_size, h_kv, head_dim), float("nan"), dtype=dtype)
-    k_cache, v_cache = arena[:, 1, 0], arena[:, 1, 1]
-    perm = torch.randperm(pool, generator=gen).tolist()
-    table = torch.full((b, max_blocks), 0, dtype=torch.int32)
-    starts = [min(s, n) for s, n in zip(_KV_START_PATTERN, lens)] if kv_start else [0] * b
-    nxt = 0
-    for i, n in enumerate(lens):
-        for j in range(max_blocks):
-            if j < n_blocks_seq[i]:
-                table[i, j] = perm[nxt]
-                nxt += 1
-            else:  # padding: ids far out of range must never be dereferenced
-                table[i, j] = 10**8 + j if (i + j) % 2 else -(10**6)
-        for t in range(starts[i], n):
-            blk, row = int(table[i, t // block_size]), t % block_size
-            k_cache[blk, row] = torch.randn(h_kv, head_dim, generator=gen).to(dtype)
-            v_cache[blk, row] = torch.randn(h_kv, head_dim, generator=gen).to(dtype)
-    total_q = sum(q_lens)
-    # q as a strided view (as out of a fused qkv projection).
-    q_buf = torch.randn(total_q, h_q + 1, head_dim, generator=gen).to(dtype)
-    q = q_buf[:, 1:]
-    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
-    dev = DEVICE
-    if dev != "cpu":
-        arena = arena.to(dev)
-        k_cache, v_cache = arena[:, 1, 0], arena[:, 1, 1]
-    return dict(
-        q=q.to(dev), k_cache=k_cache, v_cache=v_cache,
-        block_table=table.to(dev), seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-        cu_seqlens_q=cu.to(dev) if spec["cu"] else None,
-        kv_start=torch.tensor(starts, dtype=torch.int32, device=dev) if kv_start else None,
-        max_seqlen_q=max(q_lens), max_seqlen_k=max(lens),
-    )
+    lens = spec["lens"]
+    starts = [min(s, n) for s, n in zip(_KV_START_PATTERN, lens)] if kv_start else None
+    return paged_case(lens, spec["q_lens"], dtype=dtype, group=group, h_kv=h_kv or (2 if group < 4 else 1),
+                      head_dim=head_dim, block_size=block_size, seed=seed, kv_start=starts, cu=spec["cu"])
 
 
-def reference(case, **opts):
-    """fp64 oracle (fp64 for every dtype, so the kernel's own rounding is what is measured)."""
-    return paged_attention_ref(
-        case["q"].double(), case["k_cache"].double(), case["v_cache"].double(), case["block_table"],
-        case["seq_lens"], case["cu_seqlens_q"], kv_start=case["kv_start"], return_lse=True, **opts,
-    )
+reference = paged_case_ref  # fp64 oracle (every dtype upcast: the kernel's own rounding is measured)
 
 
 @pytest.fixture
@@ -267,10 +188,10 @@ def test_attention_matches_reference(index, nan_prefilled):
     res = run_triton(case, out=out_buf, return_lse=c["lse"], **opts)
     out = res[0] if c["lse"] else res
     assert out is out_buf
-    assert_rel_close(out, ref_out, TOL[dtype], f"out [{_case_id(c)}]")
+    assert_close(out, ref_out, dtype, f"out [{_case_id(c)}]")
     if c["lse"]:
         assert res[1].dtype == torch.float32
-        assert_lse_close(res[1], ref_lse, LSE_TOL[dtype], f"lse [{_case_id(c)}]")
+        assert_lse_close(res[1], ref_lse, dtype, f"lse [{_case_id(c)}]")
 
 
 # ------------------------------------------------------------------- edge cases
@@ -304,8 +225,8 @@ def test_attention_edge_cases(name, nan_prefilled):
         case["max_seqlen_k"] = 1
     ref_out, ref_lse = reference(case, **e["opts"])
     out, lse = run_triton(case, return_lse=True, **e["opts"])
-    assert_rel_close(out, ref_out, TOL[torch.float32], name)
-    assert_lse_close(lse, ref_lse, LSE_TOL[torch.float32], name)
+    assert_close(out, ref_out, torch.float32, name)
+    assert_lse_close(lse, ref_lse, torch.float32, name)
     if name == "all_empty":
         assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
 
@@ -319,8 +240,8 @@ def test_loose_host_maxima(nan_prefilled):
     case["block_table"] = torch.cat([case["block_table"], case["block_table"][:, :4]], 1)
     case["max_seqlen_k"] = case["block_table"].shape[1] * 16
     out, lse = run_triton(case, return_lse=True)
-    assert_rel_close(out, ref_out, TOL[torch.float16], "loose maxima")
-    assert_lse_close(lse, ref_lse, LSE_TOL[torch.float16], "loose maxima")
+    assert_close(out, ref_out, torch.float16, "loose maxima")
+    assert_lse_close(lse, ref_lse, torch.float16, "loose maxima")
 
 
 # ------------------------------------------------------------------- split-KV
@@ -350,15 +271,15 @@ def test_split_matches_unsplit(dtype, group, mode, opts, split_modes, nan_prefil
     case = make_case(dtype=dtype, group=group, head_dim=32, block_size=48, mode=mode, kv_start=True, seed=11, h_kv=2)
     ref_out, ref_lse = reference(case, **opts)
     base_out, base_lse = run_triton(case, return_lse=True, num_splits=1, **opts)
-    assert_rel_close(base_out, ref_out, TOL[dtype], "unsplit")
+    assert_close(base_out, ref_out, dtype, "unsplit")
     for n in (3, 7):
         out, lse = run_triton(case, return_lse=True, num_splits=n, **opts)
-        assert_rel_close(out, ref_out, TOL[dtype], f"num_splits={n}")
-        assert_lse_close(lse, ref_lse, LSE_TOL[dtype], f"num_splits={n}")
-        assert_rel_close(out, base_out, TOL[dtype], f"num_splits={n} vs 1")
+        assert_close(out, ref_out, dtype, f"num_splits={n}")
+        assert_lse_close(lse, ref_lse, dtype, f"num_splits={n}")
+        assert_close(out, base_out, dtype, f"num_splits={n} vs 1")
     # Split without an lse output (the reduce then writes out only).
     out = run_triton(case, num_splits=3, **opts)
-    assert_rel_close(out, ref_out, TOL[dtype], "num_splits=3, no lse")
+    assert_close(out, ref_out, dtype, "num_splits=3, no lse")
 
 
 def test_deterministic_split_is_batch_invariant(monkeypatch, split_modes):
@@ -369,8 +290,8 @@ def test_deterministic_split_is_batch_invariant(monkeypatch, split_modes):
                     kv_start=False, seed=5, h_kv=2)
     ref_out, ref_lse = reference(big, **opts)
     out_big, lse_big = run_triton(big, return_lse=True, deterministic=True, **opts)
-    assert_rel_close(out_big, ref_out, TOL[torch.bfloat16], "deterministic")
-    assert_lse_close(lse_big, ref_lse, LSE_TOL[torch.bfloat16], "deterministic")
+    assert_close(out_big, ref_out, torch.bfloat16, "deterministic")
+    assert_lse_close(lse_big, ref_lse, torch.bfloat16, "deterministic")
     for i in range(3):  # each sequence alone (batch of 1)
         alone = dict(big)
         alone.update(
@@ -442,7 +363,7 @@ def test_int64_offsets_beyond_2_31_elements():
     for n in (1, 2):
         out = paged_attention(q, k_cache, v_cache, table, seq_lens, cu, max_seqlen_q=3, max_seqlen_k=40,
                               backend="triton", num_splits=n)
-        assert_rel_close(out, ref, TOL[torch.float16], f"int64 offsets, num_splits={n}")
+        assert_close(out, ref, torch.float16, f"int64 offsets, num_splits={n}")
 
     # q and out as views with a 2**30-element row pitch: a tile's in-tile row offsets would
     # pass 2**31 (int32), so the launcher must route them through contiguous copies.
@@ -458,11 +379,10 @@ def test_int64_offsets_beyond_2_31_elements():
     q_far, out_far = far_view(q3), far_view(torch.full_like(q3, float("nan")))
     lse = torch.full((3, 4), float("nan"))
     pa.paged_attention_fwd(
-        q_far, k_cache, v_cache, table[:1], seq_lens[:1], cu[:2], None, out_far, lse, scale=d**-0.5,
-        causal=True, chunk_size=None, window_left=None, sink_tokens=0, softcap=None, max_seqlen_q=3,
-        max_seqlen_k=40,
+        q_far, k_cache, v_cache, table[:1], seq_lens[:1], cu[:2], None, out_far, lse, spec=AttentionSpec(),
+        max_seqlen_q=3, max_seqlen_k=40,
     )
-    assert_rel_close(out_far, ref3, TOL[torch.float16], "row pitch 2**30")
+    assert_close(out_far, ref3, torch.float16, "row pitch 2**30")
     assert not lse.isnan().any()
 
 
@@ -497,10 +417,10 @@ def test_launcher_without_lse_output(num_splits):
     cu = case["cu_seqlens_q"]
     pa.paged_attention_fwd(
         q, case["k_cache"], case["v_cache"], case["block_table"], case["seq_lens"], cu, case["kv_start"], out,
-        None, scale=q.shape[-1] ** -0.5, max_seqlen_q=case["max_seqlen_q"], max_seqlen_k=case["max_seqlen_k"],
-        num_splits=num_splits, **opts,
+        None, spec=AttentionSpec(num_splits=num_splits, **opts), max_seqlen_q=case["max_seqlen_q"],
+        max_seqlen_k=case["max_seqlen_k"],
     )
-    assert_rel_close(out, ref_out, TOL[torch.float16], f"lse=None, num_splits={num_splits}")
+    assert_close(out, ref_out, torch.float16, f"lse=None, num_splits={num_splits}")
 
 
 # ------------------------------------------------------------------- the full cross-product
@@ -533,8 +453,8 @@ def test_attention_full_cross_product(layout, monkeypatch):
         res = run_triton(case, out=torch.full_like(case["q"], float("nan")), return_lse=True, **opts)
         ran += 1
         try:
-            assert_rel_close(res[0], ref_out, TOL[dtype], f"out [{_case_id(c)}]")
-            assert_lse_close(res[1], ref_lse, LSE_TOL[dtype], f"lse [{_case_id(c)}]")
+            assert_close(res[0], ref_out, dtype, f"out [{_case_id(c)}]")
+            assert_lse_close(res[1], ref_lse, dtype, f"lse [{_case_id(c)}]")
         except AssertionError as exc:
             failures.append(str(exc).splitlines()[0])
     assert ran > 0, "the stride skipped every case of this block"

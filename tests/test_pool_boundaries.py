@@ -1,5 +1,11 @@
-"""Review of kvarena/cache: regression tests for the bugs found, and boundary cases the
-other modules did not cover (full internal state compared around every failing call)."""
+"""Boundary and regression cases of the KV pools and caches (kvarena/cache).
+
+Regressions: metadata gone stale across fork / free / truncate, and plans that must be
+all-or-nothing when another pool on the same arena region allocates (also from threads).
+Boundaries the per-pool modules do not cover: a paged pool full mid-batch, slab batches
+with a bad namespace, recycled windows, sinks/window combinations at flat memory, training
+snapshots, and the dict caches' keys and accounting. The full internal state is compared
+around every failing call: a call that raises must change nothing."""
 
 from __future__ import annotations
 
@@ -37,7 +43,7 @@ def _paged_state(p: PagedKVCache) -> tuple:
     a = p.allocator
     return (
         {ns: (list(s.blocks), s.seq_len, s.row, s.version) for ns, s in p._seqs.items()},
-        list(a._free), list(a._ref), p._table.clone(), dict(p._pending), list(p._free_rows),
+        list(a._free), dict(a._ref), a._fresh, p._table.clone(), dict(p._pending), list(p._free_rows),
         p._graph_gen, p.arena.buffer.clone(),  # bytes: NaN-safe
     )
 
@@ -49,7 +55,7 @@ def _slab_state(c: SlabKVCache) -> tuple:
             ns: (r.last, r.version, [(i, ch.slot, ch.n_tokens, list(ch.committed), id(ch)) for i, ch in r.chunks.items()])
             for ns, r in c._rollouts.items()
         },
-        list(a._free), list(a._ref), c.arena.buffer.clone(),  # bytes: NaN-safe
+        list(a._free), dict(a._ref), a._fresh, c.arena.buffer.clone(),  # bytes: NaN-safe
     )
 
 
@@ -68,7 +74,7 @@ def _tok(n=1) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------
-# Bugs found (regression tests)
+# Regressions
 def test_fork_between_plan_and_forward_makes_the_source_metadata_stale(monkeypatch) -> None:
     """Bug: plan(a) -> fork(a, f) -> plan(f) copied a's shared partial block (CoW) before
     forward(meta of a) stored a's planned token, so f attended to garbage at that position,
@@ -123,7 +129,7 @@ def test_paged_plan_is_all_or_nothing_when_a_pool_on_the_same_region_allocates(m
     for s in (*a._seqs.values(), *b._seqs.values()):
         for blk in s.blocks:
             refs[blk] += 1
-    assert refs == a.allocator._ref
+    assert refs == [a.allocator.refcount(i) for i in range(4)]
 
 
 def test_slab_plan_is_all_or_nothing_when_a_pool_on_the_same_region_allocates(monkeypatch) -> None:
@@ -174,7 +180,7 @@ def test_two_pools_on_one_region_from_threads_keep_the_allocator_consistent() ->
         for ns in p.namespaces():
             for blk in p.block_ids(ns):
                 refs[blk] += 1
-    assert refs == arena["paged_kv"].allocator._ref
+    assert refs == [arena["paged_kv"].allocator.refcount(i) for i in range(len(refs))]
 
 
 # ---------------------------------------------------------------------------------------
