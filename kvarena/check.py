@@ -30,22 +30,51 @@ from kvarena.cli import UsageError, nonempty, output_file
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 TARGET_NAMES = {80: "sm_80", 90: "sm_90a"}
 
-# Realistic heaviest launches: (name, head_dim, group, dtype, q_len_max, split, deterministic).
-# q_len_max is what the pool passes as max_seqlen_q: 1 for decode, the chunk for slabs.
+# Realistic heaviest launches: (name, head_dim, group, dtype, q_len_max, block_size, split,
+# deterministic, flags as launched). q_len_max is what the pool passes as max_seqlen_q: 1 for
+# decode, the chunk for slabs; block_size selects the block layout specialization (16:
+# power-of-two pages, 48: pages divided at run time, >= BLOCK_N: slabs, the contiguous
+# large-block path). Flags (causal, kv_start, lse, softcap): the slab pool's chunks run
+# non-causal with kv_start and lse, decode and prefill causal. Each case also compiles with
+# every flag on (the most code), since spills must not depend on the options.
+_DECODE, _PREFILL, _SLAB = (True, False, False, False), (True, False, False, False), (False, True, True, False)
 ATTENTION_CASES = [
-    ("decode 32q/8kv", 128, 4, "bf16", 1, False, False),
-    ("decode 32q/8kv split", 128, 4, "bf16", 1, True, False),
-    ("decode D256 GQA8 split", 256, 8, "fp16", 1, True, False),
-    ("chunk MAGI 24q/8kv", 128, 3, "bf16", 12150, False, False),
-    ("chunk Wan split", 128, 1, "fp16", 4680, True, False),
-    ("chunk GQA5 split", 128, 5, "bf16", 4096, True, False),
-    ("chunk D256 GQA7 split", 256, 7, "bf16", 4096, True, False),
-    ("spec-decode 4x8 split", 128, 8, "bf16", 4, True, False),
-    ("deterministic 32q/8kv", 128, 4, "bf16", 1, True, True),
-    ("decode fp32", 128, 4, "fp32", 1, False, False),
-    ("chunk fp32 split", 128, 1, "fp32", 4680, True, False),
-    ("chunk fp32 D256 GQA5", 256, 5, "fp32", 4680, False, False),
+    ("decode 32q/8kv", 128, 4, "bf16", 1, 16, False, False, _DECODE),
+    ("decode 32q/8kv split", 128, 4, "bf16", 1, 16, True, False, _DECODE),
+    ("decode D256 GQA8 split", 256, 8, "fp16", 1, 16, True, False, _DECODE),
+    ("prefill 32q/8kv page48", 128, 4, "bf16", 2048, 48, False, False, _PREFILL),
+    ("chunk MAGI 24q/8kv", 128, 3, "bf16", 12150, 12150, False, False, _SLAB),
+    ("chunk Wan split", 128, 1, "fp16", 4680, 4680, True, False, _SLAB),
+    ("chunk GQA5 split", 128, 5, "bf16", 4096, 4096, True, False, _SLAB),
+    ("chunk D256 GQA7 split", 256, 7, "bf16", 4096, 4096, True, False, _SLAB),
+    ("spec-decode 4x8 split", 128, 8, "bf16", 4, 16, True, False, _PREFILL),
+    ("deterministic 32q/8kv", 128, 4, "bf16", 1, 16, True, True, _DECODE),
+    ("decode fp32", 128, 4, "fp32", 1, 16, False, False, _DECODE),
+    ("chunk fp32 split", 128, 1, "fp32", 4680, 4680, True, False, _SLAB),
+    ("chunk fp32 D256 GQA5", 256, 5, "fp32", 4680, 4680, False, False, _SLAB),
 ]
+_FLAG_NAMES = ("causal", "kv_start", "lse", "softcap")
+# Slab cases also compiled as a denoising step launches them: the cached history and the
+# step's own k/v as two key sources of one launch (commit=False).
+OWN_KV_CASES = ("chunk MAGI 24q/8kv", "chunk Wan split")
+# The contract's workloads for --perf (sinks 1 + window 3 for slab chunks): the launch
+# plan each gets, its grid and its wave efficiency. (name, head_dim, group, num_kv_heads,
+# num_seqs, q_len, k_len (cached keys), block_size, causal, own_len (the step's own keys,
+# attended in the same launch: a denoising step)).
+WORKLOADS = [
+    ("decode B=1 ctx=128K", 128, 4, 8, 1, 1, 131072, 16, True, 0),
+    ("decode B=16 ctx=16K", 128, 4, 8, 16, 1, 16384, 16, True, 0),
+    ("decode B=16 ctx=128K", 128, 4, 8, 16, 1, 131072, 16, True, 0),
+    ("decode B=64 ctx=8K", 128, 4, 8, 64, 1, 8192, 16, True, 0),
+    ("decode B=256 ctx=8K", 128, 4, 8, 256, 1, 8192, 16, True, 0),
+    ("Wan-1.3B chunk, commit=True", 128, 1, 12, 1, 4680, 4 * 4680, 4680, False, 0),
+    ("Wan-1.3B chunk, commit=False", 128, 1, 12, 1, 4680, 3 * 4680, 4680, False, 4680),
+    ("Wan-14B chunk, commit=True", 128, 1, 40, 1, 4680, 4 * 4680, 4680, False, 0),
+    ("Wan-14B chunk, commit=False", 128, 1, 40, 1, 4680, 3 * 4680, 4680, False, 4680),
+    ("MAGI-1 chunk, commit=True", 128, 3, 8, 1, 12150, 4 * 12150, 12150, False, 0),
+    ("MAGI-1 chunk, commit=False", 128, 3, 8, 1, 12150, 3 * 12150, 12150, False, 12150),
+]
+SM_COUNT = {80: 108, 90: 132}
 REDUCE_CASES = [("reduce D128", 128, "bf16"), ("reduce D256", 256, "fp16")]
 STORE_CASES = [("store D256", 256, "bf16"), ("store D256 fp32", 256, "fp32")]
 MERGE_CASES = [("merge D256", 256, "bf16"), ("merge D256 fp32", 256, "fp32")]
@@ -63,6 +92,16 @@ class Row:
     fits: bool
     seconds: float
     error: str = ""
+    variant: str = ""
+    # --perf metrics (attention rows): CTAs per SM, MMA kind, K/V shared-memory buffers in
+    # the main loop, SASS instructions per main-loop iteration and the same for the
+    # contiguous reference loop at the same tile.
+    ctas_per_sm: int = 0
+    mma: str = ""
+    kv_buffers: int = -1
+    loop_sass: int = -1
+    ref_loop_sass: int = -1
+    occupancy_key: list | None = None
 
 
 @dataclass
@@ -79,6 +118,11 @@ class _Launch:
     i64: tuple = ()
     floats: tuple = ()
     maxnreg: int | None = None
+    # Integer arguments the JIT would see as multiples of 16 (strides always are here).
+    div16: tuple = ()
+    variant: str = ""
+    occupancy_key: tuple | None = None
+    ref_tile: tuple | None = None  # (BLOCK_M, BLOCK_N, HEAD_DIM_PAD, warps, stages, dtype)
 
 
 def add_arguments(parser) -> None:
@@ -91,7 +135,14 @@ def add_arguments(parser) -> None:
                         help="also write the rows as JSON to this file")
     parser.add_argument("--all-variants", action="store_true",
                         help="also compile every mask/output flag variant of each attention config "
-                             "(causal x kv_start x lse; ~200 compiles, ~4 min) instead of the all-on one")
+                             "(causal x kv_start x lse x softcap; ~280 compiles, ~10 min)")
+    parser.add_argument("--perf", action="store_true",
+                        help="also report the metrics that decide speed: CTAs per SM, MMA kind, K/V "
+                             "buffers in flight, SASS instructions per main-loop iteration next to a "
+                             "contiguous flash loop at the same tile, and the workloads' grids and waves")
+    parser.add_argument("--write-occupancy", action="store_true",
+                        help="with --perf: rewrite the CTAs-per-SM table of kvarena/kernels/occupancy.py "
+                             "from these compiles (run it with --all-variants)")
 
 
 def _elem_bytes(dtype: str) -> int:
@@ -108,30 +159,47 @@ def _launches(only: str | None, capability: int, all_variants: bool = False) -> 
     from kvarena.kernels import merge, store
     from kvarena.kernels import paged_attention as pa
     from kvarena.kernels._common import ROW_TILE_WARPS, head_dim_pad
+    from kvarena.kernels.occupancy import config_key
 
     out = []
-    for name, d, group, dt, q_len, split, det in ATTENTION_CASES:
-        cfg = pa._pick_config(d, group, _elem_bytes(dt), None if det else q_len, capability)
-        flag_sets = [(True, True, True)]
+    for name, d, group, dt, q_len, block, split, det, launched in ATTENTION_CASES:
+        variants = {(launched, False): "as launched"}
+        if name in OWN_KV_CASES:
+            variants[(launched, True)] = "as launched"
+        variants.setdefault(((True, True, True, True), False), "all flags")
         if all_variants:  # a split always writes its lse
-            flag_sets = [f for f in itertools.product((True, False), repeat=3) if f[2] or not split]
-        for causal, has_kv_start, write_lse in flag_sets:
+            for f in itertools.product((True, False), repeat=4):
+                if f[2] or not split:
+                    variants.setdefault((f, False), "variant")
+        for (flags, own), label in variants.items():
+            if split and not flags[2]:
+                flags = (flags[0], flags[1], True, flags[3])
+            causal, has_kv_start, write_lse, softcap = flags
+            guard = pa._needs_guard(q_len, causal, None)
+            eb = _elem_bytes(dt)
+            cfg = pa._pick_config(d, group, eb, None if det else q_len, capability,
+                                  lean=not det and not guard and not softcap)
             meta = pa._attn_constexprs(cfg, group, d, causal=causal, has_kv_start=has_kv_start,
-                                       write_lse=write_lse, split=split, upcast=False,
-                                       guard=pa._needs_guard(q_len, causal, None))
+                                       write_lse=write_lse, split=split, upcast=False, guard=guard,
+                                       softcap=softcap, block_size=block, elem_bytes=eb, own_kv=own)
             meta.update(stride_qd=1, stride_od=1)  # unit strides: the JIT specializes them too
             ptrs = {"q_ptr": dt, "k_ptr": dt, "v_ptr": dt, "o_ptr": "fp32" if split else dt, "lse_ptr": "fp32",
-                    "block_table_ptr": "i32", "seq_lens_ptr": "i32", "cu_q_ptr": "i32", "kv_start_ptr": "i32"}
+                    "block_table_ptr": "i32", "seq_lens_ptr": "i32", "cu_q_ptr": "i32", "kv_start_ptr": "i32",
+                    "k2_ptr": dt, "v2_ptr": dt}
             desc = (f"{name}: {dt} D{d} G{group} BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} "
                     f"w{cfg['num_warps']} s{cfg['num_stages']}")
-            if (causal, has_kv_start, write_lse) != (True, True, True):
-                desc += " [" + ",".join(n for n, on in zip(("causal", "kv_start", "lse"),
-                                                           (causal, has_kv_start, write_lse)) if on) + "]"
+            desc += " [" + ",".join(n for n, on in zip(_FLAG_NAMES, flags) if on) + "]"
             if meta["GUARD_NONFINITE"]:
                 desc += " +nonfinite-guard"
+            if meta["OWN_KV"]:
+                desc += " +own-k/v"
             out.append(_Launch("attention", desc, pa._paged_attn_kernel, ptrs, meta, cfg["num_warps"],
                                cfg["num_stages"], i64=("stride_kb", "stride_vb"),
-                               floats=("scale_log2", "softcap_inv", "softcap_log2"), maxnreg=cfg.get("maxnreg")))
+                               floats=("scale_log2", "softcap_inv", "softcap_log2"), maxnreg=cfg.get("maxnreg"),
+                               div16=("block_size",) if block % 16 == 0 else (), variant=label,
+                               occupancy_key=config_key(capability, cfg, eb),
+                               ref_tile=(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["HEAD_DIM_PAD"], cfg["num_warps"],
+                                         cfg["num_stages"], dt)))
     for name, d, dt in REDUCE_CASES:
         d_pad = head_dim_pad(d)
         block_r = pa._reduce_block_rows(d_pad)
@@ -146,7 +214,7 @@ def _launches(only: str | None, capability: int, all_variants: bool = False) -> 
         ptrs = {"k_ptr": dt, "v_ptr": dt, "k_cache_ptr": dt, "v_cache_ptr": dt, "slot_ptr": "i64"}
         out.append(_Launch("store_kv", f"{name}: {dt} BR{cfg['BLOCK_R']} w{cfg['num_warps']}",
                            store._store_kv_kernel, ptrs, meta, cfg["num_warps"], 1,
-                           i64=("stride_cb", "stride_db")))
+                           i64=("stride_cb", "stride_db"), div16=("block_size",)))
     for name, d, dt in MERGE_CASES:
         cfg = merge._pick_config(d)
         meta = dict(HEAD_DIM=d, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_R=cfg["BLOCK_R"],
@@ -176,12 +244,12 @@ def _signature(launch: _Launch) -> tuple[dict, dict]:
             sig[name] = "fp32"
         else:
             sig[name] = "i64" if name in launch.i64 else "i32"
-            if name.startswith("stride_") or name == "block_size":
+            if name.startswith("stride_") or name in launch.div16:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, attrs
 
 
-def _compile(launch: _Launch, capability: int) -> Row:
+def _compile(launch: _Launch, capability: int, perf: bool = False) -> Row:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -208,15 +276,180 @@ def _compile(launch: _Launch, capability: int) -> Row:
                    time.perf_counter() - t0, error="no ptxas log (was the compile cached?)")
     st, ld = max(s for s, _ in spills), max(x for _, x in spills)
     fits = st == 0 and ld == 0 and shared <= SHARED_LIMIT[capability]
-    return Row(launch.kernel_name, launch.config, TARGET_NAMES[capability], max(regs), st, ld, shared, fits,
-               time.perf_counter() - t0)
+    row = Row(launch.kernel_name, launch.config, TARGET_NAMES[capability], max(regs), st, ld, shared, fits,
+              time.perf_counter() - t0, variant=launch.variant)
+    if perf and launch.kernel_name == "attention":
+        from kvarena.kernels.occupancy import occupancy
+
+        row.ctas_per_sm = occupancy(capability, row.registers, shared, launch.num_warps)
+        row.mma = _mma_kind(compiled.asm["ptx"])
+        row.kv_buffers = _kv_buffers(compiled.asm["ttgir"], launch.constexprs["BLOCK_N"],
+                                     launch.constexprs["HEAD_DIM_PAD"])
+        row.loop_sass = _main_loop_sass(compiled.asm["cubin"])
+        row.occupancy_key = list(launch.occupancy_key)
+    return row
+
+
+# ----------------------------------------------------------------------------- --perf metrics
+
+
+def _mma_kind(ptx: str) -> str:
+    """The tensor-core instruction family of a kernel: wgmma (sm_90a), mma.sync, or none."""
+    if "wgmma.mma_async" in ptx:
+        return "wgmma"
+    return "mma.sync" if "mma.sync" in ptx else "fma"
+
+
+def _kv_buffers(ttgir: str, block_n: int, d_pad: int) -> int:
+    """Shared-memory buffers of the K/V tiles in the main loop(s), from the ttgir.
+
+    The software pipeliner stages a loop's loads in mutable ``memdesc<N x ...>`` allocations;
+    the K and V tiles are the ones shaped ``[D, BLOCK_N]`` or ``[BLOCK_N, D]``. The fewest
+    over them is reported (0: the tiles are not staged through shared memory at all).
+    """
+    counts = []
+    for n, a, b in re.findall(r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x(\d+)x(\d+)x", ttgir):
+        if {int(a), int(b)} == {block_n, d_pad}:
+            counts.append(int(n))
+    return min(counts, default=0)
+
+
+def _nvdisasm() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+
+
+def _main_loop_sass(cubin: bytes) -> int:
+    """SASS instructions of the main loop: the smallest innermost loop that runs the dots.
+
+    Loops are found from backward branches in ``nvdisasm`` output; innermost ones contain
+    no other loop. On the large-block path the smallest such loop is the interior loop
+    (no mask code), elsewhere there is one. -1 when nvdisasm is missing or finds none.
+    """
+    import subprocess
+    import tempfile
+
+    tool = _nvdisasm()
+    if not os.path.exists(tool):
+        return -1
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, timeout=120).stdout
+    labels, instrs, pending = {}, [], []
+    for line in text.splitlines():
+        m = re.match(r"^(\.L_x_\d+):", line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*)", line)
+        if m:
+            addr = int(m.group(1), 16)
+            for name in pending:
+                labels[name] = addr
+            pending = []
+            instrs.append((addr, m.group(2)))
+    loops = []
+    for addr, ins in instrs:
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", ins)
+        if m and labels.get(m.group(1), addr + 1) < addr:
+            loops.append((labels[m.group(1)], addr))
+    inner = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
+    sizes = []
+    for lo, hi in inner:
+        body = [ins for a, ins in instrs if lo <= a <= hi]
+        if any("MMA" in ins or "FFMA" in ins for ins in body):
+            sizes.append(len(body))
+    return min(sizes, default=-1)
+
+
+def _reference_loop_sass(tile: tuple, capability: int) -> int:
+    """Main-loop SASS of the contiguous flash reference compiled at ``tile``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvarena.kernels.flash_reference import _flash_reference_kernel as fn
+
+    block_m, block_n, d_pad, warps, stages, dt = tile
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in ("HEAD_DIM", "BLOCK_M", "BLOCK_N"):
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name], attrs[(i,)] = "*" + dt, [["tt.divisibility", 16]]
+        elif name == "scale_log2":
+            sig[name] = "fp32"
+        else:
+            sig[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=dict(HEAD_DIM=d_pad, BLOCK_M=block_m, BLOCK_N=block_n),
+                    attrs=attrs)
+    with contextlib.redirect_stdout(io.StringIO()):
+        compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                                  options={"num_warps": warps, "num_stages": stages})
+    return _main_loop_sass(compiled.asm["cubin"])
+
+
+def _workload_rows(targets) -> list[dict]:
+    """The launch plans of the contract's workloads (pure host math, no compile)."""
+    from kvarena.kernels.paged_attention import plan_launch
+
+    rows = []
+    for cap in targets:
+        for name, d, group, h_kv, b, q_len, k_len, block, causal, own in WORKLOADS:
+            plan = plan_launch(head_dim=d, group=group, elem_bytes=2, num_seqs=b, num_kv_heads=h_kv,
+                               max_seqlen_q=q_len, max_seqlen_k=k_len, block_size=block, causal=causal,
+                               window_left=None, sink_tokens=0, softcap=False, num_splits=None,
+                               deterministic=False, capability=cap, sm_count=SM_COUNT[cap], own_len=own)
+            if own and not plan.own_kv:
+                name += " (NOT one launch)"
+            ctas = plan.programs * plan.num_splits
+            slots = SM_COUNT[cap] * max(1, plan.ctas_per_sm)
+            rows.append(dict(workload=name, target=TARGET_NAMES[cap], tile=f"{plan.cfg['BLOCK_M']}x{plan.cfg['BLOCK_N']}",
+                             programs=plan.programs, splits=plan.num_splits, ctas_per_sm=plan.ctas_per_sm,
+                             waves=round(ctas / slots, 2), efficiency=round(plan.wave_efficiency(SM_COUNT[cap]), 3)))
+    return rows
+
+
+def _write_occupancy(rows: list[Row]) -> str:
+    """Rewrite occupancy.CTAS_PER_SM from attention rows: the fewest CTAs per key."""
+    from kvarena.kernels import occupancy
+
+    table: dict[tuple, int] = {}
+    for r in rows:
+        if r.kernel == "attention" and r.occupancy_key and r.fits:
+            key = tuple(r.occupancy_key)
+            table[key] = min(table.get(key, r.ctas_per_sm), r.ctas_per_sm)
+    path = occupancy.__file__
+    with open(path) as f:
+        text = f.read()
+    head, sep, _ = text.partition("CTAS_PER_SM: dict[tuple, int] = {")
+    if not sep:
+        raise RuntimeError(f"{path}: no CTAS_PER_SM table to rewrite")
+    body = "".join(f"    {k!r}: {v},\n" for k, v in sorted(table.items()))
+    with open(path, "w") as f:
+        f.write(head + sep + "\n" + body + "}\n")
+    return path
+
 
 
 def _print_table(rows: list[Row]) -> None:
+    perf = any(r.mma for r in rows)
     head = ("kernel", "config", "target", "regs", "spill st/ld", "shared KiB", "fits")
+    if perf:
+        head += ("CTAs/SM", "MMA", "K/V bufs", "loop SASS", "ref SASS", "ratio")
+
+    def perf_cols(r: Row) -> tuple:
+        if not r.mma:
+            return ("",) * 6
+        ratio = f"{r.loop_sass / r.ref_loop_sass:.2f}" if r.loop_sass > 0 and r.ref_loop_sass > 0 else "-"
+        return (str(r.ctas_per_sm), r.mma, str(r.kv_buffers), str(r.loop_sass), str(r.ref_loop_sass), ratio)
+
     body = [
         (r.kernel, r.config, r.target, str(r.registers), f"{r.spill_stores}/{r.spill_loads}",
          f"{r.shared_bytes / 1024:.1f}", "yes" if r.fits else ("NO: " + r.error if r.error else "NO"))
+        + (perf_cols(r) if perf else ())
         for r in rows
     ]
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
@@ -244,7 +477,16 @@ def run(args) -> int:
             raise UsageError("--only", f"{args.only!r} matches no kernel configuration")
         print(f"kvarena check: {n} configurations x {len(targets)} targets, triton {triton.__version__}")
         t0 = time.perf_counter()
-        rows = [_compile(per_target[cap][i], cap) for i in range(n) for cap in targets]
+        rows = [_compile(per_target[cap][i], cap, args.perf) for i in range(n) for cap in targets]
+        if args.perf:
+            ref: dict[tuple, int] = {}
+            for cap in targets:
+                for launch, row in zip(per_target[cap], rows[targets.index(cap)::len(targets)]):
+                    if launch.ref_tile is not None and row.mma:
+                        key = (cap, launch.ref_tile)
+                        if key not in ref:
+                            ref[key] = _reference_loop_sass(launch.ref_tile, cap)
+                        row.ref_loop_sass = ref[key]
     finally:
         for k, v in saved.items():
             if v is None:
@@ -255,7 +497,23 @@ def run(args) -> int:
     bad = [r for r in rows if not r.fits]
     print(f"{len(rows)} compiles in {time.perf_counter() - t0:.0f} s; "
           + ("all fit (no spills, shared memory within limits)" if not bad else f"{len(bad)} do NOT fit"))
+    workloads = _workload_rows(targets) if args.perf else []
+    if workloads:
+        print()
+        _print_workloads(workloads)
+    if args.perf and args.write_occupancy:
+        print(f"wrote the CTAs-per-SM table to {_write_occupancy(rows)}")
     if args.json_path:
         with open(args.json_path, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=1)
+            payload = [asdict(r) for r in rows]
+            json.dump({"rows": payload, "workloads": workloads} if args.perf else payload, f, indent=1)
     return 1 if bad or not rows else 0
+
+
+def _print_workloads(rows: list[dict]) -> None:
+    head = ("workload", "target", "tile", "programs", "splits", "CTAs/SM", "waves", "wave eff.")
+    body = [(r["workload"], r["target"], r["tile"], str(r["programs"]), str(r["splits"]), str(r["ctas_per_sm"]),
+             f"{r['waves']:.2f}", f"{r['efficiency']:.3f}") for r in rows]
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    for line in [head, tuple("-" * w for w in widths), *body]:
+        print("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip())

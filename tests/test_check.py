@@ -20,16 +20,30 @@ def _env_without_interpreter() -> dict:
     return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
-@pytest.mark.slow
-def test_check_compiles_every_config_without_spills(tmp_path):
-    out_json = tmp_path / "rows.json"
+@pytest.fixture(scope="module")
+def perf_run(tmp_path_factory):
+    """One ``kvarena check --perf`` run (every config as launched and with every flag on,
+    both targets) shared by the tests below."""
+    out_json = tmp_path_factory.mktemp("check") / "perf.json"
     res = subprocess.run(
-        [sys.executable, "-m", "kvarena", "check", "--json", str(out_json)],
+        [sys.executable, "-m", "kvarena", "check", "--perf", "--json", str(out_json)],
         env=_env_without_interpreter(), capture_output=True, text=True, timeout=900,
     )
     assert out_json.exists(), res.stdout[-4000:] + res.stderr[-4000:]
-    rows = json.loads(out_json.read_text())
-    n_cases = len(check.ATTENTION_CASES) + len(check.REDUCE_CASES) + len(check.STORE_CASES) + len(check.MERGE_CASES)
+    return res, json.loads(out_json.read_text())
+
+
+def _case(row: dict) -> tuple:
+    name = row["config"].split(":")[0]
+    return next(c for c in check.ATTENTION_CASES if c[0] == name)
+
+
+@pytest.mark.slow
+def test_check_compiles_every_config_without_spills(perf_run):
+    res, data = perf_run
+    rows = data["rows"]
+    n_attention = sum(1 if case[8] == (True,) * 4 else 2 for case in check.ATTENTION_CASES)
+    n_cases = n_attention + len(check.REDUCE_CASES) + len(check.STORE_CASES) + len(check.MERGE_CASES)
     assert len(rows) == 2 * n_cases, f"expected one row per config and target, got {len(rows)}"
     assert {r["target"] for r in rows} == {"sm_80", "sm_90a"}
     assert {r["kernel"] for r in rows} == {"attention", "split_reduce", "store_kv", "merge"}
@@ -43,9 +57,70 @@ def test_check_compiles_every_config_without_spills(tmp_path):
     assert not problems, "\n".join(problems)
     assert all(r["fits"] for r in rows)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    # One printed table row per kernel/config/target.
+    # One printed table row per kernel/config/target, then one per workload and target.
     table_rows = [line for line in res.stdout.splitlines() if " sm_80 " in line or " sm_90a " in line]
-    assert len(table_rows) == len(rows)
+    assert len(table_rows) == len(rows) + len(data["workloads"])
+
+
+@pytest.mark.slow
+def test_compiled_code_meets_the_speed_structure(perf_run):
+    """The metrics that decide speed, as the launchers launch (issue 10): two K/V buffers in
+    flight in decode, three in slab chunks on sm_90a with wgmma, and a chunk main loop within
+    1.25x of a contiguous flash loop at the same tile."""
+    _, data = perf_run
+    problems = []
+    for r in data["rows"]:
+        if r["kernel"] != "attention" or r["variant"] != "as launched":
+            continue
+        name, _d, _g, dtype, q_len, _block, _split, _det, _flags = _case(r)
+        if dtype == "fp32":
+            continue  # IEEE FMA loops, no tensor cores: correctness configs, not speed targets
+        where = f"{r['config']} {r['target']}"
+        if q_len == 1 and r["kv_buffers"] < 2:
+            problems.append(f"{where}: {r['kv_buffers']} K/V buffers in the decode loop, want >= 2")
+        if name.startswith("chunk"):
+            want = 3 if r["target"] == "sm_90a" else 2
+            if r["kv_buffers"] < want:
+                problems.append(f"{where}: {r['kv_buffers']} K/V buffers in the chunk loop, want >= {want}")
+            if r["target"] == "sm_90a" and r["mma"] != "wgmma":
+                problems.append(f"{where}: {r['mma']} instead of wgmma")
+            if not 0 < r["loop_sass"] <= 1.25 * r["ref_loop_sass"]:
+                problems.append(f"{where}: main loop {r['loop_sass']} SASS vs {r['ref_loop_sass']} for the "
+                                "contiguous reference, want <= 1.25x")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+def test_occupancy_table_matches_the_compiler(perf_run):
+    """The CTAs-per-SM table the launchers size waves with never claims more CTAs than a
+    compiled variant fits, and knows every configuration as launched."""
+    from kvarena.kernels.occupancy import CTAS_PER_SM
+
+    _, data = perf_run
+    problems = []
+    for r in data["rows"]:
+        if r["kernel"] != "attention":
+            continue
+        key = tuple(r["occupancy_key"])
+        if key not in CTAS_PER_SM:
+            if r["variant"] == "as launched":
+                problems.append(f"{r['config']} {r['target']}: {key} missing from the table")
+        elif CTAS_PER_SM[key] > r["ctas_per_sm"]:
+            problems.append(f"{r['config']} {r['target']}: table says {CTAS_PER_SM[key]} CTAs/SM, "
+                            f"the compile fits {r['ctas_per_sm']}")
+    assert not problems, "\n".join(problems) + "\n(rerun: kvarena check --perf --all-variants --write-occupancy)"
+
+
+@pytest.mark.slow
+def test_workloads_fill_their_waves(perf_run):
+    """Wave efficiency >= 0.9 on an H100/H200 (132 SMs) for the contract's decode and slab
+    chunk workloads, commit=True and False."""
+    _, data = perf_run
+    low = [f"{w['workload']}: {w['programs']} programs x {w['splits']} splits, {w['waves']} waves, "
+           f"efficiency {w['efficiency']}" for w in data["workloads"] if w["target"] == "sm_90a" and w["efficiency"] < 0.9]
+    assert not low, "\n".join(low)
+    split_up = [w["workload"] for w in data["workloads"] if "NOT one launch" in w["workload"]]
+    assert not split_up, f"denoising steps that need two launches and a merge: {split_up}"
 
 
 def test_check_refuses_under_the_interpreter():
@@ -69,7 +144,7 @@ def test_check_module_imports_neither_torch_nor_triton():
 
 @pytest.mark.slow
 def test_check_all_variants_of_one_config(tmp_path):
-    """``--all-variants`` adds every causal/kv_start/lse combination of an attention config."""
+    """``--all-variants`` adds every causal/kv_start/lse/softcap combination of an attention config."""
     out_json = tmp_path / "rows.json"
     res = subprocess.run(
         [sys.executable, "-m", "kvarena", "check", "--only", "decode 32q/8kv split", "--all-variants",
@@ -78,5 +153,5 @@ def test_check_all_variants_of_one_config(tmp_path):
     )
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     rows = json.loads(out_json.read_text())
-    assert len(rows) == 4 and len({r["config"] for r in rows}) == 4  # a split always writes lse
+    assert len(rows) == 8 and len({r["config"] for r in rows}) == 8  # a split always writes lse
     assert all(r["fits"] and r["target"] == "sm_90a" for r in rows)

@@ -305,17 +305,22 @@ def test_deterministic_split_is_batch_invariant(monkeypatch, split_modes):
 
 
 def test_split_heuristic_numbers():
+    """Splits fill the last wave to >= 90% of the CTA slots (SMs x CTAs per SM)."""
     sms = 132
-    assert pa._pick_num_splits(8, 32768, sms) == 15  # B=1, 8 kv heads decode
+    assert pa._pick_num_splits(8, 32768, sms) == 15  # B=1, 8 kv heads decode: 120 of 132
     assert pa._pick_num_splits(32, 32768, sms) == 4
-    assert pa._pick_num_splits(128, 32768, sms) == 1  # a full wave already
-    assert pa._pick_num_splits(200, 32768, sms) == 3  # 1.5 waves -> 4.5 waves
-    assert pa._pick_num_splits(300, 10**6, sms) == 1  # >= 2 waves: never split
+    assert pa._pick_num_splits(128, 32768, sms) == 1  # 0.97 of a wave already
+    assert pa._pick_num_splits(200, 32768, sms) == 3  # 1.52 waves (0.76) -> 4.55 (0.91)
+    assert pa._pick_num_splits(300, 10**6, sms) == 2  # 2.27 waves (0.76) -> 4.55 (0.91)
     assert pa._pick_num_splits(8, 400, sms) == 1  # < 2 x 256 keys: not worth it
-    for programs in range(1, 2 * sms):
-        for keys in (600, 4096, 131072):
-            s = pa._pick_num_splits(programs, keys, sms)
-            assert 1 <= s <= min(pa._MAX_SPLITS, max(1, keys // pa._MIN_SPLIT_KEYS))
+    # Two CTAs per SM make a wave 264 programs: B=16 decode (128 programs) now splits.
+    assert pa._pick_num_splits(128, 16384, sms, 2) == 2
+    assert pa._pick_num_splits(444, 18720, sms, 1) == 2  # Wan-1.3B chunk: 3.36 waves -> 6.73
+    for ctas in (1, 2, 3):
+        for programs in range(1, 3 * sms):
+            for keys in (600, 4096, 131072):
+                s = pa._pick_num_splits(programs, keys, sms, ctas)
+                assert 1 <= s <= min(pa._MAX_SPLITS, max(1, keys // pa._MIN_SPLIT_KEYS))
 
 
 def test_pick_config_is_pure_and_bounded():

@@ -239,3 +239,109 @@ def test_head_dim_stride_beyond_int32():
     res = subprocess.run([sys.executable, "-c", _HUGE_D_STRIDE], env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0 and "OK" in res.stdout, f"rc {res.returncode}: {res.stdout}{res.stderr[-2000:]}"
+
+
+# ------------------------------------------------------------------- large-block contiguous path
+
+
+@pytest.fixture
+def large_path(monkeypatch):
+    """Records, per launch, whether the contiguous large-block path was compiled in."""
+    seen = []
+    real = pa._attn_constexprs
+
+    def spy(*args, **kwargs):
+        meta = real(*args, **kwargs)
+        seen.append(meta["LARGE_BLOCKS"])
+        return meta
+
+    monkeypatch.setattr(pa, "_attn_constexprs", spy)
+    return seen
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 7])
+def test_large_blocks_not_a_tile_multiple(num_splits, tiny_tiles, large_path):
+    """Slab-like launches (non-causal, kv_start) over 70-row blocks (70 = 4 x 16 + 6): the
+    block-outer loop with masked edge tiles and an unmasked interior run, split 1/3/7 ways
+    (a split boundary can fall inside a block)."""
+    c = make([300, 71, 5], [20, 3, 5], kv_start=[13, 0, 2], group=2, h_kv=2, block_size=70, seed=11,
+             dtype=torch.bfloat16)  # fp32 keeps the page path
+    check(c, causal=False, num_splits=num_splits)
+    check(c, causal=False, num_splits=num_splits, softcap=3.0)
+    assert large_path and all(large_path), "the launch did not take the large-block path"
+
+
+@pytest.mark.parametrize(("window_left", "sink_tokens"), [(100, 75), (150, 3), (0, 0), (69, 140)])
+def test_large_blocks_windows_and_sinks_crossing_block_edges(window_left, sink_tokens, tiny_tiles, large_path):
+    """Decode rows (one position per sequence, no guard) with windows and sink ranges that
+    start, end and cross inside 70-row blocks."""
+    c = make([300, 150, 1, 71], [1, 1, 1, 1], group=4, h_kv=1, block_size=70, seed=12, dtype=torch.float16)
+    for n in (1, 4):
+        check(c, causal=True, window_left=window_left, sink_tokens=sink_tokens, num_splits=n)
+    assert large_path and all(large_path)
+
+
+def test_large_blocks_deterministic_split(tiny_tiles, large_path, monkeypatch):
+    """Deterministic mode counts tiles per block on this path: nothing dropped, and a
+    sequence's result is bitwise the same alone and in a batch."""
+    monkeypatch.setattr(pa, "_DET_SPLIT_KEYS", 48)  # 3 tiles per split
+    big = make([300, 140], [6, 2], kv_start=[5, 0], group=2, block_size=70, seed=13, dtype=torch.bfloat16)
+    out_big, lse_big = check(big, causal=False, deterministic=True)
+    alone = dict(big, q=big["q"][:6], block_table=big["block_table"][:1], seq_lens=big["seq_lens"][:1],
+                 cu_seqlens_q=big["cu_seqlens_q"][:2], kv_start=big["kv_start"][:1], max_seqlen_q=6)
+    out_alone, lse_alone = check(alone, causal=False, deterministic=True)
+    assert torch.equal(out_big[:6], out_alone) and torch.equal(lse_big[:6], lse_alone)
+    assert large_path and all(large_path)
+
+
+# ------------------------------------------------------------------- one launch for a denoising step
+
+
+def test_denoising_step_is_one_launch_over_history_and_own_kv(monkeypatch):
+    """commit=False on the Triton path: the cached history and the given k/v are two key
+    sources of ONE launch (no partial outputs, no merge). Checked against the torch path
+    over a rollout with a short first chunk (kv_start), sinks and recycling, with splits."""
+    from kvarena import CachePolicy, KVLayout, SlabKVCache
+    from kvarena.attention import ops
+
+    launches = []
+    real = ops._launch_triton
+
+    def spy(*args, **kwargs):
+        launches.append(kwargs.get("own_kv") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "_launch_triton", spy)
+    st = 70  # slab rows >= BLOCK_N: the large-block path
+    lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, dtype=torch.bfloat16)
+    pool = SlabKVCache(CachePolicy("slab_kv", lay.block_bytes(st) * 6, per_component={"window": 2, "sinks": 1}),
+                       layout=lay, slab_tokens=st)
+    gen = torch.Generator().manual_seed(14)
+
+    def rnd(t, h):
+        return torch.randn(1, t, h, 16, generator=gen).to(torch.bfloat16)
+
+    for c, n in ((0, 40), (1, st), (2, st), (3, st)):
+        meta = pool.plan({"v": (c, n)})
+        q, k, v = rnd(n, 2), rnd(n, 1), rnd(n, 1)
+        for splits in (None, 3):
+            launches.clear()
+            got, lse = pool.forward(q, k, v, meta, 0, commit=False, backend="triton", num_splits=splits,
+                                    return_lse=True)
+            assert launches == [True], f"chunk {c}: launches with own k/v: {launches}"
+            want, want_lse = pool.forward(q, k, v, meta, 0, commit=False, backend="torch", return_lse=True)
+            assert_attention_close(got.float()[0], lse[0], want.float()[0], want_lse[0], torch.bfloat16,
+                                   f"chunk {c} splits {splits}", lse_tol=LSE_TOL[torch.float32])
+        pool.forward(q, k, v, meta, 0, commit=True, backend="torch")
+
+
+def test_flash_reference_yardstick_is_attention():
+    """The contiguous loop `kvarena check --perf` compares against computes attention."""
+    from kvarena.kernels.flash_reference import flash_reference_fwd
+
+    gen = torch.Generator().manual_seed(15)
+    q, k, v = (torch.randn(n, 16, generator=gen) for n in (32, 48, 48))
+    out = torch.empty_like(q)
+    flash_reference_fwd(q, k, v, out)
+    ref = torch.softmax((q.double() @ k.double().T) * 16**-0.5, -1) @ v.double()
+    assert (out.double() - ref).abs().max() < 1e-5

@@ -35,6 +35,7 @@ __all__ = [
     "merge_attention_states",
     "debug_enabled",
     "attend",
+    "attend_with_own_kv",
     "store",
     "resolve_backend",
     "check_no_overlap",
@@ -402,6 +403,36 @@ def attend(
     return (result, lse) if spec.return_lse else result
 
 
+def attend_with_own_kv(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_start: torch.Tensor | None,
+    own_kv: tuple[torch.Tensor, torch.Tensor],
+    *,
+    spec: AttentionSpec,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+):
+    """History from the cache plus the step's own k/v in ONE Triton launch, or None.
+
+    ``own_kv = (k, v)``, each ``[B, T, H_kv, D]``: keys after every sequence's cached ones,
+    visible to all its queries (a slab denoising step). One online softmax over both
+    sources, fp32 throughout (no rounded partials, no merge launch). Returns like
+    :func:`attend`, or None when the launch cannot take a second source (the caller then
+    attends to each source and merges). Eager Triton only; arguments trusted.
+    """
+    result = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if spec.return_lse else None
+    if not _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, result, lse, spec,
+                          max_seqlen_q, max_seqlen_k, own_kv=own_kv):
+        return None
+    return (result, lse) if spec.return_lse else result
+
+
 # --------------------------------------------------------------------------- store
 
 
@@ -547,11 +578,11 @@ def merge(out_a, lse_a, out_b, lse_b, backend: str) -> tuple[torch.Tensor, torch
 
 
 def _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse, spec,
-                   max_seqlen_q, max_seqlen_k) -> None:
+                   max_seqlen_q, max_seqlen_k, own_kv=None) -> bool:
     from kvarena.kernels.paged_attention import paged_attention_fwd
 
-    paged_attention_fwd(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse,
-                        spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    return paged_attention_fwd(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse,
+                               spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, own_kv=own_kv)
 
 
 def _paged_attention_body(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec,

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from kvarena.attention.ops import attend, merge, store
+from kvarena.attention.ops import attend, attend_with_own_kv, merge, store
 from kvarena.attention.spec import AttentionSpec, check_bool
 from kvarena.cache._meta import (
     StaleMetadataError,
@@ -667,18 +667,28 @@ class SlabKVCache(KVPoolBase):
             )
             out, lse = res if spec.return_lse else (res, None)
         else:
-            out_h, lse_h = attend(
-                qf, kc, vc, meta.hist_block_table, meta.hist_seq_lens, meta.cu_seqlens_q,
-                meta.hist_kv_start if meta.hist_has_kv_start else None, spec=op_spec_lse, max_seqlen_q=t,
-                max_seqlen_k=meta.hist_max_seqlen_k, backend=attn_backend,
-            )
             kd = k if k.stride(-1) == 1 else k.contiguous()
             vd = v if v.stride(-1) == 1 else v.contiguous()
-            out_c, lse_c = attend(
-                qf, kd, vd, meta.dense_block_table, meta.dense_seq_lens, meta.cu_seqlens_q, None,
-                spec=op_spec_lse, max_seqlen_q=t, max_seqlen_k=t, backend=attn_backend,
-            )
-            out, lse = merge(out_h, lse_h, out_c, lse_c, attn_backend)
+            hist_kv_start = meta.hist_kv_start if meta.hist_has_kv_start else None
+            res = None
+            if attn_backend == "triton" and not torch.compiler.is_compiling():
+                # One launch: the cached history and the given k/v as two key sources.
+                res = attend_with_own_kv(
+                    qf, kc, vc, meta.hist_block_table, meta.hist_seq_lens, meta.cu_seqlens_q, hist_kv_start,
+                    (kd, vd), spec=op_spec, max_seqlen_q=t, max_seqlen_k=meta.hist_max_seqlen_k,
+                )
+            if res is not None:
+                out, lse = res if spec.return_lse else (res, None)
+            else:  # the torch path, or a launch that cannot take two sources: merge by LSE
+                out_h, lse_h = attend(
+                    qf, kc, vc, meta.hist_block_table, meta.hist_seq_lens, meta.cu_seqlens_q, hist_kv_start,
+                    spec=op_spec_lse, max_seqlen_q=t, max_seqlen_k=meta.hist_max_seqlen_k, backend=attn_backend,
+                )
+                out_c, lse_c = attend(
+                    qf, kd, vd, meta.dense_block_table, meta.dense_seq_lens, meta.cu_seqlens_q, None,
+                    spec=op_spec_lse, max_seqlen_q=t, max_seqlen_k=t, backend=attn_backend,
+                )
+                out, lse = merge(out_h, lse_h, out_c, lse_c, attn_backend)
         out = out.reshape(b, t, h_q, d)
         return (out, lse.reshape(b, t, h_q)) if spec.return_lse else out
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -41,6 +42,7 @@ from kvarena.kernels._common import (
     head_dim_pad,
     interpreting,
 )
+from kvarena.kernels.occupancy import ctas_per_sm
 
 # ----------------------------------------------------------------------------- constants
 
@@ -53,9 +55,8 @@ _MIN_SPLIT_KEYS = 256
 # At most 64 splits: 132 SMs are filled by 64 splits of just 3 programs (e.g. B = 1, 3 kv
 # heads); the fp32 scratch then holds 64 partial rows per query row.
 _MAX_SPLITS = 64
-# Split only if the unsplit grid is below 2 waves of programs; then pick the smallest
-# split count whose wave efficiency is within 85% of the best (FlashAttention-2's rule).
-_SPLIT_WAVE_EFFICIENCY = 0.85
+# Split when the grid's last wave leaves more than 10% of the CTA slots idle.
+_TARGET_WAVE_EFFICIENCY = 0.9
 # Deterministic mode: fixed 4096 keys per split, whatever the batch, so a sequence's
 # result never depends on which other sequences share the launch. 4096 keys keep the
 # scratch at 1/16 of K/V bytes per query row at D = 128 ... and 32 splits at 128K keys.
@@ -77,17 +78,119 @@ def _tanh(x):
 
 
 @triton.jit
+def _scores(q, kt, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP: tl.constexpr):
+    # [BLOCK_M, BLOCK_N] fp32 scores in the exp2 domain (fp32 inputs: full IEEE dots).
+    s = tl.dot(q, kt, input_precision="ieee")
+    if HAS_SOFTCAP:
+        s = softcap_log2 * _tanh(s * softcap_inv)
+    else:
+        s = s * scale_log2
+    return s
+
+
+@triton.jit
+def _softmax_step(s, v, m_i, l_i, acc, bad_w, GUARD: tl.constexpr, guard_now):
+    """One online-softmax step over masked scores ``s`` and values ``v``.
+
+    ``GUARD`` (constexpr) and ``guard_now`` (this tile is a boundary tile): a key invisible to a row has pr = 0 there, but 0 * NaN (or inf) in the
+    P.V dot is NaN, so the tile's non-finite values are zeroed and the rows that see
+    such a key (pr > 0) accumulate weight in ``bad_w``, which turns their output to NaN
+    as it would have been. Only boundary tiles need it (every row sees every key of an
+    interior tile).
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead keeps
+    # exp2(-inf - (-inf)) = NaN out of alpha and pr.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M]
+    pr = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
+    l_i = l_i * alpha + tl.sum(pr, 1)
+    if GUARD and guard_now:
+        v_ok = tl.abs(v) < float("inf")  # [BLOCK_N, HEAD_DIM_PAD]; False for NaN
+        key_bad = tl.max(tl.where(v_ok, 0.0, 1.0), 1)  # [BLOCK_N]
+        bad_w += tl.sum(pr * key_bad[None, :], 1)
+        v = tl.where(v_ok, v, 0.0)
+    acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc, bad_w
+
+
+@triton.jit
+def _block_tiles(
+    q, k_blk, v_blk, blk_start, j_lo, n_tiles, gap_at, gap_len, m_i, l_i, acc, bad_w,
+    key_lo, key_hi, row_hi, row_lo, sink_tokens,
+    stride_kt, stride_vt, scale_log2, softcap_inv, softcap_log2,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    GUARD: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """``n_tiles`` key tiles of one large block from tile ``j_lo``, at rows ``j * BLOCK_N``.
+
+    Contiguous addressing from the block's base pointers (no block-table gather, no
+    divide). ``MASKED=False`` is the interior loop: every key of every tile is visible
+    to every row, so there is no mask code at all; ``MASKED=True`` handles the block's
+    few boundary tiles, both ends in one loop: tiles from ``gap_at`` on skip ahead by
+    ``gap_len`` (over the interior run).
+    """
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    n_off = tl.arange(0, BLOCK_N)
+    for jj in range(0, n_tiles):
+        j = j_lo + jj
+        if MASKED:
+            j = tl.where(j >= gap_at, j + gap_len, j)
+        rel = j * BLOCK_N + n_off  # [BLOCK_N] rows within the block
+        t = blk_start + rel  # [BLOCK_N] logical key positions
+        if MASKED:
+            key_ok = (t >= key_lo) & (t < key_hi)
+            kt = tl.load(k_blk + rel[None, :] * stride_kt + d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
+        elif HEAD_DIM == HEAD_DIM_PAD:
+            kt = tl.load(k_blk + rel[None, :] * stride_kt + d[:, None])
+        else:
+            kt = tl.load(k_blk + rel[None, :] * stride_kt + d[:, None], mask=d_ok[:, None], other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        s = _scores(q, kt, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP)
+        if MASKED:
+            vis = key_ok[None, :] & (t[None, :] < row_hi[:, None])
+            vis = vis & ((t[None, :] >= row_lo[:, None]) | (t[None, :] < sink_tokens))
+            s = tl.where(vis, s, float("-inf"))
+            v = tl.load(v_blk + rel[:, None] * stride_vt + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
+        elif HEAD_DIM == HEAD_DIM_PAD:
+            v = tl.load(v_blk + rel[:, None] * stride_vt + d[None, :])
+        else:
+            v = tl.load(v_blk + rel[:, None] * stride_vt + d[None, :], mask=d_ok[None, :], other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        m_i, l_i, acc, bad_w = _softmax_step(s, v, m_i, l_i, acc, bad_w, GUARD and MASKED, True)
+    return m_i, l_i, acc, bad_w
+
+
+@triton.jit
+def _range_tiles(a, b, block_size, BLOCK_N: tl.constexpr):
+    """Key tiles of the range ``[a, b)`` when tiles restart at every block start."""
+    per_block = tl.cdiv(block_size, BLOCK_N)
+    first = a // block_size
+    last = (tl.maximum(b, a + 1) - 1) // block_size
+    head = (a - first * block_size) // BLOCK_N
+    same = tl.cdiv(b - first * block_size, BLOCK_N) - head
+    apart = (per_block - head) + (last - first - 1) * per_block + tl.cdiv(b - last * block_size, BLOCK_N)
+    return tl.where(b > a, tl.where(first == last, same, apart), 0)
+
+
+@triton.jit
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     block_table_ptr, seq_lens_ptr, cu_q_ptr, kv_start_ptr,
+    k2_ptr, v2_ptr,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
+    stride_k2b, stride_k2t, stride_k2h,
+    stride_v2b, stride_v2t, stride_v2h,
     stride_os, stride_ot, stride_oh, stride_od,
     stride_ls, stride_lt, stride_lh,
     stride_bt,
     scale_log2, softcap_inv, softcap_log2,
-    block_size, chunk_size, window_left, sink_tokens,
+    block_size, chunk_size, window_left, sink_tokens, own_len,
     num_kv_heads, num_q_tiles, tiles_per_split,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -100,6 +203,10 @@ def _paged_attn_kernel(
     SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     GUARD_NONFINITE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    LARGE_BLOCKS: tl.constexpr,
+    OWN_KV: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split_id = tl.program_id(1)
@@ -159,9 +266,18 @@ def _paged_attn_kernel(
     sink_hi = tl.minimum(tl.minimum(sink_tokens, lo), hi)
     sink_base = (kv_lo // BLOCK_N) * BLOCK_N
     main_base = (lo // BLOCK_N) * BLOCK_N
-    n_sink = tl.where(sink_hi > kv_lo, tl.cdiv(sink_hi - sink_base, BLOCK_N), 0)
-    n_main = tl.where(hi > lo, tl.cdiv(hi - main_base, BLOCK_N), 0)
+    if LARGE_BLOCKS:
+        # Tiles restart at every block start (no tile straddles two blocks).
+        n_sink = _range_tiles(kv_lo, sink_hi, block_size, BLOCK_N)
+        n_main = _range_tiles(lo, hi, block_size, BLOCK_N)
+    else:
+        n_sink = tl.where(sink_hi > kv_lo, tl.cdiv(sink_hi - sink_base, BLOCK_N), 0)
+        n_main = tl.where(hi > lo, tl.cdiv(hi - main_base, BLOCK_N), 0)
     n_tiles = n_sink + n_main
+    if OWN_KV:
+        # A denoising step's own keys (given, not stored) follow the history as one more
+        # contiguous block of own_len rows per sequence, visible to every query.
+        n_tiles += tl.cdiv(own_len, BLOCK_N)
     if SPLIT:
         # tiles_per_split > 0: fixed split size (deterministic); 0: divide evenly.
         tps = tl.where(tiles_per_split > 0, tiles_per_split, tl.cdiv(n_tiles, num_splits))
@@ -192,58 +308,108 @@ def _paged_attn_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     n_off = tl.arange(0, BLOCK_N)  # [BLOCK_N]
 
-    for i in range(i_begin, i_end):
-        in_sink = i < n_sink
-        t0 = tl.where(in_sink, sink_base + i * BLOCK_N, main_base + (i - n_sink) * BLOCK_N)
-        key_lo = tl.where(in_sink, kv_lo, lo)
-        key_hi = tl.where(in_sink, sink_hi, hi)
-        t = t0 + n_off  # [BLOCK_N]
-        key_ok = (t >= key_lo) & (t < key_hi)
-        # Straddling tiles: each key gathers its own block id. The id load is masked to
-        # keys below seq_len, so table padding (possibly garbage ids) is never followed.
-        blk = tl.load(bt_row + t // block_size, mask=key_ok, other=0).to(tl.int64)
-        row_in_blk = (t % block_size).to(tl.int64)
-        k_off = blk * stride_kb + row_in_blk * stride_kt  # [BLOCK_N] int64
-        v_off = blk * stride_vb + row_in_blk * stride_vt
-        kt = tl.load(k_head + k_off[None, :] + d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
-        if UPCAST:
-            kt = kt.to(tl.float32)
-        s = tl.dot(q, kt, input_precision="ieee")  # [BLOCK_M, BLOCK_N] fp32
-        if softcap_log2 > 0:
-            s = softcap_log2 * _tanh(s * softcap_inv)
-        else:
-            s = s * scale_log2
-        # Interior tiles (every key visible to every row) skip the per-element mask: at
-        # 128 x 64 it is ~8 integer ops per score, as many issue slots as the exp2/max/sum.
-        t_end = t0 + BLOCK_N
-        interior = (t0 >= key_lo) & (t_end <= key_hi) & (t_end <= hi_min)
-        interior = interior & ((t0 >= lo_max) | (t_end <= sink_tokens))
-        if not interior:
-            vis = key_ok[None, :] & (t[None, :] < row_hi[:, None])
-            vis = vis & ((t[None, :] >= row_lo[:, None]) | (t[None, :] < sink_tokens))
-            s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead
-        # keeps exp2(-inf - (-inf)) = NaN out of alpha and pr.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M]
-        pr = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
-        l_i = l_i * alpha + tl.sum(pr, 1)
-        v = tl.load(v_head + v_off[:, None] + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
-        if UPCAST:
-            v = v.to(tl.float32)
-        if GUARD_NONFINITE:  # noqa: SIM102 - a constexpr branch: no code at all when off
+    if LARGE_BLOCKS:
+        # block_size >= BLOCK_N (slabs: 2640-12150 rows): walk the block table in an outer
+        # loop and run contiguous inner loops within each block: the boundary tiles masked,
+        # the interior ones with no mask code (FlashAttention's split of masked and
+        # unmasked iterations). Virtual tile numbers (for splits) run over the sink range,
+        # then the main range, block by block.
+        cum = n_tiles * 0
+        for phase in range(2):  # 0: the sink range, 1: the main range
+            r_lo = tl.where(phase == 0, kv_lo, lo)
+            r_hi = tl.where(phase == 0, sink_hi, hi)
+            # Sink keys are visible whatever the window: only the row ends bound them.
+            fast_lo = tl.where(phase == 0, kv_lo, tl.maximum(lo, lo_max))
+            fast_hi = tl.minimum(r_hi, hi_min)
+            b_first = r_lo // block_size
+            b_end = tl.where(r_hi > r_lo, (tl.maximum(r_hi, r_lo + 1) - 1) // block_size + 1, b_first)
+            for blk in range(b_first, b_end):
+                bs0 = blk * block_size
+                j0 = (tl.maximum(r_lo, bs0) - bs0) // BLOCK_N
+                j1 = tl.cdiv(tl.minimum(r_hi, bs0 + block_size) - bs0, BLOCK_N)
+                # Tile j of this block is virtual tile cum + (j - j0): keep the split's share.
+                ja = tl.maximum(j0, j0 + i_begin - cum)
+                jb = tl.minimum(j1, j0 + i_end - cum)
+                cum += j1 - j0
+                if jb > ja:
+                    bid = tl.load(bt_row + blk).to(tl.int64)
+                    k_blk = k_head + bid * stride_kb
+                    v_blk = v_head + bid * stride_vb
+                    # Interior tiles: [fast_lo, min(fast_hi, block end)) in whole tiles.
+                    f_lo = tl.cdiv(tl.maximum(fast_lo - bs0, 0), BLOCK_N)
+                    f_hi = tl.maximum(tl.minimum(fast_hi, bs0 + block_size) - bs0, 0) // BLOCK_N
+                    f_a = tl.minimum(tl.maximum(f_lo, ja), jb)
+                    f_b = tl.minimum(tl.maximum(f_hi, f_a), jb)
+                    key_hi = tl.minimum(r_hi, bs0 + block_size)
+                    # Boundary tiles [ja, f_a) and [f_b, jb), then the interior run [f_a, f_b).
+                    m_i, l_i, acc, bad_w = _block_tiles(
+                        q, k_blk, v_blk, bs0, ja, (f_a - ja) + (jb - f_b), f_a, f_b - f_a, m_i, l_i, acc,
+                        bad_w, r_lo, key_hi, row_hi, row_lo, sink_tokens, stride_kt, stride_vt,
+                        scale_log2, softcap_inv, softcap_log2,
+                        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST)
+                    m_i, l_i, acc, bad_w = _block_tiles(
+                        q, k_blk, v_blk, bs0, f_a, f_b - f_a, 0, 0, m_i, l_i, acc,
+                        bad_w, r_lo, key_hi, row_hi, row_lo, sink_tokens, stride_kt, stride_vt,
+                        scale_log2, softcap_inv, softcap_log2,
+                        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST)
+        if OWN_KV:
+            # Same online softmax, second key source: full tiles unmasked, the last partial
+            # tile masked to own_len rows (cum == tiles of the history here).
+            ja = tl.maximum(0, i_begin - cum)
+            jb = tl.minimum(tl.cdiv(own_len, BLOCK_N), i_end - cum)
+            if jb > ja:
+                k_blk = k2_ptr + b.to(tl.int64) * stride_k2b + kvh.to(tl.int64) * stride_k2h
+                v_blk = v2_ptr + b.to(tl.int64) * stride_v2b + kvh.to(tl.int64) * stride_v2h
+                f_b = tl.minimum(tl.maximum(own_len // BLOCK_N, ja), jb)
+                all_rows_hi = tl.zeros_like(row_hi) + own_len
+                no_lo = tl.zeros_like(row_lo) - 1
+                m_i, l_i, acc, bad_w = _block_tiles(
+                    q, k_blk, v_blk, 0, ja, f_b - ja, 0, 0, m_i, l_i, acc,
+                    bad_w, 0, own_len, all_rows_hi, no_lo, 0, stride_k2t, stride_v2t,
+                    scale_log2, softcap_inv, softcap_log2,
+                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST)
+                m_i, l_i, acc, bad_w = _block_tiles(
+                    q, k_blk, v_blk, 0, f_b, jb - f_b, jb, 0, m_i, l_i, acc,
+                    bad_w, 0, own_len, all_rows_hi, no_lo, 0, stride_k2t, stride_v2t,
+                    scale_log2, softcap_inv, softcap_log2,
+                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST)
+    else:
+        for i in range(i_begin, i_end):
+            in_sink = i < n_sink
+            t0 = tl.where(in_sink, sink_base + i * BLOCK_N, main_base + (i - n_sink) * BLOCK_N)
+            key_lo = tl.where(in_sink, kv_lo, lo)
+            key_hi = tl.where(in_sink, sink_hi, hi)
+            t = t0 + n_off  # [BLOCK_N]
+            key_ok = (t >= key_lo) & (t < key_hi)
+            # Pages (block_size < BLOCK_N): each key gathers its own block id, masked to
+            # visible keys so table padding (possibly garbage ids) is never followed. A
+            # power-of-two PAGE_SIZE makes // and % shifts and masks.
+            if PAGE_SIZE > 0:
+                blk_idx = t // PAGE_SIZE
+                row_in_blk = (t % PAGE_SIZE).to(tl.int64)
+            else:
+                blk_idx = t // block_size
+                row_in_blk = (t % block_size).to(tl.int64)
+            blk = tl.load(bt_row + blk_idx, mask=key_ok, other=0).to(tl.int64)
+            k_off = blk * stride_kb + row_in_blk * stride_kt  # [BLOCK_N] int64
+            v_off = blk * stride_vb + row_in_blk * stride_vt
+            kt = tl.load(k_head + k_off[None, :] + d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
+            if UPCAST:
+                kt = kt.to(tl.float32)
+            s = _scores(q, kt, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP)
+            # Interior tiles (every key visible to every row) skip the per-element mask: at
+            # 128 x 64 it is ~8 integer ops per score, as many issue slots as the exp2/max/sum.
+            t_end = t0 + BLOCK_N
+            interior = (t0 >= key_lo) & (t_end <= key_hi) & (t_end <= hi_min)
+            interior = interior & ((t0 >= lo_max) | (t_end <= sink_tokens))
             if not interior:
-                # A key invisible to a row has pr = 0 there, but 0 * NaN (or inf) in the
-                # P.V dot is NaN: a boundary tile's non-finite values are zeroed, and the
-                # rows that see such a key (pr > 0) are marked to give NaN, as they would
-                # have. Interior tiles need neither (every row sees every key).
-                v_ok = tl.abs(v) < float("inf")  # [BLOCK_N, HEAD_DIM_PAD]; False for NaN
-                key_bad = tl.max(tl.where(v_ok, 0.0, 1.0), 1)  # [BLOCK_N]
-                bad_w += tl.sum(pr * key_bad[None, :], 1)
-                v = tl.where(v_ok, v, 0.0)
-        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+                vis = key_ok[None, :] & (t[None, :] < row_hi[:, None])
+                vis = vis & ((t[None, :] >= row_lo[:, None]) | (t[None, :] < sink_tokens))
+                s = tl.where(vis, s, float("-inf"))
+            v = tl.load(v_head + v_off[:, None] + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
+            if UPCAST:
+                v = v.to(tl.float32)
+            m_i, l_i, acc, bad_w = _softmax_step(s, v, m_i, l_i, acc, bad_w, GUARD_NONFINITE, not interior)
 
     # ---- epilogue: rows that saw no key give 0 and lse = -inf
     has_key = l_i > 0.0
@@ -325,13 +491,15 @@ def _split_reduce_kernel(
 
 
 def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | None,
-                 capability: int = 90) -> dict:
+                 capability: int = 90, *, lean: bool = False) -> dict:
     """Tile sizes, warps and stages of one attention launch: a pure function of its args.
 
     ``q_len_max=None`` means "any": the deterministic mode pins one config per
     (head_dim, group, dtype, GPU) so a sequence's rounding never depends on its batch.
     ``capability`` is 10 * major + minor (80 = A100, 90 = H100/H200; 90 on CPU).
-    ``kvarena check`` compiles exactly the configs this returns, per target.
+    ``kvarena check`` compiles exactly the configs this returns, per target. ``lean``: the
+    launch compiles neither the non-finite guard nor softcap (the slab pool's chunks), which
+    leaves room for a third K/V buffer on sm_90a.
 
     Register budget (255 per thread, no spills): the fp32 accumulator alone takes
     ``BLOCK_M * HEAD_DIM_PAD / (32 * num_warps)`` registers, the score tile
@@ -361,21 +529,28 @@ def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | No
         return cfg(16, 32, 8, 2, maxnreg=None) if d_pad <= 128 else cfg(32, 16, 8, 2, maxnreg=None)
     if decode:
         # Decode: 16 rows is the smallest MMA tile (a 32q/8kv step fills 4 of them).
-        # Memory-bound: 3 stages let the block ids run two tiles ahead and K/V one tile
-        # (64 keys x D x 2 bytes each) ahead. ~160-200 registers: 2 programs per SM.
-        return cfg(16, 64 if d_pad <= 128 else 32, 4, 3)
+        # Memory-bound, so what matters is bytes in flight: the block-id gather takes a
+        # pipeline stage of its own, and 3 stages left ONE shared K/V buffer (the copy of
+        # tile i+1 issued after tile i's P.V). 5 stages give two K/V buffers (ttgir
+        # memdesc<2x...>): 71 KiB shared, 206-214 registers, still 2 programs per SM.
+        return cfg(16, 64 if d_pad <= 128 else 32, 4, 5)
     if d_pad >= 256:
         # sm_90a: 64 x 256 fp32 accumulator over 8 warps = 64 registers; ~210-230 in all
-        # for GQA groups up to 8. sm_80 (q in registers too) spills there: 32 x 32.
-        return cfg(64, 32, 8, 2) if hopper else cfg(32, 32, 8, 2)
+        # for GQA groups up to 8. sm_80 (q in registers too) spills there: 32 x 32. Lean
+        # launches take a third stage (3 K/V buffers on sm_90a, 2 on sm_80; 128 / 82 KiB).
+        stages = 3 if lean else 2
+        return cfg(64, 32, 8, stages) if hopper else cfg(32, 32, 8, stages)
     if hopper and (rows is None or rows > 64):
-        # Chunk / prefill on sm_90a: 128 x 128 accumulator over 8 warps = 64 registers
-        # (~200-215 in all); K+V 2 stages x 32 KiB + the 32 KiB q tile = 96 KiB shared.
-        return cfg(128, 64, 8, 2)
+        # Chunk / prefill on sm_90a: 128 x 128 accumulator over 8 warps = 64 registers;
+        # K+V 32 KiB per stage + the 32 KiB q tile. Lean launches (no guard, no softcap:
+        # the slab pool) take 3 stages = 3 K/V buffers in flight (128 KiB); the others
+        # keep 2 (96 KiB), where a third spills.
+        return cfg(128, 64, 8, 3 if lean else 2)
     # Short chunks (<= 64 rows), the deterministic pin, and every prefill on sm_80, where
     # 128 x 64 spills (255 registers + 60-116 bytes with GQA groups 3-5): 64 x 64, 8
-    # warps, ~175-185 registers.
-    return cfg(64, 64, 8, 2)
+    # warps, ~175-235 registers. Lean sm_80 chunks take a third stage: two K/V buffers
+    # (88 KiB) instead of one; 4 warps spill there (16-24 bytes).
+    return cfg(64, 64, 8, 3 if lean and rows is not None and rows > 64 else 2)
 
 
 @functools.lru_cache(maxsize=16)
@@ -393,43 +568,70 @@ def _sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _pick_num_splits(programs: int, max_seqlen_k: int, sm_count: int) -> int:
+def _pick_num_splits(programs: int, max_seqlen_k: int, sm_count: int, ctas: int = 1) -> int:
     """Split-KV count for an unsplit grid of ``programs`` (= B * H_kv * q tiles).
 
-    Splitting pays only when the grid leaves SMs idle: at >= 2 waves (264 programs on an
-    H100/H200) the tail wave costs at most a third, and a split adds a partial write plus
-    a reduce launch. Below that, each split count s gives ``w = programs * s / SMs`` waves
-    with efficiency ``w / ceil(w)``; take the smallest s within 85% of the best, with at
-    least 256 keys per split and at most 64 splits. Examples on 132 SMs, decode with 8 kv
-    heads at 32K keys: B=1 -> 8 programs -> 15 splits (120 programs of ~2200 keys); B=4 ->
-    32 programs -> 4 splits (128 programs: 0.97 of a wave); B=16 -> 128 programs -> 1
-    (0.97 of a wave already); B=25 -> 200 programs -> 3 splits (600 programs, 4.5 waves:
-    the tail wave idles 9% of the SMs instead of 24%).
+    A wave is ``sm_count * ctas`` programs, the CTAs per SM that the compiled
+    kernel's registers and shared memory allow (``kvarena.kernels.occupancy``). Each split
+    count s gives ``w = programs * s / wave`` waves with efficiency ``w / ceil(w)``; keep
+    s = 1 when it is already >= 0.9, else take the smallest s that reaches 0.9 (else the
+    best), with at least 256 keys per split and at most 64 splits. A split costs an fp32
+    partial write and a reduce launch, small next to an idle tail. Examples on 132 SMs at
+    2 CTAs/SM (decode, 8 kv heads): B=1 at 128K -> 8 programs -> 30 splits (0.91 of a
+    wave); B=16 -> 128 programs -> 2 splits (0.97); B=64 -> 512 programs -> 1 (1.94
+    waves, 0.97). Wan-1.3B chunks at 1 CTA/SM: 444 programs = 3.36 waves (0.84) -> 2
+    splits (6.73 waves, 0.96).
     """
-    if programs <= 0 or programs >= 2 * sm_count:
+    if programs <= 0:
+        return 1
+    wave = max(1, sm_count * max(1, ctas))
+
+    def efficiency(s: int) -> float:
+        waves = programs * s / wave
+        return waves / math.ceil(waves)
+
+    if efficiency(1) >= _TARGET_WAVE_EFFICIENCY:
         return 1
     s_max = min(_MAX_SPLITS, max_seqlen_k // _MIN_SPLIT_KEYS)
-    if s_max <= 1:
-        return 1
-    eff = []
-    for s in range(1, s_max + 1):
-        waves = programs * s / sm_count
-        eff.append(waves / math.ceil(waves))
-    best = max(eff)
-    for s, e in enumerate(eff, start=1):
-        if e >= _SPLIT_WAVE_EFFICIENCY * best:
+    best = 1
+    for s in range(2, s_max + 1):
+        if efficiency(s) >= _TARGET_WAVE_EFFICIENCY:
             return s
-    return 1  # pragma: no cover - the best itself always qualifies
+        if efficiency(s) > efficiency(best):
+            best = s
+    return best
 
 
 def _attn_constexprs(cfg: dict, group: int, head_dim: int, *, causal: bool, has_kv_start: bool,
-                     write_lse: bool, split: bool, upcast: bool, guard: bool) -> dict:
-    """The constexpr arguments of ``_paged_attn_kernel`` (shared with ``kvarena check``)."""
+                     write_lse: bool, split: bool, upcast: bool, guard: bool, softcap: bool,
+                     block_size: int, elem_bytes: int, large_ok: bool = True, own_kv: bool = False) -> dict:
+    """The constexpr arguments of ``_paged_attn_kernel`` (shared with ``kvarena check``).
+
+    The block layout is specialized three ways: blocks of at least ``BLOCK_N`` rows
+    (slabs) take the two-block contiguous path; smaller power-of-two pages pass their size
+    as ``PAGE_SIZE`` (shifts, not divides); other page sizes divide at run time.
+    """
+    large = _use_large_blocks(block_size, cfg["BLOCK_N"], large_ok, guard, elem_bytes)
+    page = block_size if not large and block_size & (block_size - 1) == 0 else 0
     return dict(
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, HAS_KV_START=has_kv_start, WRITE_LSE=write_lse,
-        SPLIT=split, UPCAST=upcast, GUARD_NONFINITE=guard,
+        SPLIT=split, UPCAST=upcast, GUARD_NONFINITE=guard, HAS_SOFTCAP=softcap, PAGE_SIZE=page,
+        LARGE_BLOCKS=large, OWN_KV=own_kv and large,
     )
+
+
+def _use_large_blocks(block_size: int, block_n: int, large_ok: bool, guard: bool, elem_bytes: int) -> bool:
+    """Whether a launch takes the contiguous large-block path.
+
+    Blocks of at least one key tile (slabs, big pages) of fp16/bf16 qualify, unless the
+    non-finite guard is compiled in: on this path it spills (8-20 bytes at 128 x 64 on
+    sm_90a, since the sanitized V takes a register round trip in a loop that already holds
+    ~234 registers), so guarded launches (multi-row tiles with causal or window masks) keep
+    the page path. fp32 (IEEE FMA dots, no tensor cores, not a speed target) keeps it too:
+    its 32 x 16 tile at D = 256 spills 32-36 bytes here.
+    """
+    return large_ok and block_size >= block_n and not guard and elem_bytes < 4
 
 
 def _needs_guard(max_seqlen_q: int, causal: bool, window_left: int | None) -> bool:
@@ -458,15 +660,88 @@ def _reduce_block_rows(d_pad: int) -> int:
     return max(1, ROW_TILE_ELEMS // d_pad)
 
 
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What one attention launch runs: tile config, grid and split (pure host data)."""
+
+    cfg: dict
+    num_q_tiles: int
+    programs: int  # unsplit grid: q tiles x sequences x kv heads
+    num_splits: int
+    tiles_per_split: int
+    ctas_per_sm: int
+    guard: bool
+    large_ok: bool
+    own_kv: bool  # the step's own k/v are a second key source of this launch
+
+    def wave_efficiency(self, sm_count: int = _DEFAULT_SM_COUNT) -> float:
+        """CTAs / (ceil(waves) x SMs x CTAs per SM) of the split grid."""
+        ctas = self.programs * self.num_splits
+        slots = sm_count * max(1, self.ctas_per_sm)
+        return ctas / (math.ceil(ctas / slots) * slots)
+
+
+def plan_launch(*, head_dim: int, group: int, elem_bytes: int, num_seqs: int, num_kv_heads: int,
+                max_seqlen_q: int, max_seqlen_k: int, block_size: int, causal: bool, window_left, sink_tokens: int,
+                softcap: bool, num_splits, deterministic: bool, capability: int = 90,
+                sm_count: int = _DEFAULT_SM_COUNT, large_ok: bool = True, own_len: int = 0) -> LaunchPlan:
+    """The launch a call gets, from host values only (no tensor, no compile, no device read).
+
+    The launcher runs it for every call; ``kvarena check --perf`` runs it for the
+    contract's workloads to report grids and waves. Under the interpreter the capability
+    is 90 and the SM count 132, so CPU tests get the grid an H100/H200 would run.
+
+    ``own_len > 0`` asks for a second key source of ``own_len`` rows per sequence (a
+    denoising step's own k/v, every query sees them): ``plan.own_kv`` says whether this
+    launch can take it (the large-block path, no causal mask, no window); else the caller
+    attends to it in a launch of its own and merges.
+    """
+    guard = _needs_guard(max_seqlen_q, causal, window_left)
+    # The deterministic pin ignores the batch: its config must not depend on max_seqlen_q.
+    lean = not deterministic and not guard and not softcap
+    cfg = _pick_config(head_dim, group, elem_bytes, None if deterministic else max_seqlen_q, capability, lean=lean)
+    block_n = cfg["BLOCK_N"]
+    num_q_tiles = triton.cdiv(max_seqlen_q * group, cfg["BLOCK_M"])
+    programs = num_q_tiles * num_seqs * num_kv_heads
+    has_sinks = window_left is not None and sink_tokens > 0
+    # Most key tiles one program can visit: the sink and window phases may share a tile;
+    # on the large-block path tiles restart at every block start.
+    max_tiles = triton.cdiv(max(max_seqlen_k, 1), block_n) + (1 if has_sinks else 0)
+    large = _use_large_blocks(block_size, block_n, large_ok, guard, elem_bytes)
+    if large:
+        max_tiles = (triton.cdiv(max(max_seqlen_k, 1), block_size) + 1) * triton.cdiv(block_size, block_n)
+    own_kv = own_len > 0 and large and not causal and window_left is None
+    if own_kv:
+        max_tiles += triton.cdiv(own_len, block_n)
+        max_seqlen_k += own_len
+    ctas = ctas_per_sm(capability, cfg, elem_bytes)
+    tiles_per_split = 0  # 0: each program divides its own key tiles evenly over the splits
+    if deterministic and num_splits != 1:
+        # Fixed 4096 keys per split whatever the batch (an explicit count other than 1,
+        # which would make the split size depend on max_seqlen_k, is not honoured).
+        tiles_per_split = max(1, _DET_SPLIT_KEYS // block_n)
+        num_splits = triton.cdiv(max_tiles, tiles_per_split)
+    elif num_splits is None:
+        num_splits = _pick_num_splits(programs, max_seqlen_k, sm_count, ctas)
+    # More splits than key tiles would only add empty partials; 65535 is grid axis 1's cap.
+    num_splits = max(1, min(num_splits, max_tiles, 65535))
+    return LaunchPlan(cfg, num_q_tiles, programs, num_splits, tiles_per_split, ctas, guard, large_ok, own_kv)
+
+
 def paged_attention_fwd(
     q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse, *,
-    spec, max_seqlen_q, max_seqlen_k,
-) -> None:
+    spec, max_seqlen_q, max_seqlen_k, own_kv=None,
+) -> bool:
     """Launch block-table attention; writes ``out`` and (if not None) ``lse`` in place.
 
     Arguments are validated by ``kvarena.attention.ops``; ``spec`` is an
     ``AttentionSpec`` (its normalized fields are read here). No host read of device
     data: the grid comes from ``max_seqlen_q`` / ``max_seqlen_k`` alone.
+
+    ``own_kv = (k, v)``, each ``[B, T, H_kv, D]`` (last dim contiguous): keys after each
+    sequence's cached ones that every query sees (a denoising step's own k/v), attended in
+    the same launch and the same online softmax. Returns False, launching nothing, when
+    this launch cannot take them (see :func:`plan_launch`); True otherwise.
 
     ``spec.num_splits``: split-KV count (None = ``_pick_num_splits``; 1 = never split).
     ``spec.deterministic``: the tile config ignores ``max_seqlen_q`` and each split covers a
@@ -480,7 +755,7 @@ def paged_attention_fwd(
     h_kv = k_cache.shape[2]
     group = h_q // h_kv
     if total_q == 0 or b_count == 0 or max_seqlen_q == 0:
-        return  # no query row exists
+        return True  # no query row exists
     num_splits, deterministic = spec.num_splits, spec.deterministic
     scale = spec.scale_for(head_dim)
     causal, chunk_size, window_left = spec.causal, spec.chunk_size, spec.window_left
@@ -492,25 +767,20 @@ def paged_attention_fwd(
     dev = None
     if q.device.type == "cuda":
         dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    cfg = _pick_config(head_dim, group, q.element_size(), None if deterministic else max_seqlen_q,
-                       _capability(dev))
-    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    num_q_tiles = triton.cdiv(max_seqlen_q * group, block_m)
-    programs = num_q_tiles * b_count * h_kv
-
-    has_sinks = window_left is not None and sink_tokens > 0
-    # Most key tiles one program can visit: the sink and window phases may share a tile.
-    max_tiles = triton.cdiv(max(max_seqlen_k, 1), block_n) + (1 if has_sinks else 0)
-    tiles_per_split = 0  # 0: each program divides its own key tiles evenly over the splits
-    if deterministic and num_splits != 1:
-        # Fixed 4096 keys per split whatever the batch (an explicit count other than 1,
-        # which would make the split size depend on max_seqlen_k, is not honoured).
-        tiles_per_split = max(1, _DET_SPLIT_KEYS // block_n)
-        num_splits = triton.cdiv(max_tiles, tiles_per_split)
-    elif num_splits is None:
-        num_splits = _pick_num_splits(programs, max_seqlen_k, _sm_count(dev))
-    # More splits than key tiles would only add empty partials; 65535 is grid axis 1's cap.
-    num_splits = max(1, min(num_splits, max_tiles, 65535))
+    block_size = k_cache.shape[1]
+    plan = plan_launch(
+        head_dim=head_dim, group=group, elem_bytes=q.element_size(), num_seqs=b_count, num_kv_heads=h_kv,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_size=block_size,
+        causal=causal, window_left=window_left, sink_tokens=sink_tokens, softcap=bool(softcap),
+        num_splits=num_splits, deterministic=deterministic, capability=_capability(dev), sm_count=_sm_count(dev),
+        large_ok=block_size * max(k_cache.stride(1), v_cache.stride(1)) < I32_MAX,
+        own_len=0 if own_kv is None else own_kv[0].shape[1],
+    )
+    if own_kv is not None and not plan.own_kv:
+        return False
+    cfg, num_q_tiles, programs = plan.cfg, plan.num_q_tiles, plan.programs
+    block_m = cfg["BLOCK_M"]
+    num_splits, tiles_per_split, guard, large_ok = plan.num_splits, plan.tiles_per_split, plan.guard, plan.large_ok
 
     if softcap:
         softcap_inv, softcap_log2 = scale / softcap, softcap * LOG2E
@@ -524,7 +794,8 @@ def paged_attention_fwd(
     upcast = interpreting()
     meta = _attn_constexprs(cfg, group, head_dim, causal=causal, has_kv_start=kv_start is not None,
                             write_lse=write_lse, split=split, upcast=upcast,
-                            guard=_needs_guard(max_seqlen_q, causal, window_left))
+                            guard=guard, softcap=bool(softcap), block_size=block_size,
+                            elem_bytes=q.element_size(), large_ok=large_ok, own_kv=plan.own_kv)
     # 1-D metadata is read with unit stride; .contiguous() is free when it already is.
     seq_lens, cu_seqlens_q = seq_lens.contiguous(), cu_seqlens_q.contiguous()
     kv_start_arg = kv_start.contiguous() if kv_start is not None else seq_lens  # else never read
@@ -554,16 +825,20 @@ def paged_attention_fwd(
         l_strides = (0, lse_k.stride(0), lse_k.stride(1)) if lse_k is not None else (0, 0, 0)
 
     grid = (programs, num_splits)
+    k2, v2 = own_kv if plan.own_kv else (k_cache, v_cache)  # never read without OWN_KV
+    own_strides = (*k2.stride()[-4:-1], *v2.stride()[-4:-1]) if plan.own_kv else (0,) * 6
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, o_arg, lse_arg,
         block_table, seq_lens, cu_seqlens_q, kv_start_arg,
+        k2, v2,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *own_strides,
         *o_strides, *l_strides,
         block_table.stride(0),
         scale * LOG2E, softcap_inv, softcap_log2,
-        k_cache.shape[1], causal_chunk, window, sinks,
+        k_cache.shape[1], causal_chunk, window, sinks, k2.shape[1] if plan.own_kv else 0,
         h_kv, num_q_tiles, tiles_per_split,
         **meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg["maxnreg"],
     )
@@ -572,7 +847,7 @@ def paged_attention_fwd(
             out.copy_(out_k)
         if lse_k is not lse:
             lse.copy_(lse_k)
-        return
+        return True
     block_r = _reduce_block_rows(cfg["HEAD_DIM_PAD"])
     n_rows = total_q * h_q
     lse_out = lse if lse is not None else part_lse  # dummy pointer when not written
@@ -587,3 +862,4 @@ def paged_attention_fwd(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_R=block_r,
         WRITE_LSE=lse is not None, num_warps=ROW_TILE_WARPS,
     )
+    return True
