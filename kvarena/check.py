@@ -163,6 +163,8 @@ def _launches(only: str | None, capability: int, all_variants: bool = False) -> 
 
     out = []
     for name, d, group, dt, q_len, block, split, det, launched in ATTENTION_CASES:
+        if split:  # a split always writes its lse
+            launched = (launched[0], launched[1], True, launched[3])
         variants = {(launched, False): "as launched"}
         if name in OWN_KV_CASES:
             variants[(launched, True)] = "as launched"
@@ -172,8 +174,6 @@ def _launches(only: str | None, capability: int, all_variants: bool = False) -> 
                 if f[2] or not split:
                     variants.setdefault((f, False), "variant")
         for (flags, own), label in variants.items():
-            if split and not flags[2]:
-                flags = (flags[0], flags[1], True, flags[3])
             causal, has_kv_start, write_lse, softcap = flags
             guard = pa._needs_guard(q_len, causal, None)
             eb = _elem_bytes(dt)
@@ -434,6 +434,22 @@ def _write_occupancy(rows: list[Row]) -> str:
 
 
 
+def _compile_target(job: tuple) -> list[Row]:
+    """Every launch of one target, in ``_launches`` order (with ``--perf``: its metrics and
+    the reference loop of each tile)."""
+    only, cap, all_variants, perf = job
+    rows = []
+    ref: dict[tuple, int] = {}
+    for launch in _launches(only, cap, all_variants):
+        row = _compile(launch, cap, perf)
+        if perf and launch.ref_tile is not None and row.mma:
+            if launch.ref_tile not in ref:
+                ref[launch.ref_tile] = _reference_loop_sass(launch.ref_tile, cap)
+            row.ref_loop_sass = ref[launch.ref_tile]
+        rows.append(row)
+    return rows
+
+
 def _print_table(rows: list[Row]) -> None:
     perf = any(r.mma for r in rows)
     head = ("kernel", "config", "target", "regs", "spill st/ld", "shared KiB", "fits")
@@ -477,16 +493,20 @@ def run(args) -> int:
             raise UsageError("--only", f"{args.only!r} matches no kernel configuration")
         print(f"kvarena check: {n} configurations x {len(targets)} targets, triton {triton.__version__}")
         t0 = time.perf_counter()
-        rows = [_compile(per_target[cap][i], cap, args.perf) for i in range(n) for cap in targets]
-        if args.perf:
-            ref: dict[tuple, int] = {}
-            for cap in targets:
-                for launch, row in zip(per_target[cap], rows[targets.index(cap)::len(targets)]):
-                    if launch.ref_tile is not None and row.mma:
-                        key = (cap, launch.ref_tile)
-                        if key not in ref:
-                            ref[key] = _reference_loop_sass(launch.ref_tile, cap)
-                        row.ref_loop_sass = ref[key]
+        # One process per target: compiles are CPU-bound (MLIR passes, ptxas), so two
+        # targets on a 2-core machine take about half the wall time.
+        jobs = [(args.only, cap, args.all_variants, args.perf) for cap in targets]
+        workers = min(len(targets), os.cpu_count() or 1)
+        if workers > 1:
+            import concurrent.futures
+            import multiprocessing
+
+            ctx = multiprocessing.get_context("fork")
+            with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+                per_rows = list(pool.map(_compile_target, jobs))
+        else:
+            per_rows = [_compile_target(job) for job in jobs]
+        rows = [per_rows[t][i] for i in range(n) for t in range(len(targets))]
     finally:
         for k, v in saved.items():
             if v is None:

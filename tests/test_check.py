@@ -43,6 +43,7 @@ def test_check_compiles_every_config_without_spills(perf_run):
     res, data = perf_run
     rows = data["rows"]
     n_attention = sum(1 if case[8] == (True,) * 4 else 2 for case in check.ATTENTION_CASES)
+    n_attention += len(check.OWN_KV_CASES)  # slab cases also compile as a one-launch denoising step
     n_cases = n_attention + len(check.REDUCE_CASES) + len(check.STORE_CASES) + len(check.MERGE_CASES)
     assert len(rows) == 2 * n_cases, f"expected one row per config and target, got {len(rows)}"
     assert {r["target"] for r in rows} == {"sm_80", "sm_90a"}
@@ -72,9 +73,11 @@ def test_compiled_code_meets_the_speed_structure(perf_run):
     for r in data["rows"]:
         if r["kernel"] != "attention" or r["variant"] != "as launched":
             continue
-        name, _d, _g, dtype, q_len, _block, _split, _det, _flags = _case(r)
-        if dtype == "fp32":
-            continue  # IEEE FMA loops, no tensor cores: correctness configs, not speed targets
+        name, _d, _g, dtype, q_len, _block, _split, det, _flags = _case(r)
+        if dtype == "fp32" or det:
+            # fp32: IEEE FMA loops, no tensor cores (correctness configs, not speed targets).
+            # Deterministic mode pins the prefill tile whatever the batch (correct, slower).
+            continue
         where = f"{r['config']} {r['target']}"
         if q_len == 1 and r["kv_buffers"] < 2:
             problems.append(f"{where}: {r['kv_buffers']} K/V buffers in the decode loop, want >= 2")
