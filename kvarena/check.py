@@ -133,7 +133,7 @@ def add_arguments(parser) -> None:
     # Checked when parsed (a writable file in an existing directory): the compiles take minutes.
     parser.add_argument("--json", dest="json_path", type=output_file, default=None,
                         help="also write the rows as JSON to this file")
-    parser.add_argument("--all-variants", action="store_true",
+    parser.add_argument("--all-variants", "--all", dest="all_variants", action="store_true",
                         help="also compile every mask/output flag variant of each attention config "
                              "(causal x kv_start x lse x softcap; ~280 compiles, ~10 min)")
     parser.add_argument("--perf", action="store_true",
