@@ -62,9 +62,11 @@ _TARGET_WAVE_EFFICIENCY = 0.9
 # scratch at 1/16 of K/V bytes per query row at D = 128 ... and 32 splits at 128K keys.
 _DET_SPLIT_KEYS = 4096
 _MAXNREG = 255
-# The sentinel window for "no sliding window": row_lo = p - (2**31 - 1) < 0 for any int32
-# position p (AttentionSpec clamps every window to this too).
-_NO_WINDOW = I32_MAX
+# The window passed for "no sliding window", and the cap of any window: row_lo = p - 2**30
+# stays in int32 for every position p of a row, negative ones included (a row with more
+# queries than keys, e.g. seq_len-0 padding), where p - (2**31 - 1) would wrap. A window of
+# 2**30 keys or more selects every key of any sequence shorter than 2**30 tokens.
+_NO_WINDOW = 1 << 30
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -697,8 +699,11 @@ def plan_launch(*, head_dim: int, group: int, elem_bytes: int, num_seqs: int, nu
     attends to it in a launch of its own and merges.
     """
     guard = _needs_guard(max_seqlen_q, causal, window_left)
-    # The deterministic pin ignores the batch: its config must not depend on max_seqlen_q.
+    # The deterministic pin ignores the batch: its config must not depend on max_seqlen_q,
+    # and neither may its path (the guard, which depends on the batch's query lengths, keeps
+    # a launch off the large-block path, whose tiles start at block starts): page path only.
     lean = not deterministic and not guard and not softcap
+    large_ok = large_ok and not deterministic
     cfg = _pick_config(head_dim, group, elem_bytes, None if deterministic else max_seqlen_q, capability, lean=lean)
     block_n = cfg["BLOCK_N"]
     num_q_tiles = triton.cdiv(max_seqlen_q * group, cfg["BLOCK_M"])
@@ -787,7 +792,7 @@ def paged_attention_fwd(
     else:
         softcap_inv, softcap_log2 = 0.0, 0.0
     causal_chunk = (chunk_size if chunk_size is not None else 1) if causal else 1
-    window = _NO_WINDOW if window_left is None else window_left
+    window = _NO_WINDOW if window_left is None else min(window_left, _NO_WINDOW)
     sinks = sink_tokens if window_left is not None else 0
     split = num_splits > 1
     write_lse = lse is not None or split
