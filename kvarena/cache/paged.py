@@ -704,7 +704,12 @@ class PagedKVCache(KVPoolBase):
                 "forward: this PagedKVCache has no layout (block bookkeeping only); "
                 "construct it with layout=KVLayout(...) to store and attend"
             )
-        if type(meta) is not PagedMetadata or meta._owner != self._cache_id or meta._epoch != self._epoch:
+        # Host-side freshness (O(1) unless a plan moved the epoch). Skipped while torch.compile
+        # traces: dynamo would guard on the epoch and recompile after every plan.
+        fresh = torch.compiler.is_compiling() or (
+            type(meta) is PagedMetadata and meta._owner == self._cache_id and meta._epoch == self._epoch
+        )
+        if not fresh:
             self.check_metadata(meta)  # raises unless still current (host data: no sync)
         layer = self._check_layer(layer)
         spec = self._call_spec(layer, options)

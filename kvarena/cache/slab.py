@@ -637,7 +637,12 @@ class SlabKVCache(KVPoolBase):
         (True, [0])
         """
         region = self._require_arena("forward")
-        if type(meta) is not SlabMetadata or meta._owner != self._cache_id or meta._epoch != self._epoch:
+        # Host-side freshness (O(1) unless a plan moved the epoch). Skipped while torch.compile
+        # traces: dynamo would guard on the epoch and recompile after every plan.
+        fresh = torch.compiler.is_compiling() or (
+            type(meta) is SlabMetadata and meta._owner == self._cache_id and meta._epoch == self._epoch
+        )
+        if not fresh:
             self.check_metadata(meta)  # raises unless still current
         check_bool("commit", commit)
         layer = self._check_layer(layer)
