@@ -164,11 +164,6 @@ class AttentionSpec:
         """The softmax scale at ``head_dim`` (``scale``, else ``head_dim ** -0.5``)."""
         return head_dim**-0.5 if self.scale is None else self.scale
 
-    @property
-    def masks_window(self) -> bool:
-        """bool: a sliding window applies (then ``sink_tokens`` matter)."""
-        return self.window_left is not None
-
     def replace(self, **changes) -> AttentionSpec:
         """A copy with ``changes`` applied and validated.
 
