@@ -16,7 +16,7 @@ import torch
 
 from kvarena.attention.ops import check_head_dim, resolve_backend
 from kvarena.attention.spec import AttentionSpec
-from kvarena.cache._meta import next_version
+from kvarena.cache._meta import check_forward_tensor, next_version
 from kvarena.cache.arena import KVLayout
 from kvarena.cache.keys import CachePolicy
 
@@ -199,15 +199,7 @@ class KVPoolBase:
         if h_q == 0 or h_q % h_kv:
             raise ValueError(f"q: H_q ({h_q}) must be a positive multiple of the layout's H_kv ({h_kv})")
         for name, t, heads in (("q", q, h_q), ("k", k, h_kv), ("v", v, h_kv)):
-            shape = (*lead, heads, d)
-            if tuple(t.shape) != shape:
-                raise ValueError(f"{name}: expected shape {shape} ({what} of the plan/layout), got {tuple(t.shape)}")
-            if t.dtype != lay.dtype:
-                raise TypeError(f"{name}: expected the layout's dtype {lay.dtype}, got {t.dtype}")
-            if t.device != self.device:
-                raise ValueError(f"{name}: expected the cache's device {self.device}, got {t.device}")
-            if d > 1 and t.stride(-1) != 1:
-                raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous, got strides {t.stride()}")
+            check_forward_tensor(name, t, (*lead, heads, d), lay.dtype, self.device, f"{what} of the plan/layout")
         return h_q
 
     def _backends(self, spec: AttentionSpec, q, k, v) -> tuple[str, str, bool]:
