@@ -18,8 +18,10 @@ from kvarena.attention import merge_attention_states, paged_attention, store_kv
 from kvarena.attention.reference import (
     merge_attention_states_ref,
     paged_attention_ref,
+    paged_attention_sdpa,
     store_kv_ref,
 )
+from kvarena.attention.spec import AttentionSpec
 
 H_KV = 2
 
@@ -206,6 +208,70 @@ def test_seq_len_zero_rows_with_a_query_are_padding() -> None:
         assert torch.all(out[1] == 0) and torch.all(torch.isneginf(lse[1]))
     check(pub_out, pub_lse, *case.expected(), torch.float32, "padding row (public)")
     check(ref_out, ref_lse, *case.expected(), torch.float32, "padding row (oracle)")
+
+
+# ---------------------------------------------------------------------------------------
+# The CPU fast path: SDPA's flash kernel when no position rule hides a key in range
+
+def _sdpa_path(case: Case, **opts):
+    spec = AttentionSpec(**opts)
+    return paged_attention_sdpa(case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens, case.cu,
+                                case.kv_start_t, spec=spec, max_seqlen_q=max(case.q_lens),
+                                max_seqlen_k=max(case.lengths))
+
+
+# (id, lengths, q_lens, kv_start, options): every query sees all of [kv_start, L).
+FAST = [
+    ("decode-ragged-lengths-kv_start", [1, 17, 100], [1, 1, 1], [0, 3, 41], dict()),
+    ("decode-equal-lengths", [96, 96], [1, 1], None, dict()),
+    ("decode-window-covers-all", [100, 17], [1, 1], None, dict(window_left=99)),
+    ("decode-window-cut-only-in-sinks", [60, 40], [1, 1], None, dict(window_left=10, sink_tokens=49)),
+    ("decode-padding-row-and-hidden-row", [17, 0, 30], [1, 1, 1], [17, 0, 5], dict()),
+    ("chunk-block-causal-aligned", [14, 21, 49], [7, 7, 7], None, dict(chunk_size=7)),
+    ("chunk-non-causal", [100, 17, 48], [9, 9, 9], [0, 2, 0], dict(causal=False)),
+]
+# (id, lengths, q_lens, options): a position rule hides keys, the query counts differ, or
+# softcap: the batched path must run instead (the call still matches, see the grids above).
+DECLINED = [
+    ("causal-prefill", [17, 30], [5, 5], dict()),
+    ("window-cuts", [100], [1], dict(window_left=10)),
+    ("block-causal-chunk-straddles", [15], [7], dict(chunk_size=7)),
+    ("ragged-query-counts", [17, 30], [1, 2], dict(causal=False)),
+    ("softcap", [17], [1], dict(softcap=3.0)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("group", [1, 4, 5], ids=lambda g: f"gqa{g}")
+@pytest.mark.parametrize(("lengths", "q_lens", "kv_start", "opts"), [pytest.param(*f[1:], id=f[0]) for f in FAST])
+def test_sdpa_fast_path_runs_and_matches_naive_loop(seed, dtype, group, lengths, q_lens, kv_start, opts) -> None:
+    """Unused slots are NaN and the block table's padding entries point out of range, so a
+    gathered slot past L or below kv_start that met a weight would show."""
+    case = Case(lengths, q_lens, group=group, dtype=dtype, kv_start=kv_start)
+    res = _sdpa_path(case, **opts)
+    assert res is not None, "the fast path declined a call with no position mask"
+    out, lse = res
+    assert out.dtype == dtype and lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    check(out, lse, *case.expected(**opts), dtype, f"sdpa path {opts}")
+    pub_out, pub_lse = case.run(paged_attention, backend="torch", **opts)  # what the pools run
+    check(pub_out, pub_lse, *case.expected(**opts), dtype, f"public op {opts}")
+
+
+@pytest.mark.parametrize(("lengths", "q_lens", "opts"), [pytest.param(*f[1:], id=f[0]) for f in DECLINED])
+def test_sdpa_fast_path_declines_masked_calls(lengths, q_lens, opts) -> None:
+    case = Case(lengths, q_lens, group=4)
+    assert _sdpa_path(case, **opts) is None
+
+
+def test_sdpa_fast_path_declines_fake_tensors() -> None:
+    """Under FakeTensorMode nothing can be read on the host: the batched path traces instead."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    case = Case([17, 30], [1, 1], group=4, poison=False)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = [mode.from_tensor(t) for t in (case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens, case.cu)]
+        spec = AttentionSpec()
+        assert paged_attention_sdpa(*fake, None, spec=spec, max_seqlen_q=1, max_seqlen_k=30) is None
 
 
 # ---------------------------------------------------------------------------------------

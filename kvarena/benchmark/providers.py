@@ -10,8 +10,11 @@ run here (library not installed, backend refused, ...).
 What each provider times
 ------------------------
 kvarena
-    The public op (``paged_attention`` / ``store_kv``): Triton on CUDA, the PyTorch path
-    on CPU. Host maxima are passed, as the pools do, so the call never reads the device.
+    The per-layer call the pools make (``ops.attend`` / ``ops.store`` with a validated
+    spec): Triton on CUDA, the PyTorch path on CPU. The public op runs once, untimed, to
+    check the data (as FlashInfer's ``plan`` before the timed ``run``); the overhead table
+    (:mod:`kvarena.benchmark.overhead`) reports what its checks cost per call. Host maxima
+    are passed, so the call never reads the device.
 gather_sdpa[_flash|_efficient]
     Gather the block table's pages into contiguous K/V (``index_select``), then
     ``scaled_dot_product_attention``; the suffixed ones force one backend through
@@ -207,26 +210,37 @@ def work_of(case: Case) -> dict[str, float]:
 
 
 def _kvarena(case: Case, data: CaseData) -> Bench:
-    from kvarena.attention.ops import paged_attention, store_kv
+    from kvarena.attention import ops
+    from kvarena.attention.spec import AttentionSpec
 
+    # Timed as the pools call it per layer: the public op runs once here (its checks, which
+    # read the lengths and the block table, reject bad data before anything is timed), then
+    # the trusted op with the validated spec and backend, as FlashInfer's run() after plan().
+    # The overhead table reports what the public op's checks add per call.
     if case.kind == "store":
         slab = int(data.block_table[0, -1])  # the slot a ring would recycle next
         slots = (slab * case.chunk + torch.arange(case.chunk, device=data.device)).to(torch.int32)
+        ops.store_kv(data.new_k, data.new_v, data.k_cache, data.v_cache, slots)
+        backend = ops.resolve_backend("auto", data.device, data.k_cache.dtype, False, what="k_cache")
 
         def fn():
-            store_kv(data.new_k, data.new_v, data.k_cache, data.v_cache, slots)
+            ops.store(data.new_k, data.new_v, data.k_cache, data.v_cache, slots, backend)
             return data.k_cache[slab]
 
-        return Bench(fn, to_ref=lambda out: out.reshape(data.new_k.shape))
-    kwargs = dict(max_seqlen_q=data.q_len, max_seqlen_k=case.kv_tokens)
-    if case.kind == "chunk":
-        kwargs["chunk_size"] = case.chunk  # block-causal: the chunk sees itself fully
+        return Bench(fn, to_ref=lambda out: out.reshape(data.new_k.shape), note="per-layer call (checked once)")
+    spec = AttentionSpec(chunk_size=case.chunk if case.kind == "chunk" else None)  # block-causal chunks
+    b = data.block_table.shape[0]
+    cu = data.cu_seqlens_q if data.cu_seqlens_q is not None else torch.arange(b + 1, dtype=torch.int32,
+                                                                                device=data.device)
+    kw = dict(max_seqlen_q=data.q_len, max_seqlen_k=case.kv_tokens)
+    args = (data.q, data.k_cache, data.v_cache, data.block_table, data.seq_lens)
+    ops.paged_attention(*args, cu, chunk_size=spec.chunk_size, **kw)
+    backend = ops.resolve_backend(spec.backend, data.device, data.q.dtype, False)
 
     def fn():
-        return paged_attention(data.q, data.k_cache, data.v_cache, data.block_table, data.seq_lens,
-                               data.cu_seqlens_q, **kwargs)
+        return ops.attend(*args, cu, None, spec=spec, backend=backend, **kw)
 
-    return Bench(fn)
+    return Bench(fn, note="per-layer call (checked once)")
 
 
 _SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
