@@ -336,6 +336,32 @@ def test_pick_config_is_pure_and_bounded():
     assert pa._pick_config(128, 4, 2, 1)["BLOCK_M"] == 16
 
 
+# ------------------------------------------------------------------- the sm_80 tiles
+
+# (id, options, block_size): a slab-like lean launch (large blocks, no mask) and a guarded
+# causal prefill over pages, the two loops the sm_80 chunk tile runs.
+SM80_CASES = [
+    pytest.param(dict(causal=False), 48, id="lean-large-blocks"),
+    pytest.param(dict(window_left=37, sink_tokens=5), 16, id="guarded-window-sinks-pages16"),
+]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="pins the sm_80 config under the interpreter")
+@pytest.mark.parametrize(("opts", "block_size"), SM80_CASES)
+def test_sm80_chunk_tile_matches_oracle(monkeypatch, seed, opts, block_size):
+    """The H100 config is what the interpreter runs by default; pin the A100 one (128 x 16
+    tiles, warps along M) so the tile sm_80 launches is proven on CPU too."""
+    monkeypatch.setattr(pa, "_capability", lambda device_index: 80)
+    cfg = pa._pick_config(80, 2, 2, 100, 80, lean=not opts.get("window_left"))
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (128, 16), cfg
+    case = paged_case([200, 3], [100, 2], dtype=torch.bfloat16, group=2, h_kv=2, head_dim=80,
+                      block_size=block_size, seed=seed, kv_start=[7, 0], cu=True)
+    out, lse = run_triton(case, return_lse=True, **opts)
+    ref_out, ref_lse = reference(case, **opts)
+    assert_close(out, ref_out, torch.bfloat16, f"sm_80 tile {opts}")
+    assert_lse_close(lse, ref_lse, torch.bfloat16, f"sm_80 tile {opts}")
+
+
 # ------------------------------------------------------------------- int64 addressing
 
 

@@ -524,11 +524,12 @@ def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | No
 
     if elem_bytes >= 4:
         # fp32 dots are IEEE FMA loops with both operands in registers (no tensor cores).
-        # ptxas is erratic here: any explicit maxnreg makes it fill the cap and spill, and
-        # left alone it sometimes caps 256 threads at 64/128 registers and spills. Found by
-        # sweeping every flag variant on both targets: 16 x 32 over 8 warps at D <= 128
-        # (~50-65 registers), 32 x 16 over 8 warps at D = 256 (~115-160); no spills.
-        return cfg(16, 32, 8, 2, maxnreg=None) if d_pad <= 128 else cfg(32, 16, 8, 2, maxnreg=None)
+        # ptxas is erratic here: left alone it capped 256 threads at 64 registers and spilt
+        # 8 bytes in two sm_80 flag variants (causal + lse without kv_start), and a 255 cap
+        # makes it fill the cap and spill. Found by sweeping every flag variant on both
+        # targets: 16 x 32 over 8 warps capped at 128 at D <= 128 (84-96 registers), 32 x 16
+        # over 8 warps uncapped at D = 256 (~115-160); no spills.
+        return cfg(16, 32, 8, 2, maxnreg=128) if d_pad <= 128 else cfg(32, 16, 8, 2, maxnreg=None)
     if decode:
         # Decode: 16 rows is the smallest MMA tile (a 32q/8kv step fills 4 of them).
         # Memory-bound, so what matters is bytes in flight: the block-id gather takes a
@@ -548,11 +549,18 @@ def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | No
         # the slab pool) take 3 stages = 3 K/V buffers in flight (128 KiB); the others
         # keep 2 (96 KiB), where a third spills.
         return cfg(128, 64, 8, 3 if lean else 2)
-    # Short chunks (<= 64 rows), the deterministic pin, and every prefill on sm_80, where
-    # 128 x 64 spills (255 registers + 60-116 bytes with GQA groups 3-5): 64 x 64, 8
-    # warps, ~175-235 registers. Lean sm_80 chunks take a third stage: two K/V buffers
-    # (88 KiB) instead of one; 4 warps spill there (16-24 bytes).
-    return cfg(64, 64, 8, 3 if lean and rows is not None and rows > 64 else 2)
+    if rows is not None and rows > 64 and d_pad <= 128:
+        # Chunks and prefill on sm_80: 128 x 16 over 8 warps. Triton 3.9 lays mma.sync warps
+        # along M only when a chained dot's M >= N, i.e. BLOCK_M >= HEAD_DIM_PAD for P.V:
+        # 64-row tiles get warpsPerCTA [1, 8] (every row max / sum crosses warps through
+        # shared memory, the tutorial kernel too), 128 rows get [8, 1]. 128 x 64 and 128 x 32
+        # spill with GQA 3-5 (q lives in registers here); 16-key tiles leave 186-255
+        # registers, no spills, and lean launches a third stage = 2 K/V buffers (49-64 KiB).
+        # Main loop 230-236 SASS per warp per 16-key tile, 1.04x the contiguous flash loop.
+        return cfg(128, 16, 8, 3 if lean else 2)
+    # Short chunks (<= 64 rows) and the deterministic pin on sm_80: 64 x 64, 8 warps,
+    # ~175-235 registers (4 warps spill 16-24 bytes there).
+    return cfg(64, 64, 8, 2)
 
 
 @functools.lru_cache(maxsize=16)
