@@ -352,9 +352,10 @@ def paged_attention_sdpa(
     kv_strides = (n_blocks * block_size * h_kv * d, d, h_kv * d, 1)
     k = k_cache.index_select(0, flat).as_strided(kv_shape, kv_strides)
     v = v_cache.index_select(0, flat).as_strided(kv_shape, kv_strides)
-    if q_len == 1 and q.dtype in (torch.float16, torch.bfloat16):
-        # Decode: the CPU kernel's half-precision path converts each K/V block once per
-        # query head; converting the gathered K/V once is 1.5-2.5x faster at 128-512 keys.
+    if q.dtype in (torch.float16, torch.bfloat16):
+        # The CPU kernel's half-precision path converts each K/V block once per query head
+        # (and per query block); converting the gathered K/V once is 1.5-2.5x faster for
+        # decode at 128-512 keys and 4-8% faster for 64-query chunks (1 thread, same run).
         q, k, v = q.float(), k.float(), v.float()
     mask = None
     if not full:
@@ -376,7 +377,7 @@ def paged_attention_sdpa(
     if q_len == 1:
         out, lse = o.reshape(total_q, h_q, d).to(out_dtype), lse.reshape(total_q, h_q)
     else:
-        out = o.transpose(1, 2).reshape(total_q, h_q, d)
+        out = o.transpose(1, 2).reshape(total_q, h_q, d).to(out_dtype)
         lse = lse.transpose(1, 2).reshape(total_q, h_q)
     empty = [i for i, (n, s) in enumerate(zip(lens, starts)) if s >= n]
     if empty:  # no visible key: out 0, lse -inf (the kernel gives lse 0 there)
