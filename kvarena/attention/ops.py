@@ -10,10 +10,11 @@ Two kinds of entry point:
   made), the metadata comes from the pool's own ``plan`` and the pool has checked
   q/k/v against its layout. There is no private flag on the public ops.
 
-Backends: ``"auto"`` runs the Triton kernels on CUDA tensors and the PyTorch path on CPU
-and whenever autograd needs a gradient (there is no Triton backward yet); ``"triton"``
-on CPU runs the Triton interpreter (TRITON_INTERPRET=1 must be set before triton is
-imported); ``"torch"`` forces the PyTorch path.
+Backends: ``"auto"`` runs the Triton kernels on CUDA tensors (forward, and the Triton
+backward for gradients w.r.t. q and the keys given in the call) and the PyTorch path on
+CPU and for gradients w.r.t. a cache tensor; ``"triton"`` on CPU runs the Triton
+interpreter (TRITON_INTERPRET=1 must be set before triton is imported); ``"torch"``
+forces the PyTorch path.
 
 Checks that read only shapes, dtypes and devices always run. Checks that need the
 *values* of block tables, lengths or slots run on CPU tensors and, on CUDA, only under
@@ -122,25 +123,28 @@ def _require_interpreter() -> None:
 
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, needs_grad: bool,
-                    what: str = "q") -> str:
+                    what: str = "q", *, triton_grad: bool = False) -> str:
     """The backend that runs a call: ``"torch"`` or ``"triton"``.
 
-    ``backend`` is an already validated name. Raises before anything runs when the
-    chosen backend cannot serve the call: ``"triton"`` under autograd (no backward yet),
-    on a device other than CUDA/CPU, on CPU without the interpreter, or for a dtype the
-    kernels do not take (``what`` names the tensor in the message).
+    ``backend`` is an already validated name. ``triton_grad``: the call's gradients are
+    ones the Triton backward computes (attention w.r.t. q and the keys given in the
+    call, not w.r.t. a cache tensor). Raises before anything runs when the chosen backend
+    cannot serve the call: ``"triton"`` under autograd it cannot differentiate, on a
+    device other than CUDA/CPU, on CPU without the interpreter, or for a dtype the kernels
+    do not take (``what`` names the tensor in the message).
     """
     if backend == "auto":
-        return "triton" if device.type == "cuda" and not needs_grad else "torch"
+        return "triton" if device.type == "cuda" and (triton_grad or not needs_grad) else "torch"
     if backend == "triton":
-        if needs_grad:
+        if needs_grad and not triton_grad:
             raise ValueError(
-                "backend: 'triton' has no backward yet; use backend='auto' or 'torch' when "
-                "gradients are needed"
+                f"backend: 'triton' has no backward for this call's gradient (w.r.t. {what}); the "
+                "Triton backward covers attention w.r.t. q and the keys given in the call. Use "
+                "backend='auto' or 'torch'"
             )
         if device.type == "cpu":
             _require_interpreter()
-        elif device.type != "cuda":
+        elif device.type not in ("cuda", "meta"):  # meta: a dry run, allocations only
             raise ValueError(f"backend: 'triton' takes CUDA or CPU (interpreter) tensors, got device {device}")
         if dtype not in KERNEL_DTYPES:
             raise TypeError(f"{what}: the Triton kernels take float16, bfloat16 or float32, got {dtype}")
@@ -362,7 +366,9 @@ def paged_attention(
     cu, max_q, max_k = _validate_paged(
         q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, max_seqlen_q, max_seqlen_k
     )
-    chosen = resolve_backend(spec.backend, q.device, q.dtype, _needs_grad(q, k_cache, v_cache))
+    cache_grad = _needs_grad(k_cache, v_cache)
+    chosen = resolve_backend(spec.backend, q.device, q.dtype, cache_grad or _needs_grad(q),
+                             "k_cache/v_cache" if cache_grad else "q", triton_grad=not cache_grad)
     return attend(q, k_cache, v_cache, block_table, seq_lens, cu, kv_start, spec=spec, max_seqlen_q=max_q,
                   max_seqlen_k=max_k, backend=chosen, out=out)
 
@@ -392,8 +398,17 @@ def attend(
     the cache. Returns like :func:`paged_attention`.
     """
     kn, vn = new_kv if new_kv is not None else (None, None)
-    if backend == "torch" and _needs_grad(q, k_cache, v_cache, kn, vn):
-        # Differentiable path: plain torch ops that autograd (and dynamo) trace through.
+    grad = _needs_grad(q, k_cache, v_cache, kn, vn)
+    if grad and backend == "triton" and not torch.compiler.is_compiling():
+        # The Triton forward, then the Triton backward (dq, and dk/dv for new_kv).
+        result, lse = _TritonAttention.apply(
+            q, kn, vn, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec, max_seqlen_q,
+            max_seqlen_k, _GIVEN_AT_QUERIES,
+        )
+    elif grad:
+        # Differentiable torch path: plain torch ops that autograd (and dynamo) trace
+        # through; also backend="triton" while torch.compile traces (the backward has no
+        # fake implementation yet).
         result, lse = reference.paged_attention_torch(
             q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec=spec,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, new_kv=new_kv,
@@ -445,12 +460,90 @@ def attend_with_own_kv(
     :func:`attend`, or None when the launch cannot take a second source (the caller then
     attends to each source and merges). Eager Triton only; arguments trusted.
     """
+    if _needs_grad(q, *own_kv):
+        # Differentiable: the Triton backward (dq, and dk/dv of the own keys); its forward
+        # falls back to two launches and a merge when one launch cannot take both sources.
+        result, lse = _TritonAttention.apply(
+            q, own_kv[0], own_kv[1], k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec,
+            max_seqlen_q, max_seqlen_k, _GIVEN_AFTER_HISTORY,
+        )
+        return (result, lse) if spec.return_lse else result
     result = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if spec.return_lse else None
     if not _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, result, lse, spec,
                           max_seqlen_q, max_seqlen_k, own_kv=own_kv):
         return None
     return (result, lse) if spec.return_lse else result
+
+
+# ----------------------------------------------------------------------- Triton backward
+
+# How the keys given in a call relate to the query rows (kernels.paged_attention_bwd).
+_GIVEN_AT_QUERIES, _GIVEN_AFTER_HISTORY = 0, 1
+
+
+def _history_and_own(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, own_kv, spec,
+                     max_seqlen_q, max_seqlen_k) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, fp32 lse) over the cached history plus own keys visible to every query."""
+    spec = spec.replace(return_lse=True)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    if _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse, spec,
+                      max_seqlen_q, max_seqlen_k, own_kv=own_kv):
+        return out, lse
+    # Two launches: the history, then the own keys as one block per sequence; exact merge.
+    k2, v2 = own_kv
+    b, t = k2.shape[0], k2.shape[1]
+    out_h = torch.empty_like(q)
+    lse_h = torch.empty_like(lse)
+    _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out_h, lse_h, spec,
+                   max_seqlen_q, max_seqlen_k)
+    table = torch.arange(b, dtype=torch.int32, device=q.device)[:, None]
+    lens = torch.full((b,), t, dtype=torch.int32, device=q.device)
+    own_spec = spec.replace(causal=False, window_left=None, sink_tokens=0)
+    _launch_triton(q, k2, v2, table, lens, cu_seqlens_q, None, out, lse, own_spec, max_seqlen_q, t)
+    return merge(out_h, lse_h, out, lse, "triton")
+
+
+class _TritonAttention(torch.autograd.Function):
+    """Triton forward + Triton backward; gradients for q and the keys given in the call.
+
+    The backward reads the arena again (the history is a constant, not saved): the blocks
+    the forward read must hold the same values when backward runs, so a caller that
+    plans and stores later steps before calling backward must not recycle them first
+    (the slab pool recycles at ``plan``; run backward, or checkpoint's recompute, before
+    the next ``plan`` that evicts a chunk the step attended).
+    """
+
+    @staticmethod
+    def forward(ctx, q, gk, gv, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec,
+                max_seqlen_q, max_seqlen_k, mode):
+        if mode == _GIVEN_AFTER_HISTORY:
+            out, lse = _history_and_own(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start,
+                                        (gk, gv), spec, max_seqlen_q, max_seqlen_k)
+        else:
+            out = torch.empty_like(q)
+            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+            _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse,
+                           spec.replace(return_lse=True), max_seqlen_q, max_seqlen_k)
+        ctx.save_for_backward(q, gk, gv, out, lse, block_table, seq_lens, cu_seqlens_q, kv_start)
+        ctx.caches = (k_cache, v_cache)  # the arena: read again, never differentiated
+        ctx.spec, ctx.max_seqlen_q, ctx.mode = spec, max_seqlen_q, mode
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from kvarena.kernels.paged_attention_bwd import paged_attention_bwd
+
+        q, gk, gv, out, lse, block_table, seq_lens, cu_seqlens_q, kv_start = ctx.saved_tensors
+        given = (gk, gv) if gk is not None else None
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = paged_attention_bwd(
+            dout, q, out, lse, dlse, *ctx.caches, block_table, seq_lens, cu_seqlens_q, kv_start, spec=ctx.spec,
+            max_seqlen_q=ctx.max_seqlen_q, given=given, given_mode=ctx.mode,
+        )
+        return dq, dk, dv, *([None] * 10)
 
 
 # --------------------------------------------------------------------------- store
@@ -599,6 +692,8 @@ def merge(out_a, lse_a, out_b, lse_b, backend: str) -> tuple[torch.Tensor, torch
 
 def _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse, spec,
                    max_seqlen_q, max_seqlen_k, own_kv=None) -> bool:
+    if q.device.type == "meta":
+        return True  # a dry run: the caller's outputs are allocated, no kernel runs
     from kvarena.kernels.paged_attention import paged_attention_fwd
 
     return paged_attention_fwd(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse,
@@ -658,7 +753,8 @@ def _store_kv_impl(
     if backend == "triton":
         from kvarena.kernels.store import store_kv_fwd
 
-        store_kv_fwd(k, v, k_cache, v_cache, slot_mapping)
+        if k_cache.device.type != "meta":  # meta: a dry run (shapes and allocations only)
+            store_kv_fwd(k, v, k_cache, v_cache, slot_mapping)
         return
     reference.store_kv_torch(k, v, k_cache, v_cache, slot_mapping)
 
@@ -681,7 +777,8 @@ def _merge_impl(
 
         out = torch.empty_like(out_a)
         lse = torch.empty(out_a.shape[:2], dtype=torch.float32, device=out_a.device)
-        merge_attention_states_fwd(out_a, lse_a, out_b, lse_b, out, lse)
+        if out.device.type != "meta":  # meta: a dry run
+            merge_attention_states_fwd(out_a, lse_a, out_b, lse_b, out, lse)
         return out, lse
     return reference.merge_attention_states_torch(out_a, lse_a, out_b, lse_b)
 

@@ -206,6 +206,9 @@ class KVPoolBase:
         """``(attention backend, store backend, k/v need gradients)``, resolved before any write."""
         grad_on = torch.is_grad_enabled()
         kv_grad = grad_on and (k.requires_grad or v.requires_grad)
-        attn = resolve_backend(spec.backend, self.device, self.layout.dtype, kv_grad or (grad_on and q.requires_grad))
+        # The arena never requires grad: gradients go to q and the given k/v, which the
+        # Triton backward computes.
+        attn = resolve_backend(spec.backend, self.device, self.layout.dtype, kv_grad or (grad_on and q.requires_grad),
+                               triton_grad=True)
         store = resolve_backend(spec.backend, self.device, self.layout.dtype, False)
         return attn, store, kv_grad

@@ -1,0 +1,428 @@
+"""Backward of block-table attention (FlashAttention-2 style: recompute, no score buffer).
+
+The forward saved ``out`` and its fp32 ``lse``; the backward recomputes the probabilities
+tile by tile from them, so nothing of size ``[queries x keys]`` is ever stored.
+
+Two kernels, no atomics (deterministic by construction):
+
+* ``_attn_bwd_dq_kernel``: one program per (q tile, sequence, kv head), the forward's
+  GQA row packing (rows ``j = position * GROUP + head``). It walks every key the tile's
+  rows can see (the sink range, then the window range, through the block table, then the
+  step's own keys when a second source is given) and accumulates
+  ``dQ = scale * sum_keys dS K`` with ``dS = P * (dP - Delta)``, ``dP = dO V^T``.
+* ``_attn_bwd_dkdv_kernel``: one program per (key tile, sequence, kv head) of the keys
+  *given in the call* (the history read from the arena is a constant). It walks the
+  sequence's query rows of the kv head's whole group and accumulates ``dV = P^T dO`` and
+  ``dK = scale * dS^T Q``. The given keys are either the query rows' own keys (stored at
+  the rows' positions ``L - q_len + i``: the paged pool's new tokens, a slab chunk
+  committed in the same call) or a second source after the history (a denoising step's
+  own k/v, visible to every query).
+
+``Delta = rowsum(dO * O) - dlse`` (a gradient on the returned lse adds ``P * dlse`` to
+``dS``: ``d lse / d s = P``). Softcap multiplies ``dS`` by ``1 - tanh^2``. A row that saw
+no key (``lse = -inf``) has ``P = 0`` everywhere: zero gradient, no NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvarena.kernels._common import LOG2E, head_dim_pad, interpreting
+from kvarena.kernels.paged_attention import _NO_WINDOW, _tanh
+
+# ----------------------------------------------------------------------------- constants
+
+# Given keys are the query rows' own keys at positions L - q_len + i (paged new tokens,
+# a committed slab chunk), or a second source after the history (a denoising step).
+GIVEN_AT_QUERIES = 0
+GIVEN_AFTER_HISTORY = 1
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _probs(q, kt, lse2, vis, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP: tl.constexpr):
+    """Recomputed probabilities ``P`` [BLOCK_M, BLOCK_N] and the softcap's ``tanh`` (or 0)."""
+    s = tl.dot(q, kt, input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+    if HAS_SOFTCAP:
+        th = _tanh(s * softcap_inv)
+        s2 = softcap_log2 * th
+    else:
+        th = s * 0.0
+        s2 = s * scale_log2
+    p = tl.where(vis, tl.exp2(s2 - lse2[:, None]), 0.0)
+    return p, th
+
+
+@triton.jit
+def _dscores(p, th, do, vt, delta, HAS_SOFTCAP: tl.constexpr):
+    """``dS`` [BLOCK_M, BLOCK_N] w.r.t. the scaled scores (before ``scale``)."""
+    dp = tl.dot(do, vt, input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+    ds = p * (dp - delta[:, None])
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - th * th)
+    return ds
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, cu_q_ptr, kv_start_ptr,
+    k2_ptr, v2_ptr,
+    stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_k2b, stride_k2t, stride_k2h,
+    stride_bt,
+    scale, scale_log2, softcap_inv, softcap_log2,
+    block_size, chunk_size, window_left, sink_tokens, own_len,
+    num_kv_heads, num_q_tiles,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_KV_START: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    UPCAST: tl.constexpr,
+    OWN_KV: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    q_tile_idx = pid % num_q_tiles
+    bh = pid // num_q_tiles
+    b = bh // num_kv_heads
+    kvh = bh % num_kv_heads
+
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    m0 = q_tile_idx * BLOCK_M
+    n_rows = q_len * GROUP
+    if m0 >= n_rows:
+        return
+    kv_lo = tl.load(kv_start_ptr + b) if HAS_KV_START else 0
+
+    j = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M] (position, head-in-group) rows
+    row_ok = j < n_rows
+    pos_idx = j // GROUP
+    head_in = j % GROUP
+    pos_base = seq_len - q_len
+    q_pos = pos_base + pos_idx  # [BLOCK_M]
+    if CAUSAL:
+        row_hi = tl.minimum((q_pos // chunk_size + 1) * chunk_size, seq_len)
+    else:
+        row_hi = tl.zeros_like(q_pos) + seq_len
+    row_lo = q_pos - window_left
+
+    q_pos_min = pos_base + m0 // GROUP
+    q_pos_max = pos_base + (tl.minimum(m0 + BLOCK_M, n_rows) - 1) // GROUP
+    if CAUSAL:
+        hi = tl.minimum((q_pos_max // chunk_size + 1) * chunk_size, seq_len)
+    else:
+        hi = seq_len
+    lo = tl.maximum(kv_lo, q_pos_min - window_left)
+    sink_hi = tl.minimum(tl.minimum(sink_tokens, lo), hi)
+    sink_base = (kv_lo // BLOCK_N) * BLOCK_N
+    main_base = (lo // BLOCK_N) * BLOCK_N
+    n_sink = tl.where(sink_hi > kv_lo, tl.cdiv(sink_hi - sink_base, BLOCK_N), 0)
+    n_main = tl.where(hi > lo, tl.cdiv(hi - main_base, BLOCK_N), 0)
+
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    tok = (q_start + pos_idx).to(tl.int64)  # [BLOCK_M]
+    head = (kvh * GROUP + head_in).to(tl.int64)
+    row_off = tok * stride_qt + head * stride_qh  # [BLOCK_M]; q, dO and dQ share the layout
+    lm = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + row_off[:, None] + d[None, :], mask=lm, other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
+    do = tl.load(do_ptr + row_off[:, None] + d[None, :], mask=lm, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    stat_off = tok * (num_kv_heads * GROUP) + head  # [BLOCK_M] into [total_q, H_q]
+    lse = tl.load(lse_ptr + stat_off, mask=row_ok, other=float("-inf"))
+    # A row that saw no key: lse = -inf; +inf makes every recomputed P exactly 0.
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(delta_ptr + stat_off, mask=row_ok, other=0.0)
+
+    bt_row = block_table_ptr + b.to(tl.int64) * stride_bt
+    k_head = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_head = v_ptr + kvh.to(tl.int64) * stride_vh
+    n_off = tl.arange(0, BLOCK_N)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for i in range(0, n_sink + n_main):
+        in_sink = i < n_sink
+        t0 = tl.where(in_sink, sink_base + i * BLOCK_N, main_base + (i - n_sink) * BLOCK_N)
+        key_lo = tl.where(in_sink, kv_lo, lo)
+        key_hi = tl.where(in_sink, sink_hi, hi)
+        t = t0 + n_off  # [BLOCK_N]
+        key_ok = (t >= key_lo) & (t < key_hi)
+        blk = tl.load(bt_row + t // block_size, mask=key_ok, other=0).to(tl.int64)
+        row_in_blk = (t % block_size).to(tl.int64)
+        k_off = blk * stride_kb + row_in_blk * stride_kt  # [BLOCK_N]
+        v_off = blk * stride_vb + row_in_blk * stride_vt
+        km = key_ok[None, :] & d_ok[:, None]
+        kt = tl.load(k_head + k_off[None, :] + d[:, None], mask=km, other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
+        vt = tl.load(v_head + v_off[None, :] + d[:, None], mask=km, other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+        vis = key_ok[None, :] & (t[None, :] < row_hi[:, None])
+        vis = vis & ((t[None, :] >= row_lo[:, None]) | (t[None, :] < sink_tokens))
+        p, th = _probs(q, kt, lse2, vis, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP)
+        ds = _dscores(p, th, do, vt, delta, HAS_SOFTCAP)
+        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision="ieee")
+    if OWN_KV:
+        k2_head = k2_ptr + b.to(tl.int64) * stride_k2b + kvh.to(tl.int64) * stride_k2h
+        v2_head = v2_ptr + b.to(tl.int64) * stride_k2b + kvh.to(tl.int64) * stride_k2h
+        for t0 in range(0, own_len, BLOCK_N):
+            t = t0 + n_off
+            key_ok = t < own_len
+            km = key_ok[None, :] & d_ok[:, None]
+            off = t.to(tl.int64) * stride_k2t
+            kt = tl.load(k2_head + off[None, :] + d[:, None], mask=km, other=0.0)
+            vt = tl.load(v2_head + off[None, :] + d[:, None], mask=km, other=0.0)
+            if UPCAST:
+                kt = kt.to(tl.float32)
+                vt = vt.to(tl.float32)
+            vis = key_ok[None, :] & row_ok[:, None]
+            p, th = _probs(q, kt, lse2, vis, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP)
+            ds = _dscores(p, th, do, vt, delta, HAS_SOFTCAP)
+            dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision="ieee")
+    dq = dq * scale
+    tl.store(dq_ptr + row_off[:, None] + d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=lm)
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    q_ptr, do_ptr, lse_ptr, delta_ptr,
+    kn_ptr, vn_ptr, dk_ptr, dv_ptr,
+    seq_lens_ptr, cu_q_ptr, kv_start_ptr,
+    stride_qt, stride_qh,
+    stride_nb, stride_nt, stride_nh,
+    scale, scale_log2, softcap_inv, softcap_log2,
+    chunk_size, window_left, sink_tokens, own_len,
+    num_kv_heads, num_k_tiles,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_KV_START: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    UPCAST: tl.constexpr,
+    GIVEN: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    k_tile_idx = pid % num_k_tiles
+    bh = pid // num_k_tiles
+    b = bh // num_kv_heads
+    kvh = bh % num_kv_heads
+
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    n0 = k_tile_idx * BLOCK_N
+    if GIVEN == 0:
+        # The rows' own keys: key i sits at position L - q_len + i, packed like q.
+        k_len = q_len
+        key_base = q_start.to(tl.int64) * stride_nt
+        kpos0 = seq_len - q_len
+    else:
+        # A second source of own_len keys after the history, visible to every query.
+        k_len = own_len
+        key_base = b.to(tl.int64) * stride_nb
+        kpos0 = seq_len
+    if n0 >= k_len:
+        return
+    kv_lo = tl.load(kv_start_ptr + b) if HAS_KV_START else 0
+
+    n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key index in the given source
+    key_ok = n < k_len
+    t = kpos0 + n  # [BLOCK_N] key positions
+    if GIVEN == 0:
+        key_ok = key_ok & (t >= kv_lo)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    key_off = key_base + n.to(tl.int64) * stride_nt + kvh.to(tl.int64) * stride_nh  # [BLOCK_N]
+    km = key_ok[None, :] & d_ok[:, None]
+    kt = tl.load(kn_ptr + key_off[None, :] + d[:, None], mask=km, other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
+    vt = tl.load(vn_ptr + key_off[None, :] + d[:, None], mask=km, other=0.0)
+    if UPCAST:
+        kt = kt.to(tl.float32)
+        vt = vt.to(tl.float32)
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
+    n_rows = q_len * GROUP
+    m_off = tl.arange(0, BLOCK_M)
+    for m0 in range(0, n_rows, BLOCK_M):
+        j = m0 + m_off
+        row_ok = j < n_rows
+        pos_idx = j // GROUP
+        head_in = j % GROUP
+        tok = (q_start + pos_idx).to(tl.int64)
+        head = (kvh * GROUP + head_in).to(tl.int64)
+        row_off = tok * stride_qt + head * stride_qh
+        lm = row_ok[:, None] & d_ok[None, :]
+        q = tl.load(q_ptr + row_off[:, None] + d[None, :], mask=lm, other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
+        do = tl.load(do_ptr + row_off[:, None] + d[None, :], mask=lm, other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        stat_off = tok * (num_kv_heads * GROUP) + head
+        lse = tl.load(lse_ptr + stat_off, mask=row_ok, other=float("-inf"))
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        delta = tl.load(delta_ptr + stat_off, mask=row_ok, other=0.0)
+        vis = row_ok[:, None] & key_ok[None, :]
+        if GIVEN == 0:
+            q_pos = seq_len - q_len + pos_idx  # [BLOCK_M]
+            if CAUSAL:
+                row_hi = tl.minimum((q_pos // chunk_size + 1) * chunk_size, seq_len)
+                vis = vis & (t[None, :] < row_hi[:, None])
+            vis = vis & ((t[None, :] >= (q_pos - window_left)[:, None]) | (t[None, :] < sink_tokens))
+        p, th = _probs(q, kt, lse2, vis, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP)
+        ds = _dscores(p, th, do, vt, delta, HAS_SOFTCAP)
+        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision="ieee")  # [BLOCK_N, HEAD_DIM_PAD]
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision="ieee")
+    dk = dk * scale
+    out_off = key_off[:, None] + d[None, :]
+    om = key_ok[:, None] & d_ok[None, :]
+    tl.store(dk_ptr + out_off, dk.to(dk_ptr.dtype.element_ty), mask=om)
+    tl.store(dv_ptr + out_off, dv.to(dv_ptr.dtype.element_ty), mask=om)
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def pick_bwd_config(head_dim: int, elem_bytes: int) -> dict:
+    """Tiles and warps of both backward kernels (a pure function; ``kvarena check`` compiles it).
+
+    The dQ program keeps q, dO and the fp32 dQ accumulator ``[BLOCK_M, HEAD_DIM_PAD]`` in
+    registers plus two fp32 ``[BLOCK_M, BLOCK_N]`` tiles (P, dS); the dK/dV program two
+    fp32 ``[BLOCK_N, HEAD_DIM_PAD]`` accumulators and the K/V tile. Found by compiling for
+    sm_80 and sm_90a with every mask flag on (0 spills everywhere): fp16/bf16 at D <= 128
+    32 x 32 over 4 warps (162-194 registers; 64 x 32 spills 56 bytes in dK/dV on sm_90a);
+    D = 256 32 x 32 over 8 warps (172-251); fp32 (IEEE FMA dots) 16 x 16 over 8 warps
+    (60-75). Under the interpreter 16 x 16 keeps CPU tests fast.
+    """
+    d_pad = head_dim_pad(head_dim)
+    maxnreg = 255  # stated for the tensor-core configs: left alone, ptxas capped dK/dV at
+    # 168 registers (3 CTAs per SM) on sm_80 and spilt 4 bytes; fp32 keeps ptxas's choice.
+    if interpreting():
+        bm, bn, warps, stages = 16, 16, 4, 1
+    elif elem_bytes >= 4:
+        bm, bn, warps, stages, maxnreg = 16, 16, 8, 1, None
+    elif d_pad > 128:
+        bm, bn, warps, stages = 32, 32, 8, 1
+    else:
+        bm, bn, warps, stages = 32, 32, 4, 2
+    return dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM_PAD=d_pad, num_warps=warps, num_stages=stages, maxnreg=maxnreg)
+
+
+def paged_attention_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_start: torch.Tensor | None,
+    *,
+    spec,
+    max_seqlen_q: int,
+    given: tuple[torch.Tensor, torch.Tensor] | None,
+    given_mode: int = GIVEN_AT_QUERIES,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(dq, dk, dv)`` of block-table attention; ``dk, dv`` for the ``given`` keys only.
+
+    Parameters
+    ----------
+    do, q, out : ``[total_q, H_q, D]``; ``lse``, ``dlse`` : fp32 ``[total_q, H_q]``.
+    k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start
+        As the forward (already validated; the cache holds the history and, in
+        ``GIVEN_AT_QUERIES`` mode, the given keys at the rows' positions).
+    given : ``(k, v)`` or None
+        ``GIVEN_AT_QUERIES``: ``[total_q, H_kv, D]``, key i of sequence b at position
+        ``L - q_len + i``. ``GIVEN_AFTER_HISTORY``: ``[B, T, H_kv, D]`` after the history
+        (a second key source of the forward, visible to every query).
+    """
+    total_q, h_q, d = q.shape
+    b_count = seq_lens.shape[0]
+    h_kv = k_cache.shape[2]
+    group = h_q // h_kv
+    cfg = pick_bwd_config(d, q.element_size())
+    block_m, block_n, d_pad = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["HEAD_DIM_PAD"]
+    scale = spec.scale_for(d)
+    softcap = spec.softcap
+    softcap_inv, softcap_log2 = (scale / softcap, softcap * LOG2E) if softcap else (0.0, 0.0)
+    window = _NO_WINDOW if spec.window_left is None else min(spec.window_left, _NO_WINDOW)
+    chunk = 1 if spec.chunk_size is None else min(spec.chunk_size, _NO_WINDOW)
+    upcast = interpreting() and q.dtype != torch.float32
+    q_c, do_c = q.contiguous(), do.contiguous()
+    delta = (do_c.float() * out.float()).sum(-1)  # [total_q, H_q]
+    if dlse is not None:
+        delta = delta - dlse.float()
+    lse_c = lse.float().contiguous()
+    dq = torch.empty_like(q_c)
+    own = given is not None and given_mode == GIVEN_AFTER_HISTORY
+    own_len = given[0].shape[1] if own else 0
+    k2 = given[0] if own else k_cache
+    v2 = given[1] if own else v_cache
+    if own:
+        k2, v2 = k2.contiguous(), v2.contiguous()
+    kv_start_arg = kv_start if kv_start is not None else seq_lens
+    common = dict(GROUP=group, HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
+                  CAUSAL=spec.causal, HAS_KV_START=kv_start is not None, HAS_SOFTCAP=bool(softcap), UPCAST=upcast,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if cfg["maxnreg"] is not None and not interpreting():
+        common["maxnreg"] = cfg["maxnreg"]
+    num_q_tiles = triton.cdiv(max(max_seqlen_q, 1) * group, block_m)
+    run = q.device.type != "meta"  # meta: a dry run (the allocations, no kernel)
+    if run:
+        _attn_bwd_dq_kernel[(num_q_tiles * b_count * h_kv,)](
+            q_c, do_c, lse_c, delta, dq,
+            k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start_arg,
+            k2, v2,
+            q_c.stride(0), q_c.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            k2.stride(0), k2.stride(1), k2.stride(2),
+            block_table.stride(0),
+            scale, scale * LOG2E, softcap_inv, softcap_log2,
+            k_cache.shape[1], chunk, window, spec.sink_tokens, own_len,
+            h_kv, num_q_tiles,
+            OWN_KV=own, **common,
+        )
+    if given is None:
+        return dq, None, None
+    kn, vn = given[0].contiguous(), given[1].contiguous()
+    dk, dv = torch.empty_like(kn), torch.empty_like(vn)
+    if own:
+        stride_nb, stride_nt, stride_nh = kn.stride(0), kn.stride(1), kn.stride(2)
+        k_max = own_len
+    else:
+        stride_nb, stride_nt, stride_nh = 0, kn.stride(0), kn.stride(1)
+        k_max = max_seqlen_q
+    num_k_tiles = triton.cdiv(max(k_max, 1), block_n)
+    if run:
+        _attn_bwd_dkdv_kernel[(num_k_tiles * b_count * h_kv,)](
+            q_c, do_c, lse_c, delta,
+            kn, vn, dk, dv,
+            seq_lens, cu_seqlens_q, kv_start_arg,
+            q_c.stride(0), q_c.stride(1),
+            stride_nb, stride_nt, stride_nh,
+            scale, scale * LOG2E, softcap_inv, softcap_log2,
+            chunk, window, spec.sink_tokens, own_len,
+            h_kv, num_k_tiles,
+            GIVEN=GIVEN_AFTER_HISTORY if own else GIVEN_AT_QUERIES, **common,
+        )
+    return dq, dk, dv
