@@ -76,6 +76,14 @@ WORKLOADS = [
 ]
 SM_COUNT = {80: 108, 90: 132}
 REDUCE_CASES = [("reduce D128", 128, "bf16"), ("reduce D256", 256, "fp16")]
+# The backward kernels (dQ and dK/dV), every mask flag on: (name, head_dim, group, dtype,
+# how the given keys sit: 0 = at the query rows (paged / commit), 1 = after the history).
+BWD_CASES = [
+    ("bwd 32q/8kv", 128, 4, "bf16", 0),
+    ("bwd Wan denoise", 128, 1, "bf16", 1),
+    ("bwd D256 GQA2", 256, 2, "fp16", 0),
+    ("bwd fp32", 128, 1, "fp32", 1),
+]
 STORE_CASES = [("store D256", 256, "bf16"), ("store D256 fp32", 256, "fp32")]
 MERGE_CASES = [("merge D256", 256, "bf16"), ("merge D256 fp32", 256, "fp32")]
 
@@ -158,6 +166,7 @@ def _launches(only: str | None, capability: int, all_variants: bool = False) -> 
     """
     from kvarena.kernels import merge, store
     from kvarena.kernels import paged_attention as pa
+    from kvarena.kernels import paged_attention_bwd as bwd
     from kvarena.kernels._common import ROW_TILE_WARPS, head_dim_pad
     from kvarena.kernels.occupancy import config_key
 
@@ -200,6 +209,24 @@ def _launches(only: str | None, capability: int, all_variants: bool = False) -> 
                                occupancy_key=config_key(capability, cfg, eb),
                                ref_tile=(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["HEAD_DIM_PAD"], cfg["num_warps"],
                                          cfg["num_stages"], dt)))
+    for name, d, group, dt, given in BWD_CASES:
+        cfg = bwd.pick_bwd_config(d, _elem_bytes(dt))
+        flags = dict(GROUP=group, HEAD_DIM=d, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_M=cfg["BLOCK_M"],
+                     BLOCK_N=cfg["BLOCK_N"], CAUSAL=given == 0, HAS_KV_START=True, HAS_SOFTCAP=True, UPCAST=False)
+        tile = f"{dt} D{d} G{group} BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
+        floats = ("scale", "scale_log2", "softcap_inv", "softcap_log2")
+        ptrs = {"q_ptr": dt, "do_ptr": dt, "lse_ptr": "fp32", "delta_ptr": "fp32", "dq_ptr": dt, "k_ptr": dt,
+                "v_ptr": dt, "block_table_ptr": "i32", "seq_lens_ptr": "i32", "cu_q_ptr": "i32",
+                "kv_start_ptr": "i32", "k2_ptr": dt, "v2_ptr": dt}
+        out.append(_Launch("attention_bwd", f"{name} dQ: {tile}" + (" +own-k/v" if given else ""),
+                           bwd._attn_bwd_dq_kernel, ptrs, dict(flags, OWN_KV=given == 1), cfg["num_warps"],
+                           cfg["num_stages"], i64=("stride_kb", "stride_vb"), floats=floats,
+                           maxnreg=cfg["maxnreg"]))
+        ptrs = {"q_ptr": dt, "do_ptr": dt, "lse_ptr": "fp32", "delta_ptr": "fp32", "kn_ptr": dt, "vn_ptr": dt,
+                "dk_ptr": dt, "dv_ptr": dt, "seq_lens_ptr": "i32", "cu_q_ptr": "i32", "kv_start_ptr": "i32"}
+        out.append(_Launch("attention_bwd", f"{name} dK/dV: {tile}" + (" given after history" if given else ""),
+                           bwd._attn_bwd_dkdv_kernel, ptrs, dict(flags, GIVEN=given), cfg["num_warps"],
+                           cfg["num_stages"], i64=("stride_nb",), floats=floats, maxnreg=cfg["maxnreg"]))
     for name, d, dt in REDUCE_CASES:
         d_pad = head_dim_pad(d)
         block_r = pa._reduce_block_rows(d_pad)

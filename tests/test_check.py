@@ -45,9 +45,10 @@ def test_check_compiles_every_config_without_spills(perf_run):
     n_attention = sum(1 if case[8] == (True,) * 4 else 2 for case in check.ATTENTION_CASES)
     n_attention += len(check.OWN_KV_CASES)  # slab cases also compile as a one-launch denoising step
     n_cases = n_attention + len(check.REDUCE_CASES) + len(check.STORE_CASES) + len(check.MERGE_CASES)
+    n_cases += 2 * len(check.BWD_CASES)  # the backward's dQ and dK/dV kernels
     assert len(rows) == 2 * n_cases, f"expected one row per config and target, got {len(rows)}"
     assert {r["target"] for r in rows} == {"sm_80", "sm_90a"}
-    assert {r["kernel"] for r in rows} == {"attention", "split_reduce", "store_kv", "merge"}
+    assert {r["kernel"] for r in rows} == {"attention", "attention_bwd", "split_reduce", "store_kv", "merge"}
     problems = [
         f"{r['kernel']} [{r['config']}] {r['target']}: regs {r['registers']}, spills "
         f"{r['spill_stores']}/{r['spill_loads']} B, shared {r['shared_bytes']} B {r['error']}"
