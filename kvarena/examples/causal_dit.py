@@ -143,14 +143,23 @@ def sink_window_mask(cfg: DiTConfig, n_chunks: int, sinks: int, window: int, dev
     return (kj <= qi) & ((kj < sinks) | (kj > qi - window))
 
 
-def dense_forward(model: TinyCausalDiT, x: torch.Tensor, sigma: torch.Tensor, text, mask: torch.Tensor) -> torch.Tensor:
-    """The whole sequence ``x [1, N, C]`` through every layer with masked SDPA -> ``[1, N, C]``."""
+def dense_forward(model: TinyCausalDiT, x: torch.Tensor, sigma: torch.Tensor, text, mask: torch.Tensor,
+                  *, detach_keys_before: int = 0) -> torch.Tensor:
+    """The whole sequence ``x [1, N, C]`` through every layer with masked SDPA -> ``[1, N, C]``.
+
+    ``detach_keys_before``: the K/V of tokens before it are constants to autograd (what a
+    cached history is to a training step: computed earlier, under no_grad).
+    """
     c = model.cfg
     n = x.shape[1]
     pos = torch.arange(n, device=x.device)[None]
     h, temb = model.embed(x, sigma)
+    cut = detach_keys_before
 
     def attn(layer, q, k, v):
+        if cut:
+            k = torch.cat([k[:, :cut].detach(), k[:, cut:]], 1)
+            v = torch.cat([v[:, :cut].detach(), v[:, cut:]], 1)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2).double(), k.transpose(1, 2).double(), v.transpose(1, 2).double(), attn_mask=mask
         )
@@ -298,6 +307,105 @@ def run_causal_dit(
     for ns in namespaces:
         kv.clear_namespace(ns)
     return report
+
+
+@dataclass
+class TrainStepReport:
+    loss: float = 0.0
+    dense_loss: float = 0.0
+    max_grad_rel_err: float = 0.0  # worst parameter tensor: ||g - g_dense|| / ||g_dense||
+    params_with_grad: int = 0
+    history_chunks: int = 0
+
+
+def run_training_step(
+    *,
+    history_chunks: int = 4,
+    sinks: int = 1,
+    window: int = 3,
+    sigma: float = 0.6,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    backend: str = "auto",
+    seed: int = 0,
+) -> TrainStepReport:
+    """One Self-Forcing-style training step through the slab pool.
+
+    The history (``history_chunks`` chunks, the first one short) is rolled out under
+    ``no_grad`` and committed; the next chunk's denoising step runs with gradients
+    (``commit=False``: the step's own k/v are given, the history is read from the arena)
+    and a flow-matching loss is backpropagated to the parameters. The same model run
+    densely over the whole sequence with the sink + window mask and the history's K/V
+    detached must give the same parameter gradients. ``backend="triton"`` runs the Triton
+    forward and backward (the interpreter on CPU).
+    """
+    torch.manual_seed(seed)
+    cfg = DiTConfig()
+    model = TinyCausalDiT(cfg).to(device=device, dtype=dtype)
+    layout = KVLayout(cfg.num_layers, cfg.num_heads, cfg.head_dim, dtype)
+    policy = CachePolicy(
+        "slab_kv", max_bytes=(sinks + window) * layout.block_bytes(cfg.chunk_tokens),
+        per_component={"window": window, "sinks": sinks, "slab_tokens": cfg.chunk_tokens},
+    )
+    kv = SlabKVCache(policy, layout=layout, slab_tokens=cfg.chunk_tokens, device=device)
+    ns = "video0"
+    gen = torch.Generator().manual_seed(seed + 1)
+    prompt = torch.randint(1, cfg.vocab, (cfg.text_len,), generator=gen).to(device)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    def positions(c: int) -> torch.Tensor:
+        return (cfg.chunk_start(c) + torch.arange(cfg.chunk_len(c), device=device))[None]
+
+    def text_rows(text):
+        return tuple((k[None], v[None]) for k, v in text)
+
+    history = []
+    with torch.no_grad():  # the rollout that produced the history: constants to the step
+        text = text_rows(model.text_kv(prompt))
+        for c in range(history_chunks):
+            meta = kv.plan({ns: (c, cfg.chunk_len(c))})
+            x = rand(1, cfg.chunk_len(c), cfg.channels)
+            sig = torch.zeros(x.shape[:2], device=device, dtype=dtype)
+            _forward_pass(model, kv, meta, x, sig, positions(c), text, commit=True, backend=backend,
+                          residuals=None, namespaces=[ns], threshold=0.0)
+            history.append(x[0])
+    c = history_chunks
+    t_len = cfg.chunk_len(c)
+    meta = kv.plan({ns: (c, t_len)})
+    x0, noise = rand(1, t_len, cfg.channels), rand(1, t_len, cfg.channels)
+    xt = (1 - sigma) * x0 + sigma * noise
+    target = noise - x0  # flow-matching velocity
+    sig = torch.full(xt.shape[:2], sigma, device=device, dtype=dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    text = text_rows(model.text_kv(prompt))
+    pred, _ = _forward_pass(model, kv, meta, xt, sig, positions(c), text, commit=False, backend=backend,
+                            residuals=None, namespaces=[ns], threshold=0.0)
+    loss = F.mse_loss(pred.float(), target.float())
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+
+    n_hist = sum(h.shape[0] for h in history)
+    seq = torch.cat([*history, xt[0]])[None]
+    sig_seq = torch.cat([torch.zeros(n_hist, device=device, dtype=dtype), sig[0]])[None]
+    mask = sink_window_mask(cfg, c + 1, sinks, window, device)
+    text = text_rows(model.text_kv(prompt))  # a fresh graph for the dense run
+    dense = dense_forward(model, seq, sig_seq, text, mask, detach_keys_before=n_hist)[:, n_hist:]
+    dense_loss = F.mse_loss(dense.float(), target.float())
+    dense_grads = torch.autograd.grad(dense_loss, params, allow_unused=True)
+    rep = TrainStepReport(loss=float(loss.detach()), dense_loss=float(dense_loss.detach()),
+                          history_chunks=history_chunks)
+    for g, r in zip(grads, dense_grads):
+        if r is None and g is None:
+            continue
+        if g is None or r is None:
+            rep.max_grad_rel_err = float("inf")  # a parameter that only one run reaches
+            continue
+        rep.params_with_grad += 1
+        err = float((g.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30))
+        rep.max_grad_rel_err = max(rep.max_grad_rel_err, err)
+    kv.clear_namespace(ns)
+    return rep
 
 
 def _retained_state(kv: SlabKVCache, namespaces) -> dict:
