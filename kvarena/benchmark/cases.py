@@ -14,6 +14,12 @@ chunk
     Slab chunk attention of a causal video DiT: a chunk of ``chunk`` queries attends to
     ``sinks`` sink slabs plus the ``window`` newest slabs, its own included (full
     attention: every key is visible). A slab is one page of ``chunk`` tokens.
+train
+    A denoising step's forward + backward (Self-Forcing-style training): the chunk's
+    queries over the cached history (``sinks`` + ``window - 1`` slabs, a constant) and
+    the step's own K/V (given, with gradients); timed is forward plus the gradients of
+    q, k and v. kvarena: the Triton backward on CUDA (the torch path's autograd on CPU);
+    baseline: SDPA (flash on CUDA) forward + backward over the same keys made contiguous.
 store
     Storing one chunk's K/V of one layer into the cache (kvarena's in-place slab write)
     against a plain ``copy_`` (the floor) and the shift-left copy window (the baseline
@@ -50,7 +56,7 @@ class Case:
 
     Parameters
     ----------
-    kind : {"decode", "chunk", "store"}
+    kind : {"decode", "chunk", "train", "store"}
     name : str
         Unique, filterable with ``--cases`` (substring match).
     h_q, h_kv, head_dim : int
@@ -132,6 +138,7 @@ PROVIDERS: dict[str, tuple[str, ...]] = {
         "flash_attn",
         "flashinfer",
     ),
+    "train": ("kvarena", "sdpa_contiguous"),
     "store": ("kvarena", "copy_", "shift_left"),
 }
 
@@ -141,6 +148,7 @@ PROVIDERS: dict[str, tuple[str, ...]] = {
 BASELINE: dict[str, str] = {
     "decode": "gather_sdpa",
     "chunk": "sdpa_contiguous",
+    "train": "sdpa_contiguous",
     "store": "shift_left",
 }
 
@@ -167,6 +175,9 @@ def _gpu_set() -> list[Case]:
     out.append(_chunk("wan5b", 24, 24, 7040, 4))
     out.append(_chunk("matrixgame", 12, 12, 2640, 6))
     out.append(_chunk("magi1", 24, 8, 12150, 4))
+    # A training step's attention (forward + backward), Wan-1.3B chunk over a 4- and an
+    # 8-chunk window (history 3 / 7 slabs + the step's own keys).
+    out += [_chunk("wan1.3b", 12, 12, 4680, w, kind="train") for w in (4, 8)]
     # Storing one chunk of one layer (the recycling step in isolation).
     out.append(_chunk("wan1.3b", 12, 12, 4680, 4, kind="store"))
     out.append(_chunk("magi1", 24, 8, 12150, 4, kind="store"))
@@ -192,6 +203,7 @@ def _quick_set() -> list[Case]:
     tiny = dict(h_q=4, h_kv=2, head_dim=64, model="tiny")
     out = [_decode(2, c, **tiny) for c in (128, 256, 512)]
     out += [_chunk("tiny", 4, 2, 64, w, head_dim=64) for w in (2, 3)]
+    out.append(_chunk("tiny", 4, 2, 64, 3, head_dim=64, kind="train"))
     out.append(_chunk("tiny", 4, 2, 64, 3, head_dim=64, kind="store"))
     return out
 

@@ -181,6 +181,11 @@ def make_data(case: Case, device: str | torch.device, *, seed: int = 0) -> CaseD
     if case.kind == "chunk":
         q = randn(b * case.chunk, case.h_q, d)
         return CaseData(case, device, q, k_cache, v_cache, block_table, seq_lens, cu)
+    if case.kind == "train":
+        # The last page of each row stands for the step's own keys, given as new_k/new_v.
+        q = randn(b * case.chunk, case.h_q, d)
+        new_k, new_v = randn(b * case.chunk, case.h_kv, d), randn(b * case.chunk, case.h_kv, d)
+        return CaseData(case, device, q, k_cache, v_cache, block_table, seq_lens, cu, new_k, new_v)
     new_k = randn(b * case.chunk, case.h_kv, d)
     new_v = randn(b * case.chunk, case.h_kv, d)
     return CaseData(case, device, None, k_cache, v_cache, block_table, seq_lens, cu, new_k, new_v)
@@ -200,8 +205,11 @@ def work_of(case: Case) -> dict[str, float]:
     kv = 2 * case.batch * case.kv_tokens * case.h_kv * case.head_dim * el
     if case.kind == "decode":
         return {"kv_bytes": kv, "flops": 4.0 * case.batch * case.kv_tokens * case.h_q * case.head_dim}
-    if case.kind == "chunk":
-        return {"kv_bytes": kv, "flops": 4.0 * case.batch * case.chunk * case.kv_tokens * case.h_q * case.head_dim}
+    if case.kind in ("chunk", "train"):
+        # Training counts forward + backward as 3.5x the forward's FLOPs (the backward
+        # recomputes QK^T and does four more matmuls: FlashAttention-2's convention).
+        mult = 3.5 if case.kind == "train" else 1.0
+        return {"kv_bytes": kv, "flops": mult * 4.0 * case.batch * case.chunk * case.kv_tokens * case.h_q * case.head_dim}
     chunk_kv = 2 * case.batch * case.chunk * case.h_kv * case.head_dim * el
     return {"store_bytes": 2 * chunk_kv, "new_bytes": chunk_kv}
 
@@ -228,6 +236,8 @@ def _kvarena(case: Case, data: CaseData) -> Bench:
             return data.k_cache[slab]
 
         return Bench(fn, to_ref=lambda out: out.reshape(data.new_k.shape), note="per-layer call (checked once)")
+    if case.kind == "train":
+        return _kvarena_train(case, data)
     spec = AttentionSpec(chunk_size=case.chunk if case.kind == "chunk" else None)  # block-causal chunks
     b = data.block_table.shape[0]
     cu = data.cu_seqlens_q if data.cu_seqlens_q is not None else torch.arange(b + 1, dtype=torch.int32,
@@ -241,6 +251,69 @@ def _kvarena(case: Case, data: CaseData) -> Bench:
         return ops.attend(*args, cu, None, spec=spec, backend=backend, **kw)
 
     return Bench(fn, note="per-layer call (checked once)")
+
+
+def _train_inputs(case: Case, data: CaseData):
+    """Leaves with gradients: q ``[B*T, H_q, D]``, own k/v ``[B, T, H_kv, D]``, and dO."""
+    b, t = case.batch, case.chunk
+    q = data.q.detach().clone().requires_grad_(True)
+    k2 = data.new_k.view(b, t, case.h_kv, case.head_dim).detach().clone().requires_grad_(True)
+    v2 = data.new_v.view(b, t, case.h_kv, case.head_dim).detach().clone().requires_grad_(True)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    do = torch.randn(q.shape, generator=gen).to(device=q.device, dtype=q.dtype)
+    return q, k2, v2, do
+
+
+def _kvarena_train(case: Case, data: CaseData) -> Bench:
+    from kvarena.attention import ops
+    from kvarena.attention.spec import AttentionSpec
+
+    b, t = case.batch, case.chunk
+    q, k2, v2, do = _train_inputs(case, data)
+    hist_table = data.block_table[:, :-1].contiguous()  # the last page stands for the own keys
+    hist = (case.sinks + case.window - 1) * case.chunk
+    hist_lens = torch.full((b,), hist, dtype=torch.int32, device=data.device)
+    cu = data.cu_seqlens_q
+    spec = AttentionSpec(causal=False)  # a slab step sees its whole history and itself
+    backend = ops.resolve_backend("auto", data.device, q.dtype, True, triton_grad=True)
+    dense_table = torch.arange(b, dtype=torch.int32, device=data.device)[:, None]
+    own_lens = torch.full((b,), t, dtype=torch.int32, device=data.device)
+
+    def fn():
+        if backend == "triton":
+            out = ops.attend_with_own_kv(q, data.k_cache, data.v_cache, hist_table, hist_lens, cu, None, (k2, v2),
+                                         spec=spec, max_seqlen_q=t, max_seqlen_k=hist)
+        else:  # the torch path: the slab pool's two partial attentions and their merge
+            with_lse = spec.replace(return_lse=True)
+            oh, lh = ops.attend(q, data.k_cache, data.v_cache, hist_table, hist_lens, cu, None, spec=with_lse,
+                                max_seqlen_q=t, max_seqlen_k=hist, backend=backend)
+            oc, lc = ops.attend(q, k2, v2, dense_table, own_lens, cu, None, spec=with_lse, max_seqlen_q=t,
+                                max_seqlen_k=t, backend=backend)
+            out, _ = ops.merge(oh, lh, oc, lc, backend)
+        return torch.autograd.grad(out, (q, k2, v2), do)[0]
+
+    note = "Triton fwd + bwd" if backend == "triton" else "torch path fwd + autograd"
+    return Bench(fn, note=note)
+
+
+def _sdpa_train(case: Case, data: CaseData) -> Bench:
+    import torch.nn.functional as F
+
+    b, t = case.batch, case.chunk
+    q, k2, v2, do = _train_inputs(case, data)
+    hist = (case.sinks + case.window - 1) * case.chunk
+    kh, vh = (x[:, :, :hist].detach() for x in data.contiguous())  # [B, H_kv, hist, D], constants
+    backend = "flash" if data.device.type == "cuda" else None
+
+    def fn():
+        kk = torch.cat([kh, k2.transpose(1, 2)], 2)  # [B, H_kv, hist + T, D]
+        vv = torch.cat([vh, v2.transpose(1, 2)], 2)
+        qs = q.view(b, t, case.h_q, case.head_dim).transpose(1, 2)
+        with _sdpa_ctx(backend):
+            out = F.scaled_dot_product_attention(qs, kk, vv, enable_gqa=case.h_q != case.h_kv)
+        return torch.autograd.grad(out, (q, k2, v2), do.view(b, t, case.h_q, case.head_dim).transpose(1, 2))[0]
+
+    return Bench(fn, note=f"{backend or 'default'} SDPA fwd + bwd, history gathered once (untimed)")
 
 
 _SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
@@ -417,8 +490,8 @@ _BUILDERS: dict[str, Callable[[Case, CaseData], Bench]] = {
     "gather_sdpa_efficient": lambda c, d: _sdpa(c, d, gather=True, backend="efficient"),
     # On CUDA the contiguous baseline is the flash backend (docs/contract.md's target); on CPU
     # the default dispatch (the CPU flash kernel when it applies).
-    "sdpa_contiguous": lambda c, d: _sdpa(c, d, gather=False,
-                                          backend="flash" if d.device.type == "cuda" else None),
+    "sdpa_contiguous": lambda c, d: (_sdpa_train(c, d) if c.kind == "train" else
+                                     _sdpa(c, d, gather=False, backend="flash" if d.device.type == "cuda" else None)),
     "gather_flex": lambda c, d: _flex(c, d, gather=True),
     "flex_contiguous": lambda c, d: _flex(c, d, gather=False),
     "flash_attn": _flash_attn,

@@ -175,7 +175,7 @@ def _metrics(row: dict, case: Case, ceilings: dict) -> None:
         row["gbps"] = w["kv_bytes"] / sec / 1e9
         row["tflops"] = w["flops"] / sec / 1e12
         row["frac_ceiling"] = row["gbps"] / ceilings["copy_gbps"] if ceilings else None
-    elif case.kind == "chunk":
+    elif case.kind in ("chunk", "train"):
         row["gbps"] = w["kv_bytes"] / sec / 1e9
         row["tflops"] = w["flops"] / sec / 1e12
         row["frac_ceiling"] = row["tflops"] / ceilings["matmul_tflops"] if ceilings else None
