@@ -68,6 +68,31 @@ def _dscores(p, th, do, vt, delta, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, j, n_rows, q_start, kvh, num_kv_heads, stride_qt, stride_qh,
+               d, d_ok, GROUP: tl.constexpr, UPCAST: tl.constexpr):
+    """A tile of packed (position, head-in-group) rows ``j`` of kv head ``kvh``: q and dO
+    ``[BLOCK_M, HEAD_DIM_PAD]``, the exp2-domain lse and Delta ``[BLOCK_M]``, and the rows'
+    validity, position index and element offsets (q, dO and dQ share one layout)."""
+    row_ok = j < n_rows
+    pos_idx = j // GROUP
+    tok = (q_start + pos_idx).to(tl.int64)
+    head = (kvh * GROUP + j % GROUP).to(tl.int64)
+    row_off = tok * stride_qt + head * stride_qh  # [BLOCK_M]
+    lm = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + row_off[:, None] + d[None, :], mask=lm, other=0.0)
+    do = tl.load(do_ptr + row_off[:, None] + d[None, :], mask=lm, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    stat_off = tok * (num_kv_heads * GROUP) + head  # into the contiguous [total_q, H_q] lse / Delta
+    lse = tl.load(lse_ptr + stat_off, mask=row_ok, other=float("-inf"))
+    # A row that saw no key: lse = -inf; +inf makes every recomputed P exactly 0.
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(delta_ptr + stat_off, mask=row_ok, other=0.0)
+    return row_ok, pos_idx, row_off, q, do, lse2, delta
+
+
+@triton.jit
 def _attn_bwd_dq_kernel(
     q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, cu_q_ptr, kv_start_ptr,
@@ -106,10 +131,12 @@ def _attn_bwd_dq_kernel(
         return
     kv_lo = tl.load(kv_start_ptr + b) if HAS_KV_START else 0
 
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
     j = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M] (position, head-in-group) rows
-    row_ok = j < n_rows
-    pos_idx = j // GROUP
-    head_in = j % GROUP
+    row_ok, pos_idx, row_off, q, do, lse2, delta = _load_rows(
+        q_ptr, do_ptr, lse_ptr, delta_ptr, j, n_rows, q_start, kvh, num_kv_heads, stride_qt, stride_qh, d, d_ok,
+        GROUP, UPCAST)
     pos_base = seq_len - q_len
     q_pos = pos_base + pos_idx  # [BLOCK_M]
     if CAUSAL:
@@ -130,23 +157,6 @@ def _attn_bwd_dq_kernel(
     main_base = (lo // BLOCK_N) * BLOCK_N
     n_sink = tl.where(sink_hi > kv_lo, tl.cdiv(sink_hi - sink_base, BLOCK_N), 0)
     n_main = tl.where(hi > lo, tl.cdiv(hi - main_base, BLOCK_N), 0)
-
-    d = tl.arange(0, HEAD_DIM_PAD)
-    d_ok = d < HEAD_DIM
-    tok = (q_start + pos_idx).to(tl.int64)  # [BLOCK_M]
-    head = (kvh * GROUP + head_in).to(tl.int64)
-    row_off = tok * stride_qt + head * stride_qh  # [BLOCK_M]; q, dO and dQ share the layout
-    lm = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + row_off[:, None] + d[None, :], mask=lm, other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
-    do = tl.load(do_ptr + row_off[:, None] + d[None, :], mask=lm, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
-    stat_off = tok * (num_kv_heads * GROUP) + head  # [BLOCK_M] into [total_q, H_q]
-    lse = tl.load(lse_ptr + stat_off, mask=row_ok, other=float("-inf"))
-    # A row that saw no key: lse = -inf; +inf makes every recomputed P exactly 0.
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    delta = tl.load(delta_ptr + stat_off, mask=row_ok, other=0.0)
 
     bt_row = block_table_ptr + b.to(tl.int64) * stride_bt
     k_head = k_ptr + kvh.to(tl.int64) * stride_kh
@@ -193,7 +203,8 @@ def _attn_bwd_dq_kernel(
             ds = _dscores(p, th, do, vt, delta, HAS_SOFTCAP)
             dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision="ieee")
     dq = dq * scale
-    tl.store(dq_ptr + row_off[:, None] + d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=lm)
+    tl.store(dq_ptr + row_off[:, None] + d[None, :], dq.to(dq_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -261,23 +272,9 @@ def _attn_bwd_dkdv_kernel(
     n_rows = q_len * GROUP
     m_off = tl.arange(0, BLOCK_M)
     for m0 in range(0, n_rows, BLOCK_M):
-        j = m0 + m_off
-        row_ok = j < n_rows
-        pos_idx = j // GROUP
-        head_in = j % GROUP
-        tok = (q_start + pos_idx).to(tl.int64)
-        head = (kvh * GROUP + head_in).to(tl.int64)
-        row_off = tok * stride_qt + head * stride_qh
-        lm = row_ok[:, None] & d_ok[None, :]
-        q = tl.load(q_ptr + row_off[:, None] + d[None, :], mask=lm, other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
-        do = tl.load(do_ptr + row_off[:, None] + d[None, :], mask=lm, other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
-        stat_off = tok * (num_kv_heads * GROUP) + head
-        lse = tl.load(lse_ptr + stat_off, mask=row_ok, other=float("-inf"))
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        delta = tl.load(delta_ptr + stat_off, mask=row_ok, other=0.0)
+        row_ok, pos_idx, _, q, do, lse2, delta = _load_rows(
+            q_ptr, do_ptr, lse_ptr, delta_ptr, m0 + m_off, n_rows, q_start, kvh, num_kv_heads, stride_qt,
+            stride_qh, d, d_ok, GROUP, UPCAST)
         vis = row_ok[:, None] & key_ok[None, :]
         if GIVEN == 0:
             q_pos = seq_len - q_len + pos_idx  # [BLOCK_M]
@@ -306,8 +303,8 @@ def pick_bwd_config(head_dim: int, elem_bytes: int) -> dict:
     registers plus two fp32 ``[BLOCK_M, BLOCK_N]`` tiles (P, dS); the dK/dV program two
     fp32 ``[BLOCK_N, HEAD_DIM_PAD]`` accumulators and the K/V tile. Found by compiling for
     sm_80 and sm_90a with every mask flag on (0 spills everywhere): fp16/bf16 at D <= 128
-    32 x 32 over 4 warps (162-194 registers; 64 x 32 spills 56 bytes in dK/dV on sm_90a);
-    D = 256 32 x 32 over 8 warps (172-251); fp32 (IEEE FMA dots) 16 x 16 over 8 warps
+    32 x 32 over 4 warps (177-209 registers; 64 x 32 spills 56 bytes in dK/dV on sm_90a);
+    D = 256 32 x 32 over 8 warps (176-251); fp32 (IEEE FMA dots) 16 x 16 over 8 warps
     (60-75). Under the interpreter 16 x 16 keeps CPU tests fast.
     """
     d_pad = head_dim_pad(head_dim)
