@@ -170,7 +170,8 @@ def test_rows_that_see_no_key_get_zero_gradient(seed):
 
 
 class _LargestOutput(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the largest tensor any op produces (meta tensors: sizes only)."""
+    """Records the largest tensor any op allocates (views of existing tensors are not
+    allocations: the arena's per-layer views are skipped)."""
 
     def __init__(self):
         super().__init__()
@@ -178,6 +179,8 @@ class _LargestOutput(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         res = func(*args, **(kwargs or {}))
+        if func.is_view:
+            return res
         for t in torch.utils._pytree.tree_leaves(res):
             if isinstance(t, torch.Tensor) and t.numel() > self.largest:
                 self.largest, self.op = t.numel(), str(func)
@@ -254,3 +257,52 @@ def test_slab_training_step_composes_with_checkpoint(seed):
         grads.append((q.grad, k.grad, v.grad))
     for name, a, b in zip("qkv", *grads):
         assert torch.equal(a, b), f"d{name} differs under checkpoint"
+
+
+@pytest.mark.parametrize("commit", [False, True], ids=["denoise", "commit"])
+def test_compiled_training_step_keeps_the_triton_backward(monkeypatch, seed, commit):
+    """torch.compile(fullgraph=True) of a layer's forward + loss: the graph calls the Triton
+    forward and backward ops (fake kernels at trace time), never the score-materializing
+    torch path, and the gradients equal eager."""
+    from kvarena import CachePolicy, KVLayout, SlabKVCache
+    from kvarena.attention import reference
+    from kvarena.kernels import paged_attention_bwd as bwd_mod
+
+    calls = []
+    real_bwd = bwd_mod.paged_attention_bwd
+
+    def counting_bwd(*args, **kwargs):
+        calls.append(kwargs.get("given_mode"))
+        return real_bwd(*args, **kwargs)
+
+    def no_torch_path(*args, **kwargs):
+        raise AssertionError("the torch path ran under backend='triton'")
+
+    monkeypatch.setattr(bwd_mod, "paged_attention_bwd", counting_bwd)
+    monkeypatch.setattr(reference, "paged_attention_torch", no_torch_path)
+
+    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=24, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    x = [torch.randn(1, 5, h, 24, generator=gen) for h in (4, 2, 2)]
+    w = torch.randn(1, 5, 4, 24, generator=gen)
+    hist = [[torch.randn(1, 5, h, 24, generator=gen) for h in (4, 2, 2)] for _ in range(2)]
+    grads = {}
+    for mode in ("eager", "compiled"):
+        policy = CachePolicy("slab_kv", max_bytes=4 * layout.block_bytes(5), per_component={"sinks": 1, "window": 2})
+        pool = SlabKVCache(policy, layout=layout, slab_tokens=5)
+        with torch.no_grad():
+            for c in range(2):
+                pool.forward(*hist[c], pool.plan({"v": c}), 0, commit=True)
+        meta = pool.plan({"v": 2})
+
+        def step(q, k, v, pool=pool, meta=meta):
+            return (pool.forward(q, k, v, meta, 0, commit=commit, backend="triton") * w).sum()
+
+        fn = step if mode == "eager" else torch.compile(step, fullgraph=True, backend="aot_eager")
+        q, k, v = (t.clone().requires_grad_(True) for t in x)
+        calls.clear()
+        fn(q, k, v).backward()
+        assert calls == [1 if not commit else 0], f"{mode}: Triton backward calls {calls}"
+        grads[mode] = (q.grad, k.grad, v.grad)
+    for name, a, b in zip("qkv", grads["eager"], grads["compiled"]):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6), f"d{name}: compiled differs from eager"

@@ -399,16 +399,18 @@ def attend(
     """
     kn, vn = new_kv if new_kv is not None else (None, None)
     grad = _needs_grad(q, k_cache, v_cache, kn, vn)
-    if grad and backend == "triton" and not torch.compiler.is_compiling():
-        # The Triton forward, then the Triton backward (dq, and dk/dv for new_kv).
-        result, lse = _TritonAttention.apply(
-            q, kn, vn, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec, max_seqlen_q,
-            max_seqlen_k, _GIVEN_AT_QUERIES,
+    if grad and backend == "triton":
+        # The Triton forward, then the Triton backward (dq, and dk/dv for new_kv): one
+        # custom op with an autograd formula and fake kernels, eager or compiled.
+        if k_cache.requires_grad or v_cache.requires_grad:
+            raise ValueError("k_cache/v_cache: the Triton backward gives no gradient to a cache tensor; "
+                             "use backend='torch' (or give the keys as new_kv / own k, v)")
+        result, lse = torch.ops.kvarena.attention_train(
+            q, kn, vn, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, max_seqlen_q,
+            max_seqlen_k, _GIVEN_AT_QUERIES, *spec.op_args(),
         )
     elif grad:
-        # Differentiable torch path: plain torch ops that autograd (and dynamo) trace
-        # through; also backend="triton" while torch.compile traces (the backward has no
-        # fake implementation yet).
+        # Differentiable torch path: plain torch ops that autograd (and dynamo) trace through.
         result, lse = reference.paged_attention_torch(
             q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec=spec,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, new_kv=new_kv,
@@ -458,14 +460,16 @@ def attend_with_own_kv(
     visible to all its queries (a slab denoising step). One online softmax over both
     sources, fp32 throughout (no rounded partials, no merge launch). Returns like
     :func:`attend`, or None when the launch cannot take a second source (the caller then
-    attends to each source and merges). Eager Triton only; arguments trusted.
+    attends to each source and merges). Arguments trusted. Under autograd (eager or
+    compiled) it always answers: the differentiable op falls back to two launches and a
+    merge inside its forward.
     """
     if _needs_grad(q, *own_kv):
         # Differentiable: the Triton backward (dq, and dk/dv of the own keys); its forward
         # falls back to two launches and a merge when one launch cannot take both sources.
-        result, lse = _TritonAttention.apply(
-            q, own_kv[0], own_kv[1], k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec,
-            max_seqlen_q, max_seqlen_k, _GIVEN_AFTER_HISTORY,
+        result, lse = torch.ops.kvarena.attention_train(
+            q, own_kv[0], own_kv[1], k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start,
+            max_seqlen_q, max_seqlen_k, _GIVEN_AFTER_HISTORY, *spec.op_args(),
         )
         return (result, lse) if spec.return_lse else result
     result = torch.empty_like(q)
@@ -505,45 +509,56 @@ def _history_and_own(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, k
     return merge(out_h, lse_h, out, lse, "triton")
 
 
-class _TritonAttention(torch.autograd.Function):
-    """Triton forward + Triton backward; gradients for q and the keys given in the call.
+def _attention_train_impl(q, gk, gv, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start,
+                          max_seqlen_q, max_seqlen_k, mode, *spec_args):
+    spec = AttentionSpec.from_op_args(spec_args)
+    if mode == _GIVEN_AFTER_HISTORY:
+        return _history_and_own(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, (gk, gv), spec,
+                                int(max_seqlen_q), int(max_seqlen_k))
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse,
+                   spec.replace(return_lse=True), int(max_seqlen_q), int(max_seqlen_k))
+    return out, lse
 
-    The backward reads the arena again (the history is a constant, not saved): the blocks
-    the forward read must hold the same values when backward runs, so a caller that
-    plans and stores later steps before calling backward must not recycle them first
-    (the slab pool recycles at ``plan``; run backward, or checkpoint's recompute, before
-    the next ``plan`` that evicts a chunk the step attended).
-    """
 
-    @staticmethod
-    def forward(ctx, q, gk, gv, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec,
-                max_seqlen_q, max_seqlen_k, mode):
-        if mode == _GIVEN_AFTER_HISTORY:
-            out, lse = _history_and_own(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start,
-                                        (gk, gv), spec, max_seqlen_q, max_seqlen_k)
-        else:
-            out = torch.empty_like(q)
-            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-            _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse,
-                           spec.replace(return_lse=True), max_seqlen_q, max_seqlen_k)
-        ctx.save_for_backward(q, gk, gv, out, lse, block_table, seq_lens, cu_seqlens_q, kv_start)
-        ctx.caches = (k_cache, v_cache)  # the arena: read again, never differentiated
-        ctx.spec, ctx.max_seqlen_q, ctx.mode = spec, max_seqlen_q, mode
-        return out, lse
+def _attention_train_bwd_impl(dout, dlse, q, gk, gv, out, lse, k_cache, v_cache, block_table, seq_lens,
+                              cu_seqlens_q, kv_start, max_seqlen_q, mode, *spec_args):
+    from kvarena.kernels.paged_attention_bwd import paged_attention_bwd
 
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        from kvarena.kernels.paged_attention_bwd import paged_attention_bwd
+    given = (gk, gv) if gk is not None else None
+    dq, dk, dv = paged_attention_bwd(
+        dout, q, out, lse, dlse, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start,
+        spec=AttentionSpec.from_op_args(spec_args), max_seqlen_q=int(max_seqlen_q), given=given, given_mode=mode,
+    )
+    if dk is None:  # no given keys: 0-element placeholders (the schema returns tensors)
+        dk, dv = q.new_empty(0), q.new_empty(0)
+    return dq, dk, dv
 
-        q, gk, gv, out, lse, block_table, seq_lens, cu_seqlens_q, kv_start = ctx.saved_tensors
-        given = (gk, gv) if gk is not None else None
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = paged_attention_bwd(
-            dout, q, out, lse, dlse, *ctx.caches, block_table, seq_lens, cu_seqlens_q, kv_start, spec=ctx.spec,
-            max_seqlen_q=ctx.max_seqlen_q, given=given, given_mode=ctx.mode,
-        )
-        return dq, dk, dv, *([None] * 10)
+
+def _attention_train_setup(ctx, inputs, output):
+    q, gk, gv, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, max_q, _, mode, *spec_args = inputs
+    out, lse = output
+    # The arena is saved through .data: a separate version counter, since every later store
+    # into the arena (other layers, the next chunk) bumps the shared one and would make
+    # autograd refuse a backward that reads blocks nobody touched. The caller keeps the
+    # blocks the step read unchanged until backward (docs/contract.md).
+    ctx.save_for_backward(q, gk, gv, out, lse, k_cache.data, v_cache.data, block_table, seq_lens, cu_seqlens_q,
+                          kv_start)
+    ctx.max_seqlen_q, ctx.mode, ctx.spec_args = max_q, mode, spec_args
+
+
+def _attention_train_backward(ctx, dout, dlse):
+    q, gk, gv, out, lse, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.kvarena.attention_train_bwd(
+        dout, dlse, q, gk, gv, out, lse, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start,
+        ctx.max_seqlen_q, ctx.mode, *ctx.spec_args,
+    )
+    if gk is None:
+        dk = dv = None
+    return (dq, dk, dv, *([None] * (9 + len(ctx.spec_args))))
 
 
 # --------------------------------------------------------------------------- store
@@ -740,6 +755,37 @@ def _paged_attention_op_fake(q, k_cache, v_cache, block_table, seq_lens, cu_seql
 
 _LIB.impl("paged_attention", _paged_attention_op_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("kvarena::paged_attention", _paged_attention_op_fake, lib=_LIB)
+
+# The differentiable Triton attention (training): forward with lse, and its backward, each
+# an opaque op with a fake kernel so torch.compile(fullgraph=True) keeps the Triton
+# backward (no [queries x keys] tensor) in its graphs.
+_LIB.define(
+    "attention_train(Tensor q, Tensor? gk, Tensor? gv, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+    "Tensor seq_lens, Tensor cu_seqlens_q, Tensor? kv_start, SymInt max_seqlen_q, SymInt max_seqlen_k, int mode, "
+    f"{AttentionSpec.op_schema()}) -> (Tensor, Tensor)"
+)
+_LIB.define(
+    "attention_train_bwd(Tensor dout, Tensor? dlse, Tensor q, Tensor? gk, Tensor? gv, Tensor out, Tensor lse, "
+    "Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, Tensor cu_seqlens_q, Tensor? kv_start, "
+    f"SymInt max_seqlen_q, int mode, {AttentionSpec.op_schema()}) -> (Tensor, Tensor, Tensor)"
+)
+_LIB.impl("attention_train", _attention_train_impl, "CompositeExplicitAutograd")
+_LIB.impl("attention_train_bwd", _attention_train_bwd_impl, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "kvarena::attention_train",
+    lambda q, *args: (torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)), lib=_LIB,
+)
+
+
+def _attention_train_bwd_fake(dout, dlse, q, gk, gv, *args):
+    if gk is None:
+        return torch.empty_like(q), q.new_empty(0), q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(gk), torch.empty_like(gv)
+
+
+torch.library.register_fake("kvarena::attention_train_bwd", _attention_train_bwd_fake, lib=_LIB)
+torch.library.register_autograd("kvarena::attention_train", _attention_train_backward,
+                                setup_context=_attention_train_setup, lib=_LIB)
 
 
 def _store_kv_impl(

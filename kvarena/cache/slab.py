@@ -676,8 +676,10 @@ class SlabKVCache(KVPoolBase):
             vd = v if v.stride(-1) == 1 else v.contiguous()
             hist_kv_start = meta.hist_kv_start if meta.hist_has_kv_start else None
             res = None
-            if attn_backend == "triton" and not torch.compiler.is_compiling():
-                # One launch: the cached history and the given k/v as two key sources.
+            grad = kv_grad or (torch.is_grad_enabled() and q.requires_grad)
+            if attn_backend == "triton" and (grad or not torch.compiler.is_compiling()):
+                # One launch: the cached history and the given k/v as two key sources (under
+                # autograd the differentiable op, also while torch.compile traces).
                 res = attend_with_own_kv(
                     qf, kc, vc, meta.hist_block_table, meta.hist_seq_lens, meta.cu_seqlens_q, hist_kv_start,
                     (kd, vd), spec=op_spec, max_seqlen_q=t, max_seqlen_k=meta.hist_max_seqlen_k,
