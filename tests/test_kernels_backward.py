@@ -150,6 +150,28 @@ def test_backward_kernels_match_dense_fp64_autograd(seed, dtype, lens, q_lens, k
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU-lane test")
+def test_given_keys_no_query_sees_get_zero_gradient(monkeypatch, seed):
+    """A seq_len-0 padding row (CUDA-graph batches) owns a query and a given key, and a key
+    below kv_start is given too: their dk/dv rows are 0, not whatever the allocation held
+    (every fresh tensor is NaN-filled here)."""
+    real = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: real(t, **kw).fill_(float("nan")))
+    case = paged_case([6, 0], [3, 1], dtype=torch.float32, group=2, h_kv=1, head_dim=24, block_size=5, seed=seed,
+                      kv_start=[4, 0])
+    spec = AttentionSpec(return_lse=True)
+    args = (case["q"], case["k_cache"], case["v_cache"], case["block_table"], case["seq_lens"], case["cu_seqlens_q"],
+            case["kv_start"])
+    out, lse = ops.attend(*args, spec=spec, max_seqlen_q=3, max_seqlen_k=6, backend="triton")
+    gk, gv = torch.randn(4, 1, 24), torch.randn(4, 1, 24)  # rows 0-2: positions 3-5 of seq 0; row 3: padding
+    dq, dk, dv = bwd.paged_attention_bwd(torch.randn_like(out), case["q"], out, lse, None, *args[1:], spec=spec,
+                                         max_seqlen_q=3, given=(gk, gv))
+    for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert torch.isfinite(g).all(), f"{name} holds unwritten rows"
+    assert torch.equal(dk[0], torch.zeros_like(dk[0])) and torch.equal(dv[0], torch.zeros_like(dv[0])), "below kv_start"
+    assert torch.equal(dk[3], torch.zeros_like(dk[3])) and torch.equal(dv[3], torch.zeros_like(dv[3])), "padding row"
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU-lane test")
 def test_rows_that_see_no_key_get_zero_gradient(seed):
     """kv_start == seq_len hides every key of sequence 0: its rows' dq is exactly 0."""
     case = paged_case([8, 12], [3, 4], dtype=torch.float32, group=2, h_kv=1, head_dim=24, block_size=5, seed=seed,

@@ -235,6 +235,8 @@ FAST = [
 DECLINED = [
     ("causal-prefill", [17, 30], [5, 5], dict()),
     ("window-cuts", [100], [1], dict(window_left=10)),
+    # The first query's window covers every key, the last query's does not.
+    ("window-cuts-for-the-last-query-only", [4], [2], dict(causal=False, window_left=2)),
     ("block-causal-chunk-straddles", [15], [7], dict(chunk_size=7)),
     ("ragged-query-counts", [17, 30], [1, 2], dict(causal=False)),
     ("softcap", [17], [1], dict(softcap=3.0)),
@@ -261,6 +263,28 @@ def test_sdpa_fast_path_runs_and_matches_naive_loop(seed, dtype, group, lengths,
 def test_sdpa_fast_path_declines_masked_calls(lengths, q_lens, opts) -> None:
     case = Case(lengths, q_lens, group=4)
     assert _sdpa_path(case, **opts) is None
+
+
+def test_sdpa_fast_path_takes_q_with_a_strided_head_dim(seed) -> None:
+    """q's head_dim need not be contiguous (the public op accepts any strides); the CPU
+    kernel assumes it is, so the fast path copies such a q first."""
+    case = Case([17, 30], [1, 1], group=2)
+    case.q = case.q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, stride(-1) != 1
+    assert case.q.stride(-1) != 1
+    out, lse = _sdpa_path(case)
+    check(out, lse, *case.expected(), torch.float32, "strided q")
+
+
+def test_torch_path_with_no_keys_keeps_q_in_the_graph() -> None:
+    """Every seq_len 0 (a padding-only batch): out = 0, and backward gives q a zero
+    gradient instead of failing on an output detached from q."""
+    q = torch.randn(2, 4, 16, requires_grad=True)
+    cache = torch.randn(2, 4, 2, 16)
+    out = paged_attention(q, cache, cache, torch.zeros(2, 1, dtype=torch.int32),
+                          torch.zeros(2, dtype=torch.int32), backend="torch")
+    assert torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q))
 
 
 def test_sdpa_fast_path_declines_fake_tensors() -> None:

@@ -213,10 +213,10 @@ def paged_attention_torch(
     acc = _acc_dtype(q.dtype)
     dev = q.device
     if total_q == 0 or max_seqlen_k == 0 or max_seqlen_q == 0 or b_count == 0:
-        return (
-            torch.zeros_like(q),
-            torch.full((total_q, h_q), float("-inf"), dtype=acc, device=dev),
-        )
+        # Zeros that stay connected to q (gradient 0, as on the Triton path; a where, not
+        # q * 0, so a NaN in q cannot reach them).
+        out = torch.where(torch.zeros((), dtype=torch.bool, device=dev), q, torch.zeros((), dtype=q.dtype, device=dev))
+        return out, torch.full((total_q, h_q), float("-inf"), dtype=acc, device=dev)
     lens = seq_lens.long()
     cu = cu_seqlens_q.long()
     q_lens = cu[1:] - cu[:-1]  # [B]
@@ -330,8 +330,8 @@ def paged_attention_sdpa(
                 continue  # sees nothing: zeroed below
             if spec.causal and (q_len > 1 if chunk is None else p0 // chunk < (seq_len - 1) // chunk):
                 return None  # keys in the causal future of some query
-            if window is not None and p0 - window > max(start, spec.sink_tokens):
-                return None  # the window cuts into the keys in range
+            if window is not None and seq_len - 1 - window > max(start, spec.sink_tokens):
+                return None  # the last query's window cuts into the keys in range
     starts = starts or [0] * b_count
     block_size, h_kv = k_cache.shape[1], k_cache.shape[2]
     out_dtype = q.dtype
@@ -352,6 +352,8 @@ def paged_attention_sdpa(
     kv_strides = (n_blocks * block_size * h_kv * d, d, h_kv * d, 1)
     k = k_cache.index_select(0, flat).as_strided(kv_shape, kv_strides)
     v = v_cache.index_select(0, flat).as_strided(kv_shape, kv_strides)
+    if q.stride(-1) != 1:
+        q = q.contiguous()  # the CPU kernel assumes a unit head_dim stride
     if q.dtype in (torch.float16, torch.bfloat16):
         # The CPU kernel's half-precision path converts each K/V block once per query head
         # (and per query block); converting the gathered K/V once is 1.5-2.5x faster for

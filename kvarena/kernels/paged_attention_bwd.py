@@ -288,7 +288,9 @@ def _attn_bwd_dkdv_kernel(
         dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision="ieee")
     dk = dk * scale
     out_off = key_off[:, None] + d[None, :]
-    om = key_ok[:, None] & d_ok[None, :]
+    # Every given key gets a row, zeros for one no query sees (a seq_len-0 padding row of a
+    # CUDA-graph batch, a key below kv_start): dk/dv are allocated uninitialized.
+    om = (n < k_len)[:, None] & d_ok[None, :]
     tl.store(dk_ptr + out_off, dk.to(dk_ptr.dtype.element_ty), mask=om)
     tl.store(dv_ptr + out_off, dv.to(dv_ptr.dtype.element_ty), mask=om)
 
