@@ -115,6 +115,14 @@ def test_slab_tokens_from_policy_and_constructor_errors() -> None:
         SlabKVCache(CachePolicy("slab_kv", 10_000)).plan({"a": 0})
 
 
+@pytest.mark.parametrize("key", ["windows", "sink", "window_tokens"])
+def test_unknown_per_component_key_names_itself(key) -> None:
+    """A misspelt key used to be ignored silently ("windows": 2 gave an unbounded window)."""
+    with pytest.raises(ValueError, match=f"unknown key '{key}'"):
+        SlabKVCache(CachePolicy("slab_kv", 10_000, per_component={"window": 2, key: 1}), layout=_layout(),
+                    slab_tokens=4)
+
+
 def test_shared_arena_with_a_paged_pool(seed) -> None:
     lay, lm = _layout(), KVLayout(1, 1, 8, torch.float32)
     arena = KVArena({"slab_kv": RegionSpec(lay, ST, lay.block_bytes(ST) * 4), "paged_kv": RegionSpec(lm, 4, lm.block_bytes(4) * 8)})

@@ -53,6 +53,10 @@ _VISIBILITY = (
 )
 
 
+# The per_component keys a slab pool reads (CachePolicy is shared by every cache class).
+_SLAB_COMPONENTS = frozenset({"window", "sinks", "slab_tokens"})
+
+
 def _op_specs(spec: AttentionSpec) -> tuple[AttentionSpec, AttentionSpec]:
     """What a slab forward passes to the op for a layer spec: ``(spec, spec with lse)``.
 
@@ -233,6 +237,12 @@ class SlabKVCache(KVPoolBase):
         self._init_pool(policy, attention)
         device = as_device(device)
         per = policy.per_component
+        unknown = sorted(set(per) - _SLAB_COMPONENTS)
+        if unknown:  # a misspelt "window" would silently mean an unbounded window
+            raise ValueError(
+                f"policy.per_component: unknown key {unknown[0]!r} for a slab pool; expected "
+                f"{', '.join(repr(k) for k in sorted(_SLAB_COMPONENTS))}"
+            )
         self.window = max(1, int(per.get("window", _UNBOUNDED_WINDOW)))
         self.sinks = int(per.get("sinks", 0))
         self.training_mode = bool(policy.training_mode_disables_recycle)
