@@ -498,10 +498,8 @@ def _history_and_own(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, k
     # Two launches: the history, then the own keys as one block per sequence; exact merge.
     k2, v2 = own_kv
     b, t = k2.shape[0], k2.shape[1]
-    out_h = torch.empty_like(q)
-    lse_h = torch.empty_like(lse)
-    _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out_h, lse_h, spec,
-                   max_seqlen_q, max_seqlen_k)
+    out_h, lse_h = _paged_attention_body(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec,
+                                         max_seqlen_q, max_seqlen_k, "triton")
     table = torch.arange(b, dtype=torch.int32, device=q.device)[:, None]
     lens = torch.full((b,), t, dtype=torch.int32, device=q.device)
     own_spec = spec.replace(causal=False, window_left=None, sink_tokens=0)
@@ -515,11 +513,8 @@ def _attention_train_impl(q, gk, gv, k_cache, v_cache, block_table, seq_lens, cu
     if mode == _GIVEN_AFTER_HISTORY:
         return _history_and_own(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, (gk, gv), spec,
                                 int(max_seqlen_q), int(max_seqlen_k))
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse,
-                   spec.replace(return_lse=True), int(max_seqlen_q), int(max_seqlen_k))
-    return out, lse
+    return _paged_attention_body(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec,
+                                 int(max_seqlen_q), int(max_seqlen_k), "triton")
 
 
 def _attention_train_bwd_impl(dout, dlse, q, gk, gv, out, lse, k_cache, v_cache, block_table, seq_lens,

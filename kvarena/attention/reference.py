@@ -302,7 +302,7 @@ def paged_attention_sdpa(
     position mask exists, so none is built (the batched path materializes a
     ``[B, H, Mq, Mk]`` fp32 score tensor and its mask: 4-8x slower on the quick bench set);
     keys are gathered once through the block table, and the kernel reads each K/V head for
-    its whole GQA group (no repeated K/V, no copies of q or out). Lengths that differ get a
+    its whole GQA group (no repeated K/V). Lengths that differ get a
     ``[B, 1, 1, Mk]`` additive mask and their out-of-range keys zeroed, so garbage in
     slots past ``L`` or before ``kv_start`` never meets a weight. Returns None (the caller
     runs :func:`paged_attention_torch`) for anything else: the same answer either way.
@@ -321,10 +321,12 @@ def paged_attention_sdpa(
     q_len = cus[1] - cus[0]
     if q_len == 0 or cus != list(range(0, total_q + 1, q_len)) or len(cus) != b_count + 1:
         return None  # ragged query counts: the padded path handles them
+    starts = starts or [0] * b_count
     if spec.causal or spec.window_left is not None:
-        # Does a position rule hide a key in [kv_start, L) from the sequence's first query?
+        # Does a position rule hide a key in [kv_start, L) from some query? The causal rule
+        # binds hardest on the first query, the window on the last.
         chunk, window = spec.chunk_size, spec.window_left
-        for seq_len, start in zip(lens, starts or [0] * b_count):
+        for seq_len, start in zip(lens, starts):
             p0 = seq_len - q_len  # the first query's position
             if seq_len == 0 or start >= seq_len:
                 continue  # sees nothing: zeroed below
@@ -332,7 +334,6 @@ def paged_attention_sdpa(
                 return None  # keys in the causal future of some query
             if window is not None and seq_len - 1 - window > max(start, spec.sink_tokens):
                 return None  # the last query's window cuts into the keys in range
-    starts = starts or [0] * b_count
     block_size, h_kv = k_cache.shape[1], k_cache.shape[2]
     out_dtype = q.dtype
     max_k = max(lens)

@@ -313,7 +313,7 @@ def pick_bwd_config(head_dim: int, elem_bytes: int) -> dict:
     maxnreg = 255  # stated for the tensor-core configs: left alone, ptxas capped dK/dV at
     # 168 registers (3 CTAs per SM) on sm_80 and spilt 4 bytes; fp32 keeps ptxas's choice.
     if interpreting():
-        bm, bn, warps, stages = 16, 16, 4, 1
+        bm, bn, warps, stages, maxnreg = 16, 16, 4, 1, None
     elif elem_bytes >= 4:
         bm, bn, warps, stages, maxnreg = 16, 16, 8, 1, None
     elif d_pad > 128:
@@ -382,7 +382,7 @@ def paged_attention_bwd(
     common = dict(GROUP=group, HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
                   CAUSAL=spec.causal, HAS_KV_START=kv_start is not None, HAS_SOFTCAP=bool(softcap), UPCAST=upcast,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if cfg["maxnreg"] is not None and not interpreting():
+    if cfg["maxnreg"] is not None:
         common["maxnreg"] = cfg["maxnreg"]
     num_q_tiles = triton.cdiv(max(max_seqlen_q, 1) * group, block_m)
     run = q.device.type != "meta"  # meta: a dry run (the allocations, no kernel)
