@@ -191,6 +191,16 @@ class RolloutReport:
     wall_s: float = 0.0
 
 
+def _slab_pool(cfg: DiTConfig, dtype, device, rollouts: int, sinks: int, window: int) -> SlabKVCache:
+    """A slab pool holding exactly ``rollouts`` x (sinks + window) chunks of the model."""
+    layout = KVLayout(cfg.num_layers, cfg.num_heads, cfg.head_dim, dtype)
+    policy = CachePolicy(
+        "slab_kv", max_bytes=rollouts * (sinks + window) * layout.block_bytes(cfg.chunk_tokens),
+        per_component={"window": window, "sinks": sinks, "slab_tokens": cfg.chunk_tokens},
+    )
+    return SlabKVCache(policy, layout=layout, slab_tokens=cfg.chunk_tokens, device=device)
+
+
 @torch.no_grad()
 def run_causal_dit(
     *,
@@ -219,14 +229,8 @@ def run_causal_dit(
     torch.manual_seed(seed)
     cfg = DiTConfig()
     model = TinyCausalDiT(cfg).to(device=device, dtype=dtype).eval()
-    layout = KVLayout(cfg.num_layers, cfg.num_heads, cfg.head_dim, dtype)
     namespaces = [f"video{r}/{br}" for r in range(rollouts) for br in ("cond", "uncond")]
-    slab_bytes = layout.block_bytes(cfg.chunk_tokens)
-    policy = CachePolicy(
-        "slab_kv", max_bytes=len(namespaces) * (sinks + window) * slab_bytes,
-        per_component={"window": window, "sinks": sinks, "slab_tokens": cfg.chunk_tokens},
-    )
-    kv = SlabKVCache(policy, layout=layout, slab_tokens=cfg.chunk_tokens, device=device)
+    kv = _slab_pool(cfg, dtype, device, len(namespaces), sinks, window)
     features = FeatureCache(CachePolicy("feature", max_bytes=1 << 24))
     residuals = ResidualCache(CachePolicy("residual", max_bytes=1 << 24))
     report = RolloutReport(arena_reserved_bytes=kv.arena.reserved_bytes)
@@ -342,12 +346,7 @@ def run_training_step(
     torch.manual_seed(seed)
     cfg = DiTConfig()
     model = TinyCausalDiT(cfg).to(device=device, dtype=dtype)
-    layout = KVLayout(cfg.num_layers, cfg.num_heads, cfg.head_dim, dtype)
-    policy = CachePolicy(
-        "slab_kv", max_bytes=(sinks + window) * layout.block_bytes(cfg.chunk_tokens),
-        per_component={"window": window, "sinks": sinks, "slab_tokens": cfg.chunk_tokens},
-    )
-    kv = SlabKVCache(policy, layout=layout, slab_tokens=cfg.chunk_tokens, device=device)
+    kv = _slab_pool(cfg, dtype, device, 1, sinks, window)
     ns = "video0"
     gen = torch.Generator().manual_seed(seed + 1)
     prompt = torch.randint(1, cfg.vocab, (cfg.text_len,), generator=gen).to(device)
