@@ -480,6 +480,47 @@ def attend_with_own_kv(
     return (result, lse) if spec.return_lse else result
 
 
+def attend_history_and_own(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_start: torch.Tensor | None,
+    own_kv: tuple[torch.Tensor, torch.Tensor],
+    *,
+    own_table: torch.Tensor,
+    own_lens: torch.Tensor,
+    spec: AttentionSpec,
+    spec_lse: AttentionSpec,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A denoising step: the cached history plus the step's own k/v ``[B, T, H_kv, D]``.
+
+    Triton (eager, or under autograd also while compiling): :func:`attend_with_own_kv`.
+    Otherwise, or when that launch cannot take both sources, two partial attentions (the
+    own keys as one block per sequence: ``own_table`` ``[B, 1]`` = ``arange(B)``,
+    ``own_lens`` = T) merged by LSE. ``spec_lse`` is ``spec`` with ``return_lse``.
+    Returns ``(out, lse)``, ``lse`` None unless ``spec.return_lse``.
+    """
+    t = own_kv[0].shape[1]
+    grad = _needs_grad(q, *own_kv)
+    if backend == "triton" and (grad or not torch.compiler.is_compiling()):
+        res = attend_with_own_kv(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, own_kv,
+                                 spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        if res is not None:
+            return res if spec.return_lse else (res, None)
+    out_h, lse_h = attend(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec=spec_lse,
+                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, backend=backend)
+    out_c, lse_c = attend(q, own_kv[0], own_kv[1], own_table, own_lens, cu_seqlens_q, None, spec=spec_lse,
+                          max_seqlen_q=max_seqlen_q, max_seqlen_k=t, backend=backend)
+    out, lse = merge(out_h, lse_h, out_c, lse_c, backend)
+    return out, (lse if spec.return_lse else None)
+
+
 # ----------------------------------------------------------------------- Triton backward
 
 # How the keys given in a call relate to the query rows (kernels.paged_attention_bwd).

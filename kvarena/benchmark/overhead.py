@@ -15,7 +15,7 @@ Rows
     it is the host time to issue them (launches are asynchronous).
 ``*.forward, ops stubbed``
     The same call with the pool module's ``store_kv`` / ``paged_attention`` /
-    ``merge_attention_states`` replaced by stubs that return at once: the pool's own
+    ``attend_history_and_own`` replaced by stubs that return at once: the pool's own
     Python (argument checks, metadata checks, commit bookkeeping), independent of the
     device and of the kernels.
 ``paged_attention validated / attend trusted, impl stubbed``
@@ -84,8 +84,8 @@ def _stub_store(*args):
     return None
 
 
-def _stub_merge(out_a, lse_a, out_b, lse_b, backend):
-    return out_a, lse_a
+def _stub_history_and_own(q, *args, spec, **kwargs):
+    return q, (q.new_zeros(q.shape[:2], dtype=torch.float32) if spec.return_lse else None)
 
 
 @contextlib.contextmanager
@@ -258,7 +258,8 @@ def _slab(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]:
              f"store + attend {(sinks + window) * chunk} keys"),
     ]
     try:
-        with _patched("kvarena.cache.slab", store=_stub_store, attend=_stub_attention, merge=_stub_merge):
+        with _patched("kvarena.cache.slab", store=_stub_store, attend=_stub_attention,
+                      attend_history_and_own=_stub_history_and_own):
             rollout(warm + reps, None, t_stub, warm)
         rows.append(_row("slab.forward commit, ops stubbed", batch, device, t_stub, "the pool's own Python"))
     except Exception as exc:

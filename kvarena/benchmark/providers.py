@@ -279,17 +279,12 @@ def _kvarena_train(case: Case, data: CaseData) -> Bench:
     dense_table = torch.arange(b, dtype=torch.int32, device=data.device)[:, None]
     own_lens = torch.full((b,), t, dtype=torch.int32, device=data.device)
 
-    def fn():
-        if backend == "triton":
-            out = ops.attend_with_own_kv(q, data.k_cache, data.v_cache, hist_table, hist_lens, cu, None, (k2, v2),
-                                         spec=spec, max_seqlen_q=t, max_seqlen_k=hist)
-        else:  # the torch path: the slab pool's two partial attentions and their merge
-            with_lse = spec.replace(return_lse=True)
-            oh, lh = ops.attend(q, data.k_cache, data.v_cache, hist_table, hist_lens, cu, None, spec=with_lse,
-                                max_seqlen_q=t, max_seqlen_k=hist, backend=backend)
-            oc, lc = ops.attend(q, k2, v2, dense_table, own_lens, cu, None, spec=with_lse, max_seqlen_q=t,
-                                max_seqlen_k=t, backend=backend)
-            out, _ = ops.merge(oh, lh, oc, lc, backend)
+    spec_lse = spec.replace(return_lse=True)
+
+    def fn():  # what SlabKVCache.forward(commit=False) runs
+        out, _ = ops.attend_history_and_own(q, data.k_cache, data.v_cache, hist_table, hist_lens, cu, None, (k2, v2),
+                                            own_table=dense_table, own_lens=own_lens, spec=spec, spec_lse=spec_lse,
+                                            max_seqlen_q=t, max_seqlen_k=hist, backend=backend)
         return torch.autograd.grad(out, (q, k2, v2), do)[0]
 
     note = "Triton fwd + bwd" if backend == "triton" else "torch path fwd + autograd"

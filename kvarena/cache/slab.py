@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from kvarena.attention.ops import attend, attend_with_own_kv, merge, store
+from kvarena.attention.ops import attend, attend_history_and_own, store
 from kvarena.attention.spec import AttentionSpec, check_bool
 from kvarena.cache._meta import (
     StaleMetadataError,
@@ -685,27 +685,11 @@ class SlabKVCache(KVPoolBase):
             kd = k if k.stride(-1) == 1 else k.contiguous()
             vd = v if v.stride(-1) == 1 else v.contiguous()
             hist_kv_start = meta.hist_kv_start if meta.hist_has_kv_start else None
-            res = None
-            grad = kv_grad or (torch.is_grad_enabled() and q.requires_grad)
-            if attn_backend == "triton" and (grad or not torch.compiler.is_compiling()):
-                # One launch: the cached history and the given k/v as two key sources (under
-                # autograd the differentiable op, also while torch.compile traces).
-                res = attend_with_own_kv(
-                    qf, kc, vc, meta.hist_block_table, meta.hist_seq_lens, meta.cu_seqlens_q, hist_kv_start,
-                    (kd, vd), spec=op_spec, max_seqlen_q=t, max_seqlen_k=meta.hist_max_seqlen_k,
-                )
-            if res is not None:
-                out, lse = res if spec.return_lse else (res, None)
-            else:  # the torch path, or a launch that cannot take two sources: merge by LSE
-                out_h, lse_h = attend(
-                    qf, kc, vc, meta.hist_block_table, meta.hist_seq_lens, meta.cu_seqlens_q, hist_kv_start,
-                    spec=op_spec_lse, max_seqlen_q=t, max_seqlen_k=meta.hist_max_seqlen_k, backend=attn_backend,
-                )
-                out_c, lse_c = attend(
-                    qf, kd, vd, meta.dense_block_table, meta.dense_seq_lens, meta.cu_seqlens_q, None,
-                    spec=op_spec_lse, max_seqlen_q=t, max_seqlen_k=t, backend=attn_backend,
-                )
-                out, lse = merge(out_h, lse_h, out_c, lse_c, attn_backend)
+            out, lse = attend_history_and_own(
+                qf, kc, vc, meta.hist_block_table, meta.hist_seq_lens, meta.cu_seqlens_q, hist_kv_start, (kd, vd),
+                own_table=meta.dense_block_table, own_lens=meta.dense_seq_lens, spec=op_spec, spec_lse=op_spec_lse,
+                max_seqlen_q=t, max_seqlen_k=meta.hist_max_seqlen_k, backend=attn_backend,
+            )
         out = out.reshape(b, t, h_q, d)
         return (out, lse.reshape(b, t, h_q)) if spec.return_lse else out
 
