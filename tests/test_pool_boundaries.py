@@ -139,8 +139,8 @@ def test_slab_plan_is_all_or_nothing_when_a_pool_on_the_same_region_allocates(mo
     orig = slab_mod._Rollout
 
     class Racing(orig):
-        def __init__(self) -> None:
-            super().__init__()
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
             if not thief.namespaces():
                 thief.allocate("t", 1)
 

@@ -115,7 +115,7 @@ def test_slab_tokens_from_policy_and_constructor_errors() -> None:
         SlabKVCache(CachePolicy("slab_kv", 10_000)).plan({"a": 0})
 
 
-@pytest.mark.parametrize("key", ["windows", "sink", "window_tokens"])
+@pytest.mark.parametrize("key", ["windows", "sink", "sink_token"])
 def test_unknown_per_component_key_names_itself(key) -> None:
     """A misspelt key used to be ignored silently ("windows": 2 gave an unbounded window)."""
     with pytest.raises(ValueError, match=f"unknown key '{key}'"):

@@ -497,26 +497,33 @@ def attend_history_and_own(
     max_seqlen_q: int,
     max_seqlen_k: int,
     backend: str,
+    own_kv_start: torch.Tensor | None = None,
+    own_max_seqlen_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A denoising step: the cached history plus the step's own k/v ``[B, T, H_kv, D]``.
+    """A denoising step: the cached history plus the step's own k/v.
 
-    Triton (eager, or under autograd also while compiling): :func:`attend_with_own_kv`.
-    Otherwise, or when that launch cannot take both sources, two partial attentions (the
-    own keys as one block per sequence: ``own_table`` ``[B, 1]`` = ``arange(B)``,
-    ``own_lens`` = T) merged by LSE. ``spec_lse`` is ``spec`` with ``return_lse``.
-    Returns ``(out, lse)``, ``lse`` None unless ``spec.return_lse``.
+    ``own_kv`` is either ``[B, T, H_kv, D]``, every sequence's own keys visible to all its
+    queries (``own_table`` ``[B, 1]`` = ``arange(B)``, ``own_lens`` = T), or, with
+    ``own_max_seqlen_k`` given, a paged view of them read through ``own_table``,
+    ``own_lens`` and ``own_kv_start`` (a multi-chunk step, where each chunk sees part of
+    the run). Triton with whole own blocks (eager, or under autograd also while
+    compiling): :func:`attend_with_own_kv`, one launch. Otherwise, or when that launch
+    cannot take both sources, two partial attentions merged by LSE. ``spec_lse`` is
+    ``spec`` with ``return_lse``. Returns ``(out, lse)``, ``lse`` None unless
+    ``spec.return_lse``.
     """
-    t = own_kv[0].shape[1]
+    paged = own_max_seqlen_k is not None
     grad = _needs_grad(q, *own_kv)
-    if backend == "triton" and (grad or not torch.compiler.is_compiling()):
+    if not paged and backend == "triton" and (grad or not torch.compiler.is_compiling()):
         res = attend_with_own_kv(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, own_kv,
                                  spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         if res is not None:
             return res if spec.return_lse else (res, None)
     out_h, lse_h = attend(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec=spec_lse,
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, backend=backend)
-    out_c, lse_c = attend(q, own_kv[0], own_kv[1], own_table, own_lens, cu_seqlens_q, None, spec=spec_lse,
-                          max_seqlen_q=max_seqlen_q, max_seqlen_k=t, backend=backend)
+    out_c, lse_c = attend(q, own_kv[0], own_kv[1], own_table, own_lens, cu_seqlens_q, own_kv_start, spec=spec_lse,
+                          max_seqlen_q=max_seqlen_q, max_seqlen_k=own_max_seqlen_k if paged else own_kv[0].shape[1],
+                          backend=backend)
     out, lse = merge(out_h, lse_h, out_c, lse_c, backend)
     return out, (lse if spec.return_lse else None)
 

@@ -25,14 +25,15 @@ attending to a history chunk not committed at the layer being run raises.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvarena.attention.ops import attend, attend_history_and_own, store
-from kvarena.attention.spec import AttentionSpec, check_bool
+from kvarena.attention.ops import attend, attend_history_and_own, resolve_backend, store
+from kvarena.attention.spec import INT_LIMIT, AttentionSpec, check_bool
 from kvarena.cache._meta import (
     StaleMetadataError,
     as_device,
@@ -54,7 +55,7 @@ _VISIBILITY = (
 
 
 # The per_component keys a slab pool reads (CachePolicy is shared by every cache class).
-_SLAB_COMPONENTS = frozenset({"window", "sinks", "slab_tokens"})
+_SLAB_COMPONENTS = frozenset({"window", "sinks", "sink_tokens", "window_tokens", "slab_tokens"})
 
 
 def _op_specs(spec: AttentionSpec) -> tuple[AttentionSpec, AttentionSpec]:
@@ -66,6 +67,45 @@ def _op_specs(spec: AttentionSpec) -> tuple[AttentionSpec, AttentionSpec]:
     """
     op = spec.replace(causal=False)
     return op, op.replace(return_lse=True)
+
+
+def _chunk_start(c: int, n0: int, st: int) -> int:
+    """First logical token of chunk ``c`` (chunk 0 has ``n0`` tokens, the others ``st``)."""
+    return 0 if c == 0 else n0 + (c - 1) * st
+
+
+def _chunk_end(c: int, n0: int, st: int) -> int:
+    return n0 + c * st
+
+
+def _chunk_len(c: int, n0: int, st: int) -> int:
+    return n0 if c == 0 else st
+
+
+def _clip(intervals: list, lo: int, hi: int) -> list:
+    """``intervals`` cut to ``[lo, hi)``, empty pieces dropped."""
+    out = [(max(a, lo), min(b, hi)) for a, b in intervals]
+    return [(a, b) for a, b in out if b > a]
+
+
+def _pages(intervals: list, g: int, page_id) -> tuple[list, int, int]:
+    """One kernel sequence over buffer ``intervals`` in pages of ``g`` rows.
+
+    Returns ``(page ids, kv_start, seq_len)``: the pages covering each interval in order,
+    the first interval's offset in its first page as ``kv_start`` and the last one's
+    end as ``seq_len``. Every interval but the first starts, and every one but the last
+    ends, on a page edge (the caller picks ``g`` so), so the visible keys are exactly
+    ``[kv_start, seq_len)`` of the concatenation.
+    """
+    ids: list[int] = []
+    start = length = 0
+    for n, (a, b) in enumerate(intervals):
+        p0, p1 = a // g, -(-b // g)
+        if n == 0:
+            start = a - p0 * g
+        ids.extend(page_id(p) for p in range(p0, p1))
+        length = len(ids) * g - (p1 * g - b)
+    return ids, start, length
 
 
 @dataclass
@@ -97,52 +137,68 @@ class _Chunk:
 
 
 class _Rollout:
-    __slots__ = ("chunks", "last", "version")
+    __slots__ = ("chunks", "last", "version", "n0", "retired")
 
-    def __init__(self) -> None:
+    def __init__(self, n0: int) -> None:
         self.chunks: dict[int, _Chunk] = {}  # ascending chunk index = logical order
         self.last = -1
         self.version = next_version()
+        self.n0 = n0  # tokens of chunk 0 (stored right-aligned in its slab)
+        # Chunks a multi-chunk run evicted while still reading them: held (and re-plannable
+        # runs still see them) until a plan of the namespace no longer reads them, then freed.
+        self.retired: dict[int, _Chunk] = {}
 
 
 @dataclass(frozen=True, eq=False)
 class SlabMetadata:
-    """One denoising step of a batch of rollouts, from :meth:`SlabKVCache.plan`.
+    """One step of a batch of rollouts, from :meth:`SlabKVCache.plan`. Reused by every layer.
 
-    ``B`` rollouts, each planning one chunk of ``T`` tokens (``n_tokens``); ``W`` is the
-    most chunks any row sees (``<= sinks + window``). Reused by every layer.
+    ``B`` rollouts, each planning a run of consecutive chunks (usually one) of ``T``
+    tokens in all (``n_tokens``). The kernels see one *sequence* per planned chunk
+    (``N = num_chunks`` of them, rollout-major): its queries are the chunk's tokens, its
+    keys the visible tokens, listed through a table of *pages* (``page_tokens`` rows of a
+    slab; a whole slab unless token sinks/windows or a short chunk 0 need a junction
+    inside one).
 
     Attributes
     ----------
-    namespaces, chunk_indices : tuple
-        Per row, in the order of the mapping given to ``plan``.
-    n_tokens, num_seqs : int
-        ``T`` and ``B``.
-    block_table : Tensor, int32 ``[B, W]``
-        Slots of the visible chunks in logical order, the current chunk last.
-    seq_lens : Tensor, int32 ``[B]``
-        ``visible_chunks * slab_tokens``.
-    kv_start : Tensor, int32 ``[B]``
-        Hides the unfilled head of a short chunk 0 (stored right-aligned); else 0.
+    namespaces : tuple
+        Per rollout, in the order of the mapping given to ``plan``.
+    chunk_indices : tuple of int
+        Per rollout, the run's last (newest) chunk.
+    chunk_ranges : tuple of range
+        Per rollout, the planned chunks.
+    n_tokens, num_seqs, num_chunks : int
+        ``T``, ``B`` and ``N``.
+    page_tokens : int
+        Rows per page of the arena tables (divides ``slab_tokens``).
+    block_table, seq_lens, kv_start : Tensor, int32 ``[N, W]``, ``[N]``, ``[N]``
+        The visible keys of each chunk's queries (sinks part, then window part ending at
+        the chunk itself): exactly ``[kv_start, seq_len)`` of the listed pages.
     hist_block_table, hist_seq_lens, hist_kv_start : Tensor, int32
-        The same without the current chunk (``[B, max(W-1, 1)]``, ``[B]``, ``[B]``);
-        ``hist_seq_lens`` is 0 for a rollout's first chunk.
-    cu_seqlens_q : Tensor, int32 ``[B + 1]``
-        ``arange(B + 1) * T``.
+        The same restricted to tokens before the run (``hist_seq_lens`` 0: none).
+    cu_seqlens_q : Tensor, int32 ``[N + 1]``
+        Query rows of each sequence (chunk lengths, cumulated).
     slot_mapping : Tensor, int32 (int64 past 2**31 slots) ``[B * T]``
-        Where ``commit=True`` writes the chunk's tokens (right-aligned in the slab).
-    dense_block_table, dense_seq_lens : Tensor, int32 ``[B, 1]``, ``[B]``
-        Attend over the given K/V viewed as a ``[B, T, H_kv, D]`` cache.
-    max_seqlen_q, max_seqlen_k, hist_max_seqlen_k : int
+        Where ``commit=True`` writes the run's tokens (chunk 0 right-aligned in its slab).
+    own_page_tokens : int
+        Rows per page of the given k/v viewed as pages (``T`` for a one-chunk plan).
+    dense_block_table, dense_seq_lens, dense_kv_start : Tensor, int32
+        The run's tokens each chunk sees, in the given k/v ``[B, T, H_kv, D]`` viewed as
+        ``[B * T / own_page_tokens, own_page_tokens, H_kv, D]`` pages.
+    max_seqlen_q, max_seqlen_k, hist_max_seqlen_k, dense_max_seqlen_k : int
         Host maxima.
-    has_kv_start, hist_has_kv_start : bool
-        Whether any row needs its ``kv_start``.
+    has_kv_start, hist_has_kv_start, dense_has_kv_start : bool
+        Whether any sequence needs its ``kv_start``.
     """
 
     namespaces: tuple
     chunk_indices: tuple
+    chunk_ranges: tuple
     n_tokens: int
     num_seqs: int
+    num_chunks: int
+    page_tokens: int
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     kv_start: torch.Tensor
@@ -151,18 +207,22 @@ class SlabMetadata:
     hist_kv_start: torch.Tensor
     cu_seqlens_q: torch.Tensor
     slot_mapping: torch.Tensor
+    own_page_tokens: int
     dense_block_table: torch.Tensor
     dense_seq_lens: torch.Tensor
+    dense_kv_start: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
     hist_max_seqlen_k: int
+    dense_max_seqlen_k: int
     has_kv_start: bool
     hist_has_kv_start: bool
+    dense_has_kv_start: bool
     _owner: int = field(repr=False)
     _versions: tuple = field(repr=False)
     _epoch: int = field(repr=False)
-    _current: tuple = field(repr=False)  # _Chunk per row
-    _history: tuple = field(repr=False)  # (namespace, _Chunk) of every history chunk
+    _current: tuple = field(repr=False)  # _Chunk of every planned chunk
+    _history: tuple = field(repr=False)  # ((namespace, index), _Chunk) of every chunk seen before the run
 
     def __deepcopy__(self, memo) -> SlabMetadata:
         # The chunk records are the pool's own bookkeeping, not data of the plan: a copy
@@ -243,8 +303,23 @@ class SlabKVCache(KVPoolBase):
                 f"policy.per_component: unknown key {unknown[0]!r} for a slab pool; expected "
                 f"{', '.join(repr(k) for k in sorted(_SLAB_COMPONENTS))}"
             )
-        self.window = max(1, int(per.get("window", _UNBOUNDED_WINDOW)))
-        self.sinks = int(per.get("sinks", 0))
+        token_keys = sorted(set(per) & {"sink_tokens", "window_tokens"})
+        chunk_keys = sorted(set(per) & {"sinks", "window"})
+        if token_keys and chunk_keys:
+            raise ValueError(
+                f"policy.per_component: {chunk_keys[0]!r} (whole chunks) and {token_keys[0]!r} (tokens) "
+                "cannot be mixed; give sinks/window or sink_tokens/window_tokens"
+            )
+        if token_keys:
+            self.sinks = self.window = None
+            self.sink_tokens = _check_int('policy.per_component["sink_tokens"]', per.get("sink_tokens", 0), 0)
+            w = per.get("window_tokens")
+            self.window_tokens = None if w is None else _check_int('policy.per_component["window_tokens"]', w, 1)
+        else:
+            self.window = max(1, int(per.get("window", _UNBOUNDED_WINDOW)))
+            self.sinks = int(per.get("sinks", 0))
+            self.sink_tokens = self.window_tokens = None
+        self._page_views: dict = {}
         self.training_mode = bool(policy.training_mode_disables_recycle)
         self._rollouts: dict[Hashable, _Rollout] = {}
         if slab_tokens is not None:
@@ -260,7 +335,7 @@ class SlabKVCache(KVPoolBase):
             reg, layout = region_of_arena(
                 arena, region, policy, "slab_kv", layout, "slab_tokens", slab_tokens, device
             )
-            self._check_block_bytes(reg.block_bytes, reg.layout, reg.block_tokens)
+            self._check_slab(reg.block_bytes, reg.layout, reg.block_tokens)
             self._attach(arena, reg, self._bind_layout(reg.layout, arena.device))
         elif region is not None:
             raise ValueError("region: only meaningful together with arena=")
@@ -274,7 +349,12 @@ class SlabKVCache(KVPoolBase):
             self._materialize(layout, slab_tokens, device)
 
     # ------------------------------------------------------------------ arena
-    def _check_block_bytes(self, bb: int, layout: KVLayout, slab_tokens: int) -> None:
+    def _check_slab(self, bb: int, layout: KVLayout, slab_tokens: int) -> None:
+        if self.window_tokens is not None and self.window_tokens < slab_tokens:
+            raise ValueError(
+                f'policy.per_component["window_tokens"]: expected >= slab_tokens ({slab_tokens}): a '
+                f"chunk's queries see their whole chunk, got {self.window_tokens}"
+            )
         given = int(getattr(self.policy, "block_bytes", 0))
         if given not in (0, bb):
             raise ValueError(
@@ -284,7 +364,7 @@ class SlabKVCache(KVPoolBase):
 
     def _materialize(self, layout: KVLayout, slab_tokens: int, device) -> None:
         bb = layout.block_bytes(slab_tokens)
-        self._check_block_bytes(bb, layout, slab_tokens)
+        self._check_slab(bb, layout, slab_tokens)
         specs = self._bind_layout(layout, device or torch.device("cpu"))
         arena = KVArena.single("slab_kv", layout, slab_tokens, self.policy.max_bytes, device=device)
         self._attach(arena, arena["slab_kv"], specs)
@@ -303,6 +383,7 @@ class SlabKVCache(KVPoolBase):
         self.slab_tokens = reg.block_tokens
         self.device = arena.device
         self.slab_bytes = reg.block_bytes
+        self._page_views = {}
         nslots = reg.num_blocks * reg.block_tokens
         self._slot_dtype = torch.int32 if nslots < 2**31 else torch.int64
 
@@ -332,137 +413,273 @@ class SlabKVCache(KVPoolBase):
             r = self._rollouts.get(namespace)
             return [] if r is None else list(r.chunks)
 
+    def chunks_for_tokens(self, namespace: Hashable, current_start: int, n_tokens: int) -> tuple[range, int]:
+        """The :meth:`plan` entry for tokens ``[current_start, current_start + n_tokens)``.
+
+        What a model that counts tokens (Self-Forcing's ``current_start``) needs: the chunk
+        range those tokens cover, ``(range(c0, c1), n_tokens)``. A namespace with no chunk
+        yet starts at 0, and its chunk 0 takes what whole later chunks leave (1 to
+        ``slab_tokens`` tokens: an image-to-video first frame).
+
+        Raises
+        ------
+        ValueError
+            ``current_start`` or the end is not a chunk boundary of the namespace.
+        """
+        self._require_arena("chunks_for_tokens")
+        start = _check_int("current_start", current_start, 0)
+        n = _check_int("n_tokens", n_tokens, 1)
+        st = self.slab_tokens
+        with self._lock:
+            r = self._rollouts.get(namespace)
+            n0 = None if r is None else r.n0
+        if n0 is None:
+            if start != 0:
+                raise ValueError(f"current_start: namespace {namespace!r} holds no chunk yet, so its first call starts "
+                                 f"at token 0, got {start}")
+            return range(0, -(-n // st)), n
+
+        def chunk_at(t: int, what: str) -> int:
+            if t == 0:
+                return 0
+            if t < n0 or (t - n0) % st:
+                raise ValueError(f"{what}: token {t} is not a chunk boundary of namespace {namespace!r} (chunk 0 "
+                                 f"holds {n0} tokens, the others {st})")
+            return 1 + (t - n0) // st
+
+        return range(chunk_at(start, "current_start"), chunk_at(start + n, "current_start + n_tokens")), n
+
     # ------------------------------------------------------------------ visibility
-    def visible_chunks(self, chunk_index: int) -> list[int]:
-        """Chunk indices chunk ``chunk_index`` attends to, in logical order (itself last)."""
-        c = chunk_index
-        sinks = list(range(min(self.sinks, c + 1)))
-        if c < self.sinks:
-            return sinks
-        return sinks + list(range(max(self.sinks, c - self.window + 1), c + 1))
+    def _rule(self, n0: int) -> tuple[int, int | None]:
+        """``(S, W)``: sink and window tokens of a rollout whose chunk 0 has ``n0`` tokens.
+
+        Chunk counts are the token rule at chunk boundaries: ``sinks`` chunks are the
+        tokens before chunk ``sinks``' start, a ``window`` of m chunks is ``m * slab_tokens``
+        tokens ending at a chunk's end. ``W`` None is unbounded.
+        """
+        if self.sink_tokens is not None:
+            return self.sink_tokens, self.window_tokens
+        st = self.slab_tokens or 1  # chunk visibility does not depend on it
+        s = 0 if self.sinks == 0 else n0 + (self.sinks - 1) * st
+        return s, None if self.window >= _UNBOUNDED_WINDOW else self.window * st
+
+    def _intervals(self, c: int, n0: int) -> list[tuple[int, int]]:
+        """Token intervals chunk ``c`` sees: ``t < e`` and (``t < S`` or ``t >= e - W``)."""
+        s_tok, w_tok = self._rule(n0)
+        e = _chunk_end(c, n0, self.slab_tokens or 1)
+        lo = 0 if w_tok is None else max(0, e - w_tok)
+        if lo <= s_tok:
+            return [(0, e)]
+        return ([(0, s_tok)] if s_tok > 0 else []) + [(lo, e)]
+
+    def _chunks_seen(self, c: int, n0: int) -> list[int]:
+        st = self.slab_tokens or 1
+        pad = st - n0
+        seen: set[int] = set()
+        for a, b in self._intervals(c, n0):
+            seen.update(range((a + pad) // st, (b + pad - 1) // st + 1))
+        return sorted(seen)
+
+    def visible_chunks(self, chunk_index: int, namespace: Hashable | None = None) -> list[int]:
+        """Chunk indices chunk ``chunk_index`` attends to (at least one token of), ascending.
+
+        With token sinks/window the answer depends on the length of the rollout's chunk
+        0: that of ``namespace`` if it is known, else a full one.
+        """
+        c = _check_int("chunk_index", chunk_index, 0)
+        if self.sink_tokens is not None:
+            self._require_arena("visible_chunks")
+        r = self._rollouts.get(namespace) if namespace is not None else None
+        return self._chunks_seen(c, r.n0 if r is not None else (self.slab_tokens or 1))
 
     # ------------------------------------------------------------------ planning
-    def _parse(self, ns, spec) -> tuple[int, int | None]:
+    def _parse(self, ns, spec) -> tuple[int, int, int | None]:
+        """``(c0, c1, n_tokens)`` of one batch entry (``n_tokens`` of the whole run)."""
+        n = None
         if isinstance(spec, tuple):
             if len(spec) != 2:
                 raise ValueError(
-                    f"batch[{ns!r}]: expected chunk_index or (chunk_index, n_tokens), got {spec!r}"
+                    f"batch[{ns!r}]: expected chunk_index or (chunk_index, n_tokens), or range(c0, c1) "
+                    f"or (range(c0, c1), n_tokens), got {spec!r}"
                 )
-            c = _check_int(f"batch[{ns!r}] chunk_index", spec[0], 0)
-            return c, _check_int(f"batch[{ns!r}] n_tokens", spec[1], 1)
-        return _check_int(f"batch[{ns!r}] chunk_index", spec, 0), None
+            spec, n = spec
+            n = _check_int(f"batch[{ns!r}] n_tokens", n, 1)
+        if isinstance(spec, range):
+            if spec.step != 1 or len(spec) == 0 or spec.start < 0:
+                raise ValueError(
+                    f"batch[{ns!r}]: expected a non-empty range(c0, c1) of consecutive chunks, c0 >= 0, got {spec!r}"
+                )
+            return spec.start, spec.stop, n
+        c = _check_int(f"batch[{ns!r}] chunk_index", spec, 0)
+        return c, c + 1, n
+
+    def _run_lengths(self, ns, r: _Rollout | None, c0: int, c1: int, n: int | None) -> tuple[int, list[int]]:
+        """``(n0, tokens of each chunk of the run)`` after checking ``n`` against them."""
+        st = self.slab_tokens
+        last = -1 if r is None else r.last
+        known = {c: {**r.retired, **r.chunks}[c].n_tokens for c in range(c0, min(c1, last + 1))} if r is not None else {}
+        if c1 - c0 == 1 and n is not None:  # one chunk: the historical messages
+            c = c0
+            if c in known and n != known[c]:
+                raise ValueError(
+                    f"batch[{ns!r}]: chunk {c} was planned with {known[c]} tokens; re-planning it with {n} is not allowed"
+                )
+            if c not in known and n > st:
+                raise ValueError(f"batch[{ns!r}]: n_tokens {n} is longer than a slab ({st} slab_tokens)")
+            if c not in known and n < st and c != 0:
+                raise ValueError(
+                    f"batch[{ns!r}]: only chunk 0 may be shorter than slab_tokens ({st}); chunk {c} has {n} tokens"
+                )
+        if r is not None:
+            n0 = r.n0
+        elif n is None:
+            n0 = st
+        else:  # chunk 0 is new and starts this run: it takes what the others leave
+            n0 = n - (c1 - 1) * st
+            if not 1 <= n0 <= st:
+                raise ValueError(
+                    f"batch[{ns!r}]: n_tokens {n} for chunks {c0}..{c1 - 1}: expected {(c1 - 1) * st + 1} to "
+                    f"{c1 * st} (only chunk 0 may be shorter than slab_tokens {st})"
+                )
+        lens = [known.get(c, _chunk_len(c, n0, st)) for c in range(c0, c1)]
+        if n is not None and n != sum(lens):
+            raise ValueError(f"batch[{ns!r}]: chunks {c0}..{c1 - 1} hold {sum(lens)} tokens, got n_tokens {n}")
+        return n0, lens
 
     def _reserve(self, batch: Mapping) -> tuple[list, int]:
         """Validate a batch and claim its slots (all-or-nothing). Caller holds the lock.
 
-        Returns ``([(namespace, rollout_or_None, chunk or None, index, n_tokens)], T)``
-        after applying it.
+        Returns ``([(namespace, rollout, run chunks, chunk records by index)], T_run)``
+        after applying it; the records include chunks the run retired (still read by it).
         """
         if not isinstance(batch, Mapping):
             raise TypeError(
-                f"batch: expected a mapping of namespace -> chunk_index or (chunk_index, "
-                f"n_tokens), got {type(batch).__name__}"
+                f"batch: expected a mapping of namespace -> chunk_index, (chunk_index, n_tokens), "
+                f"range(c0, c1) or (range(c0, c1), n_tokens), got {type(batch).__name__}"
             )
         if not batch:
             raise ValueError("batch: expected at least one namespace")
         st = self.slab_tokens
-        rows = []
+        steps = []
         t_common = None
-        new_slots = 0
+        new_slots = released = 0
         for ns, spec in batch.items():
-            c, n = self._parse(ns, spec)
+            c0, c1, n = self._parse(ns, spec)
             r = self._rollouts.get(ns)
-            known = r.chunks.get(c) if r is not None else None
-            if known is not None:
-                if n is not None and n != known.n_tokens:
-                    raise ValueError(
-                        f"batch[{ns!r}]: chunk {c} was planned with {known.n_tokens} tokens; "
-                        f"re-planning it with {n} is not allowed"
-                    )
-                n = known.n_tokens
-                missing = [i for i in self.visible_chunks(c) if i not in r.chunks]
-                if missing:
-                    raise ValueError(
-                        f"batch[{ns!r}]: chunk {c} sees chunks {missing} that were already "
-                        "recycled; it cannot be planned again"
-                    )
-            else:
-                last = -1 if r is None else r.last
-                if c != last + 1:
-                    if r is not None and c <= last:
-                        raise ValueError(
-                            f"batch[{ns!r}]: chunk {c} was already recycled (namespace holds "
-                            f"chunks {list(r.chunks)})"
-                        )
-                    raise ValueError(
-                        f"batch[{ns!r}]: the next new chunk of this namespace is {last + 1}, got {c}"
-                    )
-                if n is None:
-                    n = st
-                if n > st:
-                    raise ValueError(
-                        f"batch[{ns!r}]: n_tokens {n} is longer than a slab ({st} slab_tokens)"
-                    )
-                if n < st and c != 0:
-                    raise ValueError(
-                        f"batch[{ns!r}]: only chunk 0 may be shorter than slab_tokens ({st}); "
-                        f"chunk {c} has {n} tokens"
-                    )
-                if self._needs_slot(r, c):
-                    new_slots += 1
-            if t_common is None:
-                t_common = n
-            elif n != t_common:
+            last = -1 if r is None else r.last
+            if c0 > last + 1:
+                raise ValueError(f"batch[{ns!r}]: the next new chunk of this namespace is {last + 1}, got {c0}")
+            gone = [c for c in range(c0, min(c1, last + 1)) if c not in r.chunks and c not in r.retired]
+            if gone:
                 raise ValueError(
-                    f"batch[{ns!r}]: every rollout of one plan shares one T; got {n} tokens "
+                    f"batch[{ns!r}]: chunk {gone[0]} was already recycled (namespace holds chunks {list(r.chunks)})"
+                )
+            n0, lens = self._run_lengths(ns, r, c0, c1, n)
+            run_tokens = sum(lens)
+            if t_common is None:
+                t_common = run_tokens
+            elif run_tokens != t_common:
+                raise ValueError(
+                    f"batch[{ns!r}]: every rollout of one plan shares one T; got {run_tokens} tokens "
                     f"after {t_common} (plan a short first chunk in a batch of its own)"
                 )
-            rows.append((ns, c, n, known))
+            resident = set(r.chunks) if r is not None else set()
+            seen_by_run: set[int] = set()
+            for c in range(c0, c1):
+                seen = self._chunks_seen(c, n0)
+                seen_by_run.update(seen)
+                if c <= last:
+                    missing = [i for i in seen if i not in resident and i not in r.retired and not c0 <= i < c1]
+                    if missing:
+                        raise ValueError(
+                            f"batch[{ns!r}]: chunk {c} sees chunks {missing} that were already recycled; "
+                            "it cannot be planned again"
+                        )
+            # Walk the new chunks as one-by-one planning would. A chunk that no later query can
+            # see (no sink token, every token older than the window) is dead: its slot goes to
+            # the new chunk in place, unless this run still reads it; then it is retired, its
+            # slot held until the namespace's next plan. Slots: an int, or -k for fresh one k.
+            s_tok, w_tok = self._rule(n0)
+            slot_of = {i: r.chunks[i].slot for i in resident}
+            new_slot: dict[int, int] = {}
+            reuse, retire, fresh, dropped = [], [], 0, 0
+            for c in range(max(c0, last + 1), c1):
+                if w_tok is not None and not self.training_mode:
+                    limit = _chunk_end(c, n0, st) - w_tok
+                    for i in sorted(slot_of):
+                        if _chunk_start(i, n0, st) >= s_tok and _chunk_end(i, n0, st) <= limit:
+                            if i in seen_by_run:
+                                retire.append(i)
+                                slot_of.pop(i)
+                            else:
+                                reuse.append(slot_of.pop(i))
+                            dropped += 1
+                if reuse:
+                    slot_of[c] = reuse.pop(0)  # the oldest dead chunk's slab, in place
+                else:
+                    fresh += 1
+                    slot_of[c] = -fresh
+                new_slot[c] = slot_of[c]
+            new_slots += fresh
+            if r is not None:
+                released += sum(1 for i in r.retired if i not in seen_by_run)
+            steps.append((ns, c0, c1, n0, lens, slot_of, new_slot, reuse, retire, fresh, dropped, seen_by_run))
         alloc = self._region.allocator
-        if new_slots > alloc.num_free:
+        if new_slots > alloc.num_free + released:
             raise CacheFullError(
-                f"plan needs {new_slots} new slabs, only {alloc.num_free} of {alloc.num_blocks} "
+                f"plan needs {new_slots} new slabs, only {alloc.num_free + released} of {alloc.num_blocks} "
                 f"are free ({self.slab_bytes} bytes each, budget {self.policy.max_bytes})"
             )
-        # Every new slab in ONE allocator call before anything changes: the allocator may
-        # be shared with another pool on the same arena region (its own lock, not ours),
-        # so a per-row alloc could fail half-way and leave the batch half applied.
-        fresh = iter(alloc.alloc(new_slots))
+        # Release the slabs earlier runs retired, then every new slab in ONE allocator call
+        # before anything else changes: the allocator may be shared with another pool on the
+        # same arena region (its own lock, not ours), so a per-row alloc could fail half-way.
+        for ns, *_x, seen_by_run in steps:
+            r = self._rollouts.get(ns)
+            done = [] if r is None else [i for i in r.retired if i not in seen_by_run]
+            if done:
+                alloc.decref([r.retired.pop(i).slot for i in done])
+                r.version = self._stamp()
+        fresh_ids = alloc.alloc(new_slots)
         out = []
-        for ns, c, n, known in rows:
+        for ns, c0, c1, n0, lens, slot_of, new_slot, reuse, retire, fresh, dropped, _seen in steps:
+            ids, fresh_ids = fresh_ids[:fresh], fresh_ids[fresh:]
+
+            def real(tok: int, ids=ids) -> int:
+                return tok if tok >= 0 else ids[-tok - 1]
+
             r = self._rollouts.get(ns)
             if r is None:
-                r = self._rollouts[ns] = _Rollout()
-            if known is None:
-                if self._needs_slot(r, c):
-                    slot = next(fresh)
-                else:  # recycle the oldest non-sink chunk in place
-                    oldest = next(i for i in r.chunks if i >= self.sinks)
-                    slot = r.chunks.pop(oldest).slot
-                    r.version = self._stamp()
-                known = r.chunks[c] = _Chunk(c, slot, n, self.layout.num_layers)
-                r.last = c
-            out.append((ns, r, known))
+                r = self._rollouts[ns] = _Rollout(n0)
+            records = {**r.retired, **r.chunks}
+            for c, n in zip(range(c0, c1), lens):
+                if c in new_slot:
+                    records[c] = _Chunk(c, real(new_slot[c]), n, self.layout.num_layers)
+                    r.last = c
+            run = [records[c] for c in range(c0, c1)]
+            r.chunks = {i: records[i] for i in sorted(slot_of)}
+            if dropped:
+                r.version = self._stamp()
+            if reuse:  # dead chunks beyond those the new chunks took over
+                alloc.decref(reuse)
+            r.retired.update((i, records[i]) for i in retire)
+            out.append((ns, r, run, records))
         return out, t_common
 
-    def _needs_slot(self, r: _Rollout | None, c: int) -> bool:
-        if r is None or self.training_mode or c < self.sinks:
-            return True
-        held_sinks = min(self.sinks, r.last + 1)
-        return len(r.chunks) - held_sinks < self.window
-
     def plan(self, batch: Mapping[Hashable, Any]) -> SlabMetadata:
-        """Claim (or find) each rollout's chunk slot and build the step's metadata.
+        """Claim (or find) each rollout's chunk slots and build the step's metadata.
 
         Parameters
         ----------
-        batch : mapping of namespace to ``chunk_index`` or ``(chunk_index, n_tokens)``
-            One chunk per rollout, all of one length ``T``. A new chunk must be the
-            namespace's next one (the first is 0); ``n_tokens`` defaults to
-            ``slab_tokens`` for a new chunk and to the recorded length for a known one;
-            only chunk 0 may be shorter. Re-planning a known chunk reuses its slot and
-            never advances or evicts; a new chunk past ``sinks + window`` recycles the
-            oldest non-sink slab in place (never in training mode).
+        batch : mapping of namespace to a chunk or a run of chunks
+            ``chunk_index`` or ``(chunk_index, n_tokens)``: one chunk. ``range(c0, c1)``
+            or ``(range(c0, c1), n_tokens)``: the consecutive chunks ``c0 .. c1-1`` in ONE
+            step (conditioning prefill, a recache of the window), ``n_tokens`` the run's
+            total (needed only when a new chunk 0 in it is short). Every rollout of one
+            plan has the same number of tokens ``T``. A new chunk must be the namespace's
+            next one (the first is 0); only chunk 0 may be shorter than ``slab_tokens``.
+            Re-planning a known chunk reuses its slot; a new chunk takes over, in place,
+            the slot of a chunk no later query can see (no sink token and every token
+            older than the window; never in training mode).
 
         Returns
         -------
@@ -487,28 +704,68 @@ class SlabKVCache(KVPoolBase):
     def _build_meta(self, rows, t: int) -> SlabMetadata:
         st = self.slab_tokens
         b = len(rows)
-        vis_rows, hist_rows, starts, hist_starts, history = [], [], [], [], []
-        for ns, r, cur in rows:
-            chunks = [r.chunks[i] for i in self.visible_chunks(cur.index)]
-            first = chunks[0]
-            start = st - first.n_tokens if first.index == 0 else 0
-            vis_rows.append([ch.slot for ch in chunks])
-            hist_rows.append([ch.slot for ch in chunks[:-1]])
-            starts.append(start)
-            hist_starts.append(start if len(chunks) > 1 else 0)
-            history.extend((ns, ch) for ch in chunks[:-1])
-        w = max(len(x) for x in vis_rows)
-        wh = max(1, w - 1)
-        lens = [len(x) * st for x in vis_rows]
-        hist_lens = [len(x) * st for x in hist_rows]
+        # Per kernel sequence (one per chunk of each run): its queries' token intervals,
+        # split into history (before the run) and own (the run's given k/v).
+        seqs = []
+        history: dict = {}
+        for row, (ns, r, run, records) in enumerate(rows):
+            n0, pad = r.n0, st - r.n0
+            r0 = _chunk_start(run[0].index, n0, st)
+            for ch in run:
+                full = self._intervals(ch.index, n0)
+                hist = _clip(full, 0, r0)
+                own = [(a - r0, e - r0) for a, e in _clip(full, r0, INT_LIMIT)]
+                seqs.append((row, r, records, pad, ch.n_tokens, full, hist, own))
+                for i in self._chunks_seen(ch.index, n0):
+                    if i < run[0].index:
+                        history[(ns, i)] = records[i]
+        # Page sizes: the largest divisor of the slab (of the run) at which every junction
+        # between the sink part and the window part falls on a page edge.
+        g = st
+        g_own = t
+        for _row, _r, _rec, pad, _n, full, hist, own in seqs:
+            for ivs, shift in ((full, pad), (hist, pad)):
+                if len(ivs) > 1:
+                    g = math.gcd(g, ivs[0][1] + shift, ivs[1][0] + shift)
+            if len(own) > 1:
+                g_own = math.gcd(g_own, own[0][1], own[1][0])
+        per_slab = 2 * self.layout.num_layers * st // g  # pages between two slabs' starts
+
+        def arena_page(records, p):
+            slot = records[p * g // st].slot
+            return slot if g == st else slot * per_slab + (p * g % st) // g
+
+        full_t, hist_t, own_t = [], [], []
+        for row, _r, records, pad, _n, full, hist, own in seqs:
+            shifted = [(a + pad, e + pad) for a, e in full]
+            full_t.append(_pages(shifted, g, lambda p, rec=records: arena_page(rec, p)))
+            shifted = [(a + pad, e + pad) for a, e in hist]
+            hist_t.append(_pages(shifted, g, lambda p, rec=records: arena_page(rec, p)))
+            own_t.append(_pages(own, g_own, lambda p, row=row: row * (t // g_own) + p))
+        n_seq = len(seqs)
         flat: list[int] = []
-        for x in vis_rows:
-            flat += x + [0] * (w - len(x))
-        for x in hist_rows:
-            flat += x + [0] * (wh - len(x))
-        cur_slots = [cur.slot for _ns, _r, cur in rows]
-        flat += lens + hist_lens + starts + hist_starts + [i * t for i in range(b + 1)]
-        flat += cur_slots + list(range(b)) + [t] * b
+        widths = []
+        for tab in (full_t, hist_t, own_t):
+            w = max(1, max(len(ids) for ids, _s, _l in tab))
+            widths.append(w)
+            for ids, _s, _l in tab:
+                flat += ids + [0] * (w - len(ids))
+        if flat and max(flat) >= 2**31:
+            raise ValueError(
+                f"batch: page ids pass int32 (page size {g} tokens of {st}-token slabs); "
+                "use chunk lengths and sink/window sizes with a larger common divisor"
+            )
+        for tab in (full_t, hist_t, own_t):
+            flat += [ln for _i, _s, ln in tab] + [s for _i, s, _l in tab]
+        q_lens = [n for *_x, n, _f, _h, _o in seqs]
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        flat += cu
+        slots = []
+        for _ns, _r, run, _rec in rows:
+            for ch in run:
+                slots += [ch.slot * st + j for j in range(st - ch.n_tokens, st)]
         packed = upload(flat, torch.int32, self.device)
         o = 0
 
@@ -517,40 +774,66 @@ class SlabKVCache(KVPoolBase):
             o += n
             return packed[o - n : o]
 
-        block_table = take(b * w).view(b, w)
-        hist_table = take(b * wh).view(b, wh)
-        seq_lens, hist_seq_lens = take(b), take(b)
-        kv_start, hist_kv_start = take(b), take(b)
-        cu = take(b + 1)
-        slots_t, dense_rows, dense_lens = take(b), take(b), take(b)
-        offsets = torch.arange(st - t, st, device=self.device, dtype=torch.int64)
-        slot_mapping = (slots_t.long()[:, None] * st + offsets[None, :]).reshape(-1)
+        tables = [take(n_seq * w).view(n_seq, w) for w in widths]
+        lens_starts = [(take(n_seq), take(n_seq)) for _ in range(3)]
+        cu_t = take(n_seq + 1)
+        (seq_lens, kv_start), (hist_lens, hist_start), (own_lens, own_start) = lens_starts
         return SlabMetadata(
-            namespaces=tuple(ns for ns, _r, _c in rows),
-            chunk_indices=tuple(c.index for _ns, _r, c in rows),
+            namespaces=tuple(ns for ns, _r, _run, _rec in rows),
+            chunk_indices=tuple(run[-1].index for _ns, _r, run, _rec in rows),
+            chunk_ranges=tuple(range(run[0].index, run[-1].index + 1) for _ns, _r, run, _rec in rows),
             n_tokens=t,
             num_seqs=b,
-            block_table=block_table,
+            num_chunks=n_seq,
+            page_tokens=g,
+            block_table=tables[0],
             seq_lens=seq_lens,
             kv_start=kv_start,
-            hist_block_table=hist_table,
-            hist_seq_lens=hist_seq_lens,
-            hist_kv_start=hist_kv_start,
-            cu_seqlens_q=cu,
-            slot_mapping=slot_mapping.to(self._slot_dtype),
-            dense_block_table=dense_rows.view(b, 1),
-            dense_seq_lens=dense_lens,
-            max_seqlen_q=t,
-            max_seqlen_k=max(lens),
-            hist_max_seqlen_k=max(hist_lens),
-            has_kv_start=any(starts),
-            hist_has_kv_start=any(hist_starts),
+            hist_block_table=tables[1],
+            hist_seq_lens=hist_lens,
+            hist_kv_start=hist_start,
+            cu_seqlens_q=cu_t,
+            slot_mapping=upload(slots, self._slot_dtype, self.device),
+            own_page_tokens=g_own,
+            dense_block_table=tables[2],
+            dense_seq_lens=own_lens,
+            dense_kv_start=own_start,
+            max_seqlen_q=max(q_lens),
+            max_seqlen_k=max(ln for _i, _s, ln in full_t),
+            hist_max_seqlen_k=max(ln for _i, _s, ln in hist_t),
+            dense_max_seqlen_k=max(ln for _i, _s, ln in own_t),
+            has_kv_start=any(s for _i, s, _l in full_t),
+            hist_has_kv_start=any(s for _i, s, _l in hist_t),
+            dense_has_kv_start=any(s for _i, s, _l in own_t),
             _owner=self._cache_id,
-            _versions=tuple(r.version for _ns, r, _c in rows),
+            _versions=tuple(r.version for _ns, r, _run, _rec in rows),
             _epoch=self._epoch,
-            _current=tuple(c for _ns, _r, c in rows),
-            _history=tuple(history),
+            _current=tuple(ch for _ns, _r, run, _rec in rows for ch in run),
+            _history=tuple(history.items()),
         )
+
+    def _pages_of(self, layer: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V as pages of ``g`` rows (a divisor of ``slab_tokens``).
+
+        ``g = slab_tokens``: the region's own per-layer views (page id = slot). Smaller:
+        views of the whole arena region with a page stride of ``g`` rows, whose page
+        ``slot * (2 * num_layers * slab_tokens / g) + i`` is rows ``i*g .. i*g+g-1`` of
+        ``slot``'s slab at this layer; pages between two slabs' layer rows belong to other
+        layers and are never listed. No byte moves; pages never overlap. Made once per
+        (layer, g).
+        """
+        if g == self.slab_tokens:
+            return self._region.k(layer), self._region.v(layer)
+        views = self._page_views.get((layer, g))
+        if views is None:
+            data = self._region.data  # [slots, L, 2, st, H, D], contiguous
+            st, h, d = self.slab_tokens, self.layout.num_kv_heads, self.layout.head_dim
+            n_pages = (self.num_slots - 1) * (2 * self.layout.num_layers * st // g) + st // g
+            size, stride = (n_pages, g, h, d), (g * h * d, h * d, d, 1)
+            base = data.storage_offset() + layer * 2 * st * h * d
+            views = (data.as_strided(size, stride, base), data.as_strided(size, stride, base + st * h * d))
+            self._page_views[(layer, g)] = views
+        return views
 
     # ------------------------------------------------------------------ forward
     def check_metadata(self, meta: SlabMetadata) -> None:
@@ -661,7 +944,7 @@ class SlabKVCache(KVPoolBase):
         h_q = self._check_qkv(q, k, v, (b, t), "[B, T, H, D]")
         h_kv, d = self.layout.num_kv_heads, self.layout.head_dim
         attn_backend, store_backend, kv_grad = self._backends(spec, q, k, v)
-        for ns, ch in meta._history:
+        for (ns, _i), ch in meta._history:
             if not ch.committed[layer]:
                 raise RuntimeError(
                     f"forward: chunk {ch.index} of namespace {ns!r} is in the history but was "
@@ -669,26 +952,41 @@ class SlabKVCache(KVPoolBase):
                 )
         op_spec, op_spec_lse = _op_specs(spec) if options else self._op_pairs[layer]
         kc, vc = region.k(layer), region.v(layer)
+        kp, vp = self._pages_of(layer, meta.page_tokens)
         qf = q.reshape(b * t, h_q, d)
         kf, vf = k.reshape(b * t, h_kv, d), v.reshape(b * t, h_kv, d)
+        multi = meta.num_chunks != b
+        if multi and (kv_grad or (torch.is_grad_enabled() and q.requires_grad)):
+            # Each chunk of a run sees part of the others through the given k/v read as a
+            # paged cache: gradients to a cache tensor are the torch path's.
+            attn_backend = resolve_backend(spec.backend, self.device, self.layout.dtype, True,
+                                           "k/v of a multi-chunk step")
         if commit:
             store(kf, vf, kc, vc, meta.slot_mapping, store_backend)
             for ch in meta._current:  # host-only bookkeeping: single stores, no lock, traceable
                 ch.committed[layer] = True
+        if commit and not (multi and kv_grad):
             res = attend(
-                qf, kc, vc, meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
-                meta.kv_start if meta.has_kv_start else None, spec=op_spec, max_seqlen_q=t,
+                qf, kp, vp, meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
+                meta.kv_start if meta.has_kv_start else None, spec=op_spec, max_seqlen_q=meta.max_seqlen_q,
                 max_seqlen_k=meta.max_seqlen_k, backend=attn_backend, new_kv=(kf, vf) if kv_grad else None,
             )
             out, lse = res if spec.return_lse else (res, None)
         else:
+            # The history before the run from the arena, the run's own tokens from k, v.
             kd = k if k.stride(-1) == 1 else k.contiguous()
             vd = v if v.stride(-1) == 1 else v.contiguous()
+            paged = {}
+            if multi:
+                g = meta.own_page_tokens
+                kd, vd = kd.reshape(b * t // g, g, h_kv, d), vd.reshape(b * t // g, g, h_kv, d)
+                paged = dict(own_kv_start=meta.dense_kv_start if meta.dense_has_kv_start else None,
+                             own_max_seqlen_k=meta.dense_max_seqlen_k)
             hist_kv_start = meta.hist_kv_start if meta.hist_has_kv_start else None
             out, lse = attend_history_and_own(
-                qf, kc, vc, meta.hist_block_table, meta.hist_seq_lens, meta.cu_seqlens_q, hist_kv_start, (kd, vd),
+                qf, kp, vp, meta.hist_block_table, meta.hist_seq_lens, meta.cu_seqlens_q, hist_kv_start, (kd, vd),
                 own_table=meta.dense_block_table, own_lens=meta.dense_seq_lens, spec=op_spec, spec_lse=op_spec_lse,
-                max_seqlen_q=t, max_seqlen_k=meta.hist_max_seqlen_k, backend=attn_backend,
+                max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.hist_max_seqlen_k, backend=attn_backend, **paged,
             )
         out = out.reshape(b, t, h_q, d)
         return (out, lse.reshape(b, t, h_q)) if spec.return_lse else out
@@ -739,7 +1037,7 @@ class SlabKVCache(KVPoolBase):
                     self.slab_tokens = prev_st
                     self._specs = ()
                 raise
-            (_ns, _r, ch) = rows[0]
+            ch = rows[0][2][0]
             st = self.slab_tokens
             data = self._region.data[ch.slot]  # [L, 2, st, H, D]
             with torch.no_grad():
@@ -775,9 +1073,10 @@ class SlabKVCache(KVPoolBase):
             r = self._rollouts.pop(namespace, None)
             if r is not None:
                 self._stamp()
-            if r is not None and r.chunks:
+            if r is not None and (r.chunks or r.retired):
                 self._region.allocator.decref(
                     [ch.slot for ch in sorted(r.chunks.values(), key=lambda c: -c.index)]
+                    + [ch.slot for ch in r.retired.values()]
                 )
 
     # ------------------------------------------------------------------ rollback
