@@ -47,6 +47,7 @@ EXPECTED_WITH_EXAMPLES = {
     "kvarena.cache.paged",
     "kvarena.cache.residual",
     "kvarena.cache.slab",
+    "kvarena.integrations.causal_wan",
 }
 
 

@@ -1,0 +1,11 @@
+"""Adapters that put kvarena under other code bases' model calls.
+
+Each adapter is a submodule, imported on demand; importing this package imports nothing
+heavy (no transformers, no diffusers):
+
+* :mod:`kvarena.integrations.causal_wan`: slab KV for causal Wan-style video DiTs
+  (Self-Forcing, CausVid, LongLive), where the model passes per-block ``kv_cache`` objects
+  and a token offset ``current_start`` to its self-attention.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,163 @@
+"""kvarena.integrations.causal_wan: the drop-in for causal Wan-style ``kv_cache`` dicts.
+
+The reference is an independent re-statement of the rolling cache that Self-Forcing /
+CausVid / LongLive keep per block (a fixed ``[B, cache_size, H, D]`` buffer: sink tokens
+at its head, the newest tokens after them, rolled left by copies when a new chunk would
+overflow it; a call attends the last ``max_attention_size`` tokens written).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from _helpers import assert_close, one_torch_thread  # noqa: F401 - autouse fixture
+
+from kvarena.integrations.causal_wan import CausalKVCache
+
+FT, FPC, LAYERS, H_Q, H_KV, D = 2, 3, 2, 4, 2, 16  # frame tokens, frames per chunk, ...
+
+
+class RollingCache:
+    """One block's K/V as the Self-Forcing family keeps it (written for this test)."""
+
+    def __init__(self, b: int, size: int, sink: int, dtype) -> None:
+        self.k = torch.zeros(b, size, H_KV, D, dtype=dtype)
+        self.v = torch.zeros(b, size, H_KV, D, dtype=dtype)
+        self.size, self.sink = size, sink
+        self.global_end = self.local_end = 0
+
+    def __call__(self, q, k, v, current_start: int):
+        n = q.shape[1]
+        end = current_start + n
+        local_end = self.local_end + end - self.global_end
+        if end > self.global_end and local_end > self.size:  # new tokens overflow: roll left
+            evict = local_end - self.size
+            keep = self.local_end - evict - self.sink
+            src = slice(self.sink + evict, self.sink + evict + keep)
+            self.k[:, self.sink : self.sink + keep] = self.k[:, src].clone()
+            self.v[:, self.sink : self.sink + keep] = self.v[:, src].clone()
+            local_end -= evict
+        self.k[:, local_end - n : local_end] = k
+        self.v[:, local_end - n : local_end] = v
+        lo = max(0, local_end - self.size)
+        kk, vv = self.k[:, lo:local_end], self.v[:, lo:local_end]
+        g = H_Q // H_KV
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2).double(), kk.repeat_interleave(g, 2).transpose(1, 2).double(),
+            vv.repeat_interleave(g, 2).transpose(1, 2).double())
+        self.global_end, self.local_end = max(end, self.global_end), local_end
+        return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize(
+    "first_frames, sink, local_attn",
+    [pytest.param(1, 1, 6, id="i2v-first-frame-sink1-local6"), pytest.param(3, 1, 5, id="t2v-sink1-local5"),
+     pytest.param(1, 2, 7, id="i2v-sink2-local7")],
+)
+def test_rollout_equals_the_rolling_kv_cache(seed, first_frames, sink, local_attn) -> None:
+    """Denoising steps and clean passes, chunk by chunk: kvarena (nothing copied) equals the
+    rolling cache (which copies the window every chunk), on every layer."""
+    dtype = torch.float64
+    kv = CausalKVCache.from_self_forcing(local_attn_size=local_attn, sink_size=sink, num_frame_per_block=FPC,
+                                         frame_seq_length=FT, num_layers=LAYERS, num_kv_heads=H_KV, head_dim=D,
+                                         max_rollouts=2, dtype=dtype)
+    ref = [RollingCache(2, local_attn * FT, sink * FT, dtype) for _ in range(LAYERS)]
+    start = 0
+    for c in range(9):
+        n = (first_frames if c == 0 else FPC) * FT
+        for clean in (False, False, True):
+            with kv.step(["cond", "uncond"], clean=clean) as layers:
+                for layer in range(LAYERS):
+                    q = torch.randn(2, n, H_Q, D, dtype=dtype)
+                    k, v = torch.randn(2, n, H_KV, D, dtype=dtype), torch.randn(2, n, H_KV, D, dtype=dtype)
+                    got = layers[layer](q, k, v, current_start=start)
+                    assert_close(got, ref[layer](q, k, v, start), dtype, f"chunk {c} clean={clean} layer {layer}")
+        assert kv.used_bytes <= 2 * kv.slabs_per_rollout * kv.pool.slab_bytes
+        start += n
+
+
+def test_checkpoint_recompute_uses_its_own_step(seed) -> None:
+    """A training rollout: chunk c's loss is backpropagated after chunk c+1 was planned and
+    committed; the recompute inside torch.utils.checkpoint reads chunk c's step, so the
+    gradients equal those of the same step run without checkpointing."""
+    kv = CausalKVCache(num_layers=1, num_kv_heads=H_KV, head_dim=D, frame_tokens=FT, frames_per_chunk=FPC,
+                       sink_frames=1, window_frames=6, training=True, max_frames=30, dtype=torch.float64)
+    n = FPC * FT
+    for c in range(3):  # a history
+        with kv.step(clean=True) as layers:
+            x = torch.randn(1, n, H_KV, D, dtype=torch.float64)
+            layers[0](x.repeat(1, 1, 2, 1), x, x, current_start=c * n)
+    q = torch.randn(1, n, H_Q, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, n, H_KV, D, dtype=torch.float64, requires_grad=True)
+    step = kv.step(clean=False)
+
+    def attn(q, k):
+        return step[0](q, k, k, current_start=3 * n)
+
+    plain = torch.autograd.grad(attn(q, k).square().sum(), (q, k))
+    loss = torch.utils.checkpoint.checkpoint(attn, q, k, use_reentrant=False).square().sum()
+    with kv.step(clean=True) as later:  # the next chunk moves on before the backward
+        x = torch.randn(1, n, H_KV, D, dtype=torch.float64)
+        later[0](x.repeat(1, 1, 2, 1), x, x, current_start=3 * n)
+        later2 = kv.step(clean=True)
+        later2.plan(4 * n, n)
+    got = torch.autograd.grad(loss, (q, k))
+    for name, g, r in zip("qk", got, plain):
+        assert_close(g, r, torch.float64, f"d/d{name} after checkpoint recompute")
+
+
+def test_first_call_of_several_chunks_is_one_multi_chunk_step(seed) -> None:
+    """Conditioning frames (1 frame + 2 chunks) in ONE clean call, then chunk by chunk."""
+    dtype = torch.float64
+    kv = CausalKVCache(num_layers=1, num_kv_heads=H_KV, head_dim=D, frame_tokens=FT, frames_per_chunk=FPC,
+                       sink_frames=1, window_frames=5, max_run_chunks=3, dtype=dtype)
+    ref = RollingCache(1, 6 * FT, FT, dtype)
+    start = 0
+    for n in ((1 + 2 * FPC) * FT, FPC * FT, FPC * FT):
+        q = torch.randn(1, n, H_Q, D, dtype=dtype)
+        k, v = torch.randn(1, n, H_KV, D, dtype=dtype), torch.randn(1, n, H_KV, D, dtype=dtype)
+        with kv.step(clean=True) as layers:
+            got = layers[0](q, k, v, current_start=start)
+        if start == 0:
+            assert layers.meta.chunk_ranges == (range(0, 3),)
+            # the rolling cache runs the prefill chunk by chunk (block-causal)
+            want = torch.cat([ref(q[:, a:b], k[:, a:b], v[:, a:b], a) for a, b in ((0, FT), (FT, 4 * FT), (4 * FT, n))], 1)
+        else:
+            want = ref(q, k, v, start)
+        assert_close(got, want, dtype, f"call at {start}")
+        start += n
+
+
+def test_misuse_is_a_clear_error() -> None:
+    kv = CausalKVCache(num_layers=2, num_kv_heads=H_KV, head_dim=D, frame_tokens=FT, frames_per_chunk=FPC,
+                       sink_frames=1, window_frames=4, dtype=torch.float32)
+    q, k = torch.randn(1, FPC * FT, H_Q, D), torch.randn(1, FPC * FT, H_KV, D)
+    with pytest.raises(ValueError, match="current_start.*first call starts at token 0"):
+        kv.step(clean=False)[0](q, k, k, current_start=FT)
+    with pytest.raises(RuntimeError, match=r"layers \[1\] never attended"), kv.step(clean=True) as layers:
+        layers[0](q, k, k, current_start=0)
+    kv.reset()
+    with kv.step(clean=True) as layers:
+        for i in range(2):
+            layers[i](q, k, k, current_start=0)
+    with pytest.raises(ValueError, match="not a chunk boundary"):
+        kv.step(clean=False)[0](q, k, k, current_start=FT)
+    step = kv.step(clean=False)
+    step[0](q, k, k, current_start=FPC * FT)
+    with pytest.raises(ValueError, match="planned for tokens 6 .. 12"):
+        step[1](q, k, k, current_start=0)
+    with pytest.raises(ValueError, match="max_frames"):
+        CausalKVCache(num_layers=1, num_kv_heads=1, head_dim=8, frame_tokens=1, frames_per_chunk=1)
+    with pytest.raises(ValueError, match="window_frames"):
+        CausalKVCache(num_layers=1, num_kv_heads=1, head_dim=8, frame_tokens=1, frames_per_chunk=3, window_frames=2)
+
+
+def test_integrations_import_nothing_heavy() -> None:
+    code = ("import sys, kvarena, kvarena.integrations; "
+            "bad = [m for m in ('transformers', 'diffusers', 'kvarena.integrations.causal_wan') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
