@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     rows = [
         ("workload", "causal DiT rollout (slab KV)", "AR decode (paged KV)"),
         ("work", f"{dit.chunks} chunks x 4 namespaces, {dit.passes} passes", f"{ar.requests} requests, {ar.steps} steps"),
+        ("visibility", dit.visibility, "causal, whole history"),
         ("tokens processed", f"{dit.tokens}", f"{ar.tokens}"),
         ("arena reserved", _fmt_bytes(dit.arena_reserved_bytes), _fmt_bytes(ar.arena_reserved_bytes)),
         ("arena used (peak)", _fmt_bytes(dit.arena_used_bytes), _fmt_bytes(ar.arena_used_bytes_peak)),

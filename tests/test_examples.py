@@ -16,11 +16,14 @@ from kvarena.examples.causal_dit import run_causal_dit, run_training_step
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 def test_causal_dit_rollout_matches_dense_sink_window(dtype):
-    rep = run_causal_dit(num_chunks=7, rollouts=2, steps=3, sinks=1, window=3, dtype=dtype, seed=3)
+    """Frame-granular sinks and window (2 and 5 frames; 2-frame chunks after a 1-frame
+    first chunk) through the causal_wan adapter, against the dense token-masked model."""
+    rep = run_causal_dit(num_chunks=7, rollouts=2, steps=3, sink_frames=2, window_frames=5, dtype=dtype, seed=3)
     assert rep.checked_passes == rep.passes == 7 * 4, "every pass must be checked when reuse is off"
     assert rep.max_err <= MODEL_TOL[dtype], f"max abs err vs dense sink+window recomputation: {rep.max_err:.3e}"
     assert rep.arena_ptr_stable, "the arena was reallocated during the rollout"
     assert rep.retained_bytes_moved == 0, f"{rep.retained_bytes_moved} bytes of retained KV moved"
+    # chunks 4-6 start at token >= (2 + 5) frames: the window has left the sinks behind
     assert len(rep.arena_used_bytes_after_window) == 7 - 4 and len(set(rep.arena_used_bytes_after_window)) == 1, (
         f"memory not flat after the window filled: {rep.arena_used_bytes_after_window}"
     )
@@ -40,8 +43,8 @@ def test_causal_dit_residual_reuse_skips_layers_and_commit_stays_exact():
 def test_causal_dit_training_step_matches_dense_gradients(backend):
     """Self-Forcing-style step: history under no_grad, the next chunk's denoising step with
     gradients through the slab pool (commit=False); parameter gradients equal the dense
-    sink+window run with the history's K/V detached (one chunk evicted from the window)."""
-    rep = run_training_step(history_chunks=4, sinks=1, window=3, backend=backend, seed=4)
+    sink+window run with the history's K/V detached (the window starts inside chunk 2)."""
+    rep = run_training_step(history_chunks=4, sink_frames=2, window_frames=5, backend=backend, seed=4)
     assert rep.params_with_grad > 30, "the loss must reach the attention and FFN weights"
     assert abs(rep.loss - rep.dense_loss) <= 1e-5 * abs(rep.dense_loss)
     assert rep.max_grad_rel_err <= 1e-4, f"parameter gradients differ from dense: {rep.max_grad_rel_err:.2e}"

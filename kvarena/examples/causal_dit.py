@@ -1,16 +1,22 @@
-"""A small Wan-like causal video DiT run as a Self-Forcing-style rollout over a ``SlabKVCache``.
+"""A small Wan-like causal video DiT run as a Self-Forcing-style rollout over kvarena.
 
-Each chunk of latent frames is denoised in a few steps that attend to the cached history
-plus the chunk's own K/V without writing anything (``commit=False``), then a clean pass at
-timestep 0 commits the chunk's K/V into its slab (``commit=True``): sinks are kept forever
-and the oldest window slab is overwritten in place. Two rollouts x two CFG branches run as
-four namespaces in one batch; text K/V come from a :class:`FeatureCache` keyed by prompt
+The model's self-attention gets its K/V through :mod:`kvarena.integrations.causal_wan`,
+as Self-Forcing's blocks get their ``kv_cache`` dicts: each block calls
+``kv_cache[layer](q, k, v, current_start)``. Sinks and the window are counted in frames
+(Self-Forcing's ``sink_size`` / ``local_attn_size``), not whole chunks: with 2-frame chunks
+after a 1-frame first chunk (image-to-video), a 2-frame sink and a 5-frame window, what a
+chunk sees is not a union of whole chunks. Each chunk is denoised in a few steps that
+attend to the cached history plus the chunk's own K/V without writing anything (a
+``clean=False`` step), then a clean pass at timestep 0 commits the chunk's K/V into its
+slab: sink slabs are kept forever and a slab no later chunk can see is overwritten in
+place. Two rollouts x two CFG branches run as four namespaces in one batch; text K/V come from a :class:`FeatureCache` keyed by prompt
 content and weights version; a DBCache-style residual reuse across denoising steps is kept
 per request and branch in a :class:`ResidualCache`.
 
 ``run_causal_dit`` checks every pass against a dense recomputation of the whole video so
-far with the explicit block-causal sink + window mask: each history chunk then attends to
-exactly the keys it saw when it was committed, so the current chunk's output must match.
+far with the explicit token mask (a query of the chunk ending at ``e`` sees ``t < e`` with
+``t < S`` or ``t >= e - W``): each history chunk then attends to exactly the keys it saw when
+it was committed, so the current chunk's output must match.
 """
 
 from __future__ import annotations
@@ -24,12 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvarena.cache.arena import KVLayout
 from kvarena.cache.feature import FeatureCache
 from kvarena.cache.keys import CacheKey, CachePolicy, content_hash
 from kvarena.cache.residual import ResidualCache
 from kvarena.cache.slab import SlabKVCache
 from kvarena.examples.common import apply_rope, rms_norm, rope_tables
+from kvarena.integrations.causal_wan import CausalKVCache
 
 
 @dataclass(frozen=True)
@@ -135,12 +141,15 @@ class TinyCausalDiT(nn.Module):
 # --- dense reference ------------------------------------------------------------------
 
 
-def sink_window_mask(cfg: DiTConfig, n_chunks: int, sinks: int, window: int, device) -> torch.Tensor:
-    """Boolean ``[N, N]`` over the tokens of chunks ``0..n_chunks-1``: chunk i sees chunk j iff
-    ``j <= i`` and (``j < sinks`` or ``j > i - window``)."""
-    owner = torch.cat([torch.full((cfg.chunk_len(c),), c, device=device) for c in range(n_chunks)])
-    qi, kj = owner[:, None], owner[None, :]
-    return (kj <= qi) & ((kj < sinks) | (kj > qi - window))
+def sink_window_mask(cfg: DiTConfig, n_chunks: int, sink_frames: int, window_frames: int, device) -> torch.Tensor:
+    """Boolean ``[N, N]`` over the tokens of chunks ``0..n_chunks-1``: a query of the chunk
+    ending at token ``e`` sees key ``t`` iff ``t < e`` and (``t < S`` or ``t >= e - W``), with
+    ``S``, ``W`` the sink and window frames in tokens."""
+    s, w = sink_frames * cfg.frame_tokens, window_frames * cfg.frame_tokens
+    ends = torch.cat([torch.full((cfg.chunk_len(c),), cfg.chunk_start(c) + cfg.chunk_len(c), device=device)
+                      for c in range(n_chunks)])
+    e, t = ends[:, None], torch.arange(ends.shape[0], device=device)[None, :]
+    return (t < e) & ((t < s) | (t >= e - w))
 
 
 def dense_forward(model: TinyCausalDiT, x: torch.Tensor, sigma: torch.Tensor, text, mask: torch.Tensor,
@@ -189,16 +198,16 @@ class RolloutReport:
     text_cache_hits: int = 0
     text_cache_misses: int = 0
     wall_s: float = 0.0
+    visibility: str = ""
 
 
-def _slab_pool(cfg: DiTConfig, dtype, device, rollouts: int, sinks: int, window: int) -> SlabKVCache:
-    """A slab pool holding exactly ``rollouts`` x (sinks + window) chunks of the model."""
-    layout = KVLayout(cfg.num_layers, cfg.num_heads, cfg.head_dim, dtype)
-    policy = CachePolicy(
-        "slab_kv", max_bytes=rollouts * (sinks + window) * layout.block_bytes(cfg.chunk_tokens),
-        per_component={"window": window, "sinks": sinks, "slab_tokens": cfg.chunk_tokens},
-    )
-    return SlabKVCache(policy, layout=layout, slab_tokens=cfg.chunk_tokens, device=device)
+def _causal_kv(cfg: DiTConfig, dtype, device, rollouts: int, sink_frames: int, window_frames: int,
+               backend: str) -> CausalKVCache:
+    """The model's K/V: slabs for ``rollouts`` namespaces, sinks and window in frames."""
+    return CausalKVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_heads, head_dim=cfg.head_dim,
+                         frame_tokens=cfg.frame_tokens, frames_per_chunk=cfg.frames_per_chunk,
+                         sink_frames=sink_frames, window_frames=window_frames, max_rollouts=rollouts,
+                         dtype=dtype, device=device, backend=backend)
 
 
 @torch.no_grad()
@@ -207,8 +216,8 @@ def run_causal_dit(
     num_chunks: int = 6,
     rollouts: int = 2,
     steps: int = 4,
-    sinks: int = 1,
-    window: int = 3,
+    sink_frames: int = 2,
+    window_frames: int = 5,
     cfg_scale: float = 3.0,
     residual_threshold: float = 0.0,
     dtype: torch.dtype = torch.float32,
@@ -220,6 +229,9 @@ def run_causal_dit(
 ) -> RolloutReport:
     """Generate ``num_chunks`` chunks for ``rollouts`` videos x {cond, uncond}.
 
+    ``sink_frames`` / ``window_frames``: frames kept forever / frames a chunk attends back
+    from its end (its own included).
+
     ``residual_threshold`` > 0 turns on DBCache-style reuse: at a denoising step whose
     first-layer residual moved less than that (relative) since the previous step, the
     remaining layers are skipped and their cached residual is added instead (never on the
@@ -230,10 +242,13 @@ def run_causal_dit(
     cfg = DiTConfig()
     model = TinyCausalDiT(cfg).to(device=device, dtype=dtype).eval()
     namespaces = [f"video{r}/{br}" for r in range(rollouts) for br in ("cond", "uncond")]
-    kv = _slab_pool(cfg, dtype, device, len(namespaces), sinks, window)
+    kv = _causal_kv(cfg, dtype, device, len(namespaces), sink_frames, window_frames, backend)
+    pool = kv.pool
     features = FeatureCache(CachePolicy("feature", max_bytes=1 << 24))
     residuals = ResidualCache(CachePolicy("residual", max_bytes=1 << 24))
-    report = RolloutReport(arena_reserved_bytes=kv.arena.reserved_bytes)
+    report = RolloutReport(arena_reserved_bytes=pool.arena.reserved_bytes, visibility=(
+        f"sink {sink_frames} + window {window_frames} frames ({pool.sink_tokens} + {pool.window_tokens} tokens; "
+        f"chunks of {cfg.frames_per_chunk} frames, the first {cfg.first_chunk_frames})"))
     report.arena_used_bytes_after_window = []
 
     gen = torch.Generator().manual_seed(seed + 1)
@@ -250,10 +265,9 @@ def run_causal_dit(
     arena_ptr = None
     t0 = time.perf_counter()
     for c in range(num_chunks):
-        t_len = cfg.chunk_len(c)
-        before = _retained_state(kv, namespaces)
-        meta = kv.plan({ns: (c, t_len) for ns in namespaces})
-        ptr = kv.arena.data_ptr()
+        t_len, start = cfg.chunk_len(c), cfg.chunk_start(c)
+        before = _retained_state(pool, namespaces)
+        ptr = pool.arena.data_ptr()
         arena_ptr = ptr if arena_ptr is None else arena_ptr
         report.arena_ptr_stable &= ptr == arena_ptr
         texts = [text_for(ns) for ns in namespaces]
@@ -271,15 +285,17 @@ def run_causal_dit(
             for i, sigma in enumerate(sigmas):
                 xb = x.repeat_interleave(2, dim=0)  # [B=rollouts*2, T, C]: cond, uncond per video
                 sig = torch.full(xb.shape[:2], sigma, device=device, dtype=dtype)
-                velocity, skipped = _forward_pass(
-                    model, kv, meta, xb, sig, pos, text, commit=False, backend=backend,
-                    residuals=residuals if residual_threshold > 0 else None, namespaces=namespaces,
-                    threshold=residual_threshold,
-                )
+                with kv.step(namespaces, clean=False) as layers:
+                    velocity, skipped = _forward_pass(
+                        model, layers, start, xb, sig, pos, text,
+                        residuals=residuals if residual_threshold > 0 else None, namespaces=namespaces,
+                        threshold=residual_threshold,
+                    )
                 report.passes += 1
                 report.skipped_layer_evals += skipped
                 if check and not skipped:
-                    report.max_err = max(report.max_err, _dense_check(model, clean, namespaces, c, xb, sig, text, velocity, sinks, window))
+                    report.max_err = max(report.max_err, _dense_check(model, clean, namespaces, c, xb, sig, text, velocity,
+                                                                      sink_frames, window_frames))
                     report.checked_passes += 1
                 v = velocity[0::2] + cfg_scale * (velocity[0::2] - velocity[1::2])
                 x0 = x - sigma * v
@@ -289,27 +305,28 @@ def run_causal_dit(
         # clean pass: timestep 0, commits every layer's K/V into the chunk's slab
         xb = x.repeat_interleave(2, dim=0)
         sig = torch.zeros(xb.shape[:2], device=device, dtype=dtype)
-        out, _ = _forward_pass(model, kv, meta, xb, sig, pos, text, commit=True, backend=backend,
-                               residuals=None, namespaces=namespaces, threshold=0.0)
+        with kv.step(namespaces, clean=True) as layers:
+            out, _ = _forward_pass(model, layers, start, xb, sig, pos, text, residuals=None, namespaces=namespaces,
+                                   threshold=0.0)
         report.passes += 1
         if check:
-            report.max_err = max(report.max_err, _dense_check(model, clean, namespaces, c, xb, sig, text, out, sinks, window))
+            report.max_err = max(report.max_err, _dense_check(model, clean, namespaces, c, xb, sig, text, out,
+                                                              sink_frames, window_frames))
             report.checked_passes += 1
         for j, ns in enumerate(namespaces):
             clean[ns].append(xb[j])
-        report.retained_bytes_moved += _retained_moved(before, _retained_state(kv, namespaces))
+        report.retained_bytes_moved += _retained_moved(before, _retained_state(pool, namespaces))
         report.chunks += 1
         report.tokens += t_len * len(namespaces)
         report.arena_used_bytes = max(report.arena_used_bytes, kv.used_bytes)
-        if c >= sinks + window:
+        if start >= (sink_frames + window_frames) * cfg.frame_tokens:  # the window has moved past the sinks
             report.arena_used_bytes_after_window.append(kv.used_bytes)
         if progress is not None:
             progress(c + 1, num_chunks)
     report.wall_s = time.perf_counter() - t0
     st = features.stats()
     report.text_cache_hits, report.text_cache_misses = st["hits"], st["misses"]
-    for ns in namespaces:
-        kv.clear_namespace(ns)
+    kv.reset()
     return report
 
 
@@ -325,8 +342,8 @@ class TrainStepReport:
 def run_training_step(
     *,
     history_chunks: int = 4,
-    sinks: int = 1,
-    window: int = 3,
+    sink_frames: int = 2,
+    window_frames: int = 5,
     sigma: float = 0.6,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
@@ -346,7 +363,7 @@ def run_training_step(
     torch.manual_seed(seed)
     cfg = DiTConfig()
     model = TinyCausalDiT(cfg).to(device=device, dtype=dtype)
-    kv = _slab_pool(cfg, dtype, device, 1, sinks, window)
+    kv = _causal_kv(cfg, dtype, device, 1, sink_frames, window_frames, backend)
     ns = "video0"
     gen = torch.Generator().manual_seed(seed + 1)
     prompt = torch.randint(1, cfg.vocab, (cfg.text_len,), generator=gen).to(device)
@@ -364,30 +381,30 @@ def run_training_step(
     with torch.no_grad():  # the rollout that produced the history: constants to the step
         text = text_rows(model.text_kv(prompt))
         for c in range(history_chunks):
-            meta = kv.plan({ns: (c, cfg.chunk_len(c))})
             x = rand(1, cfg.chunk_len(c), cfg.channels)
             sig = torch.zeros(x.shape[:2], device=device, dtype=dtype)
-            _forward_pass(model, kv, meta, x, sig, positions(c), text, commit=True, backend=backend,
-                          residuals=None, namespaces=[ns], threshold=0.0)
+            with kv.step([ns], clean=True) as layers:
+                _forward_pass(model, layers, cfg.chunk_start(c), x, sig, positions(c), text, residuals=None,
+                              namespaces=[ns], threshold=0.0)
             history.append(x[0])
     c = history_chunks
     t_len = cfg.chunk_len(c)
-    meta = kv.plan({ns: (c, t_len)})
     x0, noise = rand(1, t_len, cfg.channels), rand(1, t_len, cfg.channels)
     xt = (1 - sigma) * x0 + sigma * noise
     target = noise - x0  # flow-matching velocity
     sig = torch.full(xt.shape[:2], sigma, device=device, dtype=dtype)
     params = [p for p in model.parameters() if p.requires_grad]
     text = text_rows(model.text_kv(prompt))
-    pred, _ = _forward_pass(model, kv, meta, xt, sig, positions(c), text, commit=False, backend=backend,
-                            residuals=None, namespaces=[ns], threshold=0.0)
+    with kv.step([ns], clean=False) as layers:
+        pred, _ = _forward_pass(model, layers, cfg.chunk_start(c), xt, sig, positions(c), text, residuals=None,
+                                namespaces=[ns], threshold=0.0)
     loss = F.mse_loss(pred.float(), target.float())
     grads = torch.autograd.grad(loss, params, allow_unused=True)
 
     n_hist = sum(h.shape[0] for h in history)
     seq = torch.cat([*history, xt[0]])[None]
     sig_seq = torch.cat([torch.zeros(n_hist, device=device, dtype=dtype), sig[0]])[None]
-    mask = sink_window_mask(cfg, c + 1, sinks, window, device)
+    mask = sink_window_mask(cfg, c + 1, sink_frames, window_frames, device)
     text = text_rows(model.text_kv(prompt))  # a fresh graph for the dense run
     dense = dense_forward(model, seq, sig_seq, text, mask, detach_keys_before=n_hist)[:, n_hist:]
     dense_loss = F.mse_loss(dense.float(), target.float())
@@ -403,7 +420,7 @@ def run_training_step(
         rep.params_with_grad += 1
         err = float((g.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30))
         rep.max_grad_rel_err = max(rep.max_grad_rel_err, err)
-    kv.clear_namespace(ns)
+    kv.reset()
     return rep
 
 
@@ -429,12 +446,16 @@ def _retained_moved(before: dict, after: dict) -> int:
     return moved
 
 
-def _forward_pass(model, kv, meta, xb, sig, pos, text, *, commit, backend, residuals, namespaces, threshold):
-    """One model pass over the batch; returns (prediction ``[B, T, C]``, layers skipped)."""
+def _forward_pass(model, layers, current_start, xb, sig, pos, text, *, residuals, namespaces, threshold):
+    """One model pass over the batch; returns (prediction ``[B, T, C]``, layers skipped).
+
+    ``layers``: the step's per-layer K/V (a :class:`~kvarena.integrations.causal_wan.CausalStep`),
+    what a Self-Forcing model receives as its list of ``kv_cache`` dicts.
+    """
     h, temb = model.embed(xb, sig)
 
     def attn(layer, q, k, v):
-        return kv.forward(q, k, v, meta, layer, commit=commit, backend=backend)
+        return layers[layer](q, k, v, current_start=current_start)
 
     h0 = h
     h = model.block(0, h, temb, pos, text, attn)
@@ -461,10 +482,10 @@ def _forward_pass(model, kv, meta, xb, sig, pos, text, *, commit, backend, resid
     return model.head(h), 0
 
 
-def _dense_check(model, clean, namespaces, c, xb, sig, text, pred, sinks, window) -> float:
+def _dense_check(model, clean, namespaces, c, xb, sig, text, pred, sink_frames, window_frames) -> float:
     """Max abs error of ``pred`` (the cached pass) vs the dense masked recomputation."""
     cfg = model.cfg
-    mask = sink_window_mask(cfg, c + 1, sinks, window, xb.device)
+    mask = sink_window_mask(cfg, c + 1, sink_frames, window_frames, xb.device)
     worst = 0.0
     for j, ns in enumerate(namespaces):
         hist = clean[ns]
