@@ -110,6 +110,25 @@ def test_recycle_moves_no_retained_kv(quick_run):
     assert rec["kvarena"]["memory"]["peak_kv_bytes"] < rec["shift_left"]["memory"]["peak_kv_bytes"]
 
 
+def test_recycle_with_token_sinks_moves_no_retained_kv(quick_run):
+    """Self-Forcing's token rule (1-frame sink, 7-frame window, 3-frame chunks after a
+    1-frame first one): the ring still moves nothing; the rolling buffer moves W - T tokens."""
+    _, _, results = quick_run
+    rec = results["recycle_tokens"]
+    assert rec.get("status") != "skipped", rec.get("reason")
+    cfg = rec["config"]
+    assert cfg["sink_tokens"] % cfg["chunk"] and cfg["window_tokens"] % cfg["chunk"], "not whole chunks"
+    kv, sl = rec["kvarena"]["counts"], rec["shift_left"]["counts"]
+    fill = kv["window_full_from_chunk"]
+    assert kv["chunks_counted"] > fill + 1
+    assert all(c["retained"] == 0 and c["temp"] == 0 for c in kv["per_chunk"])
+    assert all(c["new"] == rec["new_chunk_bytes"] for c in kv["per_chunk"][1:])
+    steady = sl["per_chunk"][fill:]
+    assert steady and all(c["retained"] == rec["expected_shift_retained_bytes_per_chunk"] for c in steady)
+    assert all(c["retained"] == 0 for c in sl["per_chunk"][:fill])
+    assert rec["sanity"]["same_output"], rec["sanity"]
+
+
 def test_overhead_rows(quick_run):
     _, _, results = quick_run
     rows = results["overhead"]

@@ -112,12 +112,14 @@ def test_token_rollout_matches_the_rule_and_stays_bounded(seed, n0, S, W) -> Non
     pool = _pool({"sink_tokens": S} if W is None else {"sink_tokens": S, "window_tokens": W})
     truth = Truth()
     bound = math.ceil(S / ST) + (math.ceil(W / ST) if W is not None else 99) + 2
+    most = 0
     for c in range(10):
         before = _kept(pool, "a")
         spec = (0, n0) if c == 0 else c
         for commit in (False, True):
             _step(pool, truth, "a", spec, n0, [c], S, W, commit=commit, what=f"n0={n0} S={S} W={W}")
         held = pool.chunk_indices("a")
+        most = max(most, len(held))
         assert len(held) <= bound, f"chunk {c}: {len(held)} slabs > bound {bound}"
         assert pool.used_bytes == len(held) * pool.slab_bytes
         assert held == pool.visible_chunks(c, "a"), f"chunk {c}: holds {held}, sees {pool.visible_chunks(c, 'a')}"
@@ -126,6 +128,8 @@ def test_token_rollout_matches_the_rule_and_stays_bounded(seed, n0, S, W) -> Non
                 now = next(s for s in pool.get("a") if s.chunk_index == i)
                 assert now.k.data_ptr() == ptr and torch.equal(now.k, k) and torch.equal(now.v, v), (
                     f"retained chunk {i} moved or changed at chunk {c}")
+    if W is not None:  # the sizing helper gives exactly the most slabs the rollout held
+        assert pool.slabs_per_rollout(n0) == most
 
 
 def test_whole_chunk_tokens_equal_the_chunk_policy(seed) -> None:

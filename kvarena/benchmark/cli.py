@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     deadline = t_start + args.budget_s if args.budget_s is not None else math.inf
     show = not args.no_progress
     results: dict = {"meta": report.run_metadata(device, set_name), "ceilings": None, "kernels": [],
-                     "recycle": None, "overhead": None, "notes": []}
+                     "recycle": None, "recycle_tokens": None, "overhead": None, "notes": []}
     results["meta"]["argv"] = sys.argv[1:]
     results["meta"]["KVARENA_DEBUG"] = os.environ.get("KVARENA_DEBUG")
     if device.type == "cpu":
@@ -184,18 +184,20 @@ def run(args: argparse.Namespace) -> int:
     if "recycle" in sections:
         from kvarena.benchmark.recycle import run_recycle
 
-        if time.monotonic() > deadline:
-            results["recycle"] = {"status": "skipped", "reason": "time budget exhausted"}
-        else:
-            try:
-                results["recycle"] = run_recycle(set_name, device, log=_log if show else (lambda m: None))
-                if not results["recycle"]["sanity"]["same_output"]:
+        # Whole-chunk sinks/window, then Self-Forcing's token rule (I2V first frame).
+        for key, cfg_name in (("recycle", set_name), ("recycle_tokens", f"{set_name}-tokens")):
+            if time.monotonic() > deadline:
+                results[key] = {"status": "skipped", "reason": "time budget exhausted"}
+            else:
+                try:
+                    results[key] = run_recycle(cfg_name, device, log=_log if show else (lambda m: None))
+                    if not results[key]["sanity"]["same_output"]:
+                        exit_code = 1
+                except Exception as exc:
+                    results[key] = {"status": "skipped", "reason": f"error: {type(exc).__name__}: {exc}"}
                     exit_code = 1
-            except Exception as exc:
-                results["recycle"] = {"status": "skipped", "reason": f"error: {type(exc).__name__}: {exc}"}
-                exit_code = 1
-        print("\n" + report.format_recycle(results["recycle"]), flush=True)
-        checkpoint()
+            print("\n" + report.format_recycle(results[key]), flush=True)
+            checkpoint()
     if "overhead" in sections:
         from kvarena.benchmark.overhead import run_overhead
 

@@ -72,12 +72,16 @@ class ShiftLeftKVCache:
     """
 
     def __init__(self, num_layers: int, batch: int, chunk_tokens: int, *, window: int, sinks: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device,
+                 sink_tokens: int | None = None, window_tokens: int | None = None) -> None:
         if window < 1:
             raise ValueError(f"window: expected >= 1, got {window}")
         self.chunk = chunk_tokens
         self.window, self.sinks = window, sinks
-        self.capacity = (sinks + window) * chunk_tokens
+        # Token counts (Self-Forcing's sink_size * frame_seqlen and local_attn_size * frame_seqlen
+        # - sink): the buffer holds S + W tokens and rolls token by token.
+        self.sink_tokens = sinks * chunk_tokens if sink_tokens is None else sink_tokens
+        self.capacity = self.sink_tokens + (window * chunk_tokens if window_tokens is None else window_tokens)
         shape = (batch, self.capacity, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -92,14 +96,14 @@ class ShiftLeftKVCache:
     def transient_bytes(self) -> int:
         """The largest temporary a shift allocates: one ``.clone()`` of the rolled tokens."""
         buf = self.k[0]
-        rolled = max(0, self.capacity - self.sinks * self.chunk - self.chunk)
+        rolled = max(0, self.capacity - self.sink_tokens - self.chunk)
         return rolled * buf.shape[0] * buf.shape[2] * buf.shape[3] * buf.element_size()
 
     def store(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> None:
         """Append one chunk ``k, v [B, T, H_kv, D]`` to ``layer``, shifting when full."""
         n = k.shape[1]
         end = self.end[layer]
-        sink = self.sinks * self.chunk
+        sink = self.sink_tokens
         if end + n > self.capacity:
             evicted = end + n - self.capacity
             rolled = end - evicted - sink
@@ -262,6 +266,29 @@ class RecycleConfig:
     head_dim: int = 64
     dtype: str = "bfloat16"
     counted: int | None = None
+    # Token-granular visibility (both None: whole chunks): sinks and window in tokens, and
+    # a short first chunk (image-to-video).
+    sink_tokens: int | None = None
+    window_tokens: int | None = None
+    first_chunk: int | None = None
+
+    @property
+    def tokens(self) -> bool:
+        return self.sink_tokens is not None
+
+    def chunk_len(self, c: int) -> int:
+        return (self.first_chunk or self.chunk) if c == 0 else self.chunk
+
+    @property
+    def fill(self) -> int:
+        """The first chunk the baseline has to shift for (its buffer of S + W tokens is full)."""
+        if not self.tokens:
+            return self.sinks + self.window
+        cap, end, c = self.sink_tokens + self.window_tokens, 0, 0
+        while end + self.chunk_len(c) <= cap:
+            end += self.chunk_len(c)
+            c += 1
+        return c
 
 
 CONFIGS = {
@@ -273,6 +300,14 @@ CONFIGS = {
     # 4 layers instead of 30 keeps it to a few seconds (every layer does the same work).
     "gpu": RecycleConfig(chunks=100, layers=4, chunk=4680, window=4, sinks=1, h_q=12, h_kv=12,
                          head_dim=128, counted=12),
+    # Self-Forcing's token rule: 16-token frames, 3-frame chunks after a 1-frame first chunk
+    # (image-to-video), a 1-frame sink and a 7-frame window: no union of whole chunks.
+    "quick-tokens": RecycleConfig(chunks=60, chunk=48, sink_tokens=16, window_tokens=112, first_chunk=16,
+                                  counted=12),
+    # Wan-1.3B frames (1560 tokens), 3-frame chunks after a 1-frame first one, sink 1 frame,
+    # window 7 frames.
+    "gpu-tokens": RecycleConfig(chunks=100, layers=4, chunk=4680, h_q=12, h_kv=12, head_dim=128, counted=12,
+                                sink_tokens=1560, window_tokens=7 * 1560, first_chunk=1560),
 }
 
 
@@ -282,10 +317,11 @@ class _Inputs:
     of one window holds different data, so a misplaced slab changes the output."""
 
     def __init__(self, cfg: RecycleConfig, device: torch.device) -> None:
+        self.cfg = cfg
         dt = getattr(torch, cfg.dtype)
         # Drawn on the device: the gpu config's pool is ~0.7 G elements, seconds on a host.
         g = torch.Generator(device=device).manual_seed(1234)
-        self.n = cfg.sinks + cfg.window + 3
+        self.n = cfg.fill + 3
         b, t, d = cfg.batch, cfg.chunk, cfg.head_dim
 
         def rnd(h):
@@ -295,7 +331,8 @@ class _Inputs:
                      for _ in range(self.n)]
 
     def __call__(self, chunk: int, layer: int):
-        return self.sets[chunk % self.n][layer]
+        n = self.cfg.chunk_len(chunk)
+        return tuple(x[:, :n] for x in self.sets[chunk % self.n][layer])
 
 
 def _sync(device: torch.device) -> None:
@@ -310,10 +347,26 @@ def _make_slab(cfg: RecycleConfig, device: torch.device):
 
     layout = KVLayout(cfg.layers, cfg.h_kv, cfg.head_dim, getattr(torch, cfg.dtype))
     slab_bytes = layout.block_bytes(cfg.chunk)
-    # Room for exactly the slabs a rollout holds at once (sinks + window per rollout).
-    policy = CachePolicy("slab_kv", max_bytes=cfg.batch * (cfg.sinks + cfg.window) * slab_bytes,
-                         per_component={"window": cfg.window, "sinks": cfg.sinks})
+    if cfg.tokens:
+        per = {"sink_tokens": cfg.sink_tokens, "window_tokens": cfg.window_tokens}
+    else:
+        per = {"window": cfg.window, "sinks": cfg.sinks}
+    # Room for exactly the slabs a rollout holds at once, asked of a pool on the meta device.
+    probe = SlabKVCache(CachePolicy("slab_kv", max_bytes=1 << 40, per_component=per), layout=layout,
+                        slab_tokens=cfg.chunk, device="meta")
+    slabs = probe.slabs_per_rollout(cfg.chunk_len(0))
+    policy = CachePolicy("slab_kv", max_bytes=cfg.batch * slabs * slab_bytes, per_component=per)
     return SlabKVCache(policy, layout=layout, slab_tokens=cfg.chunk, device=device)
+
+
+def _plan_chunk(pool, names, cfg: RecycleConfig, c: int):
+    return pool.plan(dict.fromkeys(names, (0, cfg.chunk_len(0)) if c == 0 else c))
+
+
+def _shift_cache(cfg: RecycleConfig, device) -> ShiftLeftKVCache:
+    return ShiftLeftKVCache(cfg.layers, cfg.batch, cfg.chunk, window=cfg.window, sinks=cfg.sinks,
+                            num_kv_heads=cfg.h_kv, head_dim=cfg.head_dim, dtype=getattr(torch, cfg.dtype),
+                            device=device, sink_tokens=cfg.sink_tokens, window_tokens=cfg.window_tokens)
 
 
 def _slab_reserved_bytes(pool) -> int:
@@ -338,7 +391,7 @@ def _rollout_kvarena(cfg, device, inputs, *, chunks, counter=None, keep=(), back
         if counter is not None:
             counter.begin_chunk()
         t0 = time.perf_counter()
-        meta = pool.plan(dict.fromkeys(names, c))
+        meta = _plan_chunk(pool, names, cfg, c)
         for layer in range(cfg.layers):
             q, k, v = inputs(c, layer)
             out = pool.forward(q, k, v, meta, layer, commit=True, backend=backend)
@@ -346,15 +399,13 @@ def _rollout_kvarena(cfg, device, inputs, *, chunks, counter=None, keep=(), back
         per_chunk_s.append(time.perf_counter() - t0)
         if c in keep:
             kept[c] = out.detach().clone()
-        if c == cfg.sinks + cfg.window and device.type == "cuda":
+        if c == cfg.fill and device.type == "cuda":
             mem_after_fill = torch.cuda.memory_allocated(device)
     return pool, per_chunk_s, kept, mem_after_fill
 
 
 def _rollout_shift(cfg, device, inputs, *, chunks, counter=None, keep=()):
-    cache = ShiftLeftKVCache(cfg.layers, cfg.batch, cfg.chunk, window=cfg.window, sinks=cfg.sinks,
-                             num_kv_heads=cfg.h_kv, head_dim=cfg.head_dim,
-                             dtype=getattr(torch, cfg.dtype), device=device)
+    cache = _shift_cache(cfg, device)
     if counter is not None:
         counter.watch(*cache.k, *cache.v)
     kept: dict[int, torch.Tensor] = {}
@@ -371,7 +422,7 @@ def _rollout_shift(cfg, device, inputs, *, chunks, counter=None, keep=()):
         per_chunk_s.append(time.perf_counter() - t0)
         if c in keep:
             kept[c] = out.detach().clone()
-        if c == cfg.sinks + cfg.window and device.type == "cuda":
+        if c == cfg.fill and device.type == "cuda":
             mem_after_fill = torch.cuda.memory_allocated(device)
     return cache, per_chunk_s, kept, mem_after_fill
 
@@ -405,15 +456,13 @@ def chunk_stepper(scheme: str, cfg: RecycleConfig | str = "quick", device="cpu",
         def step():
             c = counter[0]
             counter[0] += 1
-            meta = state.plan(dict.fromkeys(names, c))
+            meta = _plan_chunk(state, names, cfg, c)
             for layer in range(cfg.layers):
                 q, k, v = inputs(c, layer)
                 out = state.forward(q, k, v, meta, layer, commit=True)
             return out
     elif scheme == "shift_left":
-        state = ShiftLeftKVCache(cfg.layers, cfg.batch, cfg.chunk, window=cfg.window, sinks=cfg.sinks,
-                                 num_kv_heads=cfg.h_kv, head_dim=cfg.head_dim,
-                                 dtype=getattr(torch, cfg.dtype), device=device)
+        state = _shift_cache(cfg, device)
 
         def step():
             c = counter[0]
@@ -425,7 +474,7 @@ def chunk_stepper(scheme: str, cfg: RecycleConfig | str = "quick", device="cpu",
     else:
         raise ValueError(f"scheme: expected 'kvarena' or 'shift_left', got {scheme!r}")
     if prefill:
-        for _ in range(cfg.sinks + cfg.window):
+        for _ in range(cfg.fill):
             step()
     return step, state
 
@@ -477,7 +526,7 @@ def run_recycle(cfg: RecycleConfig | str = "quick", device: str | torch.device =
         cfg = CONFIGS[cfg]
     device = torch.device(device)
     inputs = _Inputs(cfg, device)
-    fill = cfg.sinks + cfg.window  # chunk index from which the baseline shifts
+    fill = cfg.fill  # chunk index from which the baseline shifts
     counted = min(cfg.chunks, cfg.counted or cfg.chunks)
     keep = sorted({0, fill - 1, fill, fill + 1, counted - 1})
     result: dict[str, Any] = {"config": asdict(cfg), "device": str(device)}
@@ -538,6 +587,7 @@ def run_recycle(cfg: RecycleConfig | str = "quick", device: str | torch.device =
     # What the baseline must move per chunk once full: (window - 1) chunks of K and of V in
     # every layer, written back into the buffer ("retained") after being cloned ("temp":
     # the same amount again). A check on the counter itself.
-    result["expected_shift_retained_bytes_per_chunk"] = 2 * cfg.layers * (cfg.window - 1) * cfg.chunk * token_bytes
+    window_tokens = cfg.window_tokens if cfg.tokens else cfg.window * cfg.chunk
+    result["expected_shift_retained_bytes_per_chunk"] = 2 * cfg.layers * (window_tokens - cfg.chunk) * token_bytes
     result["new_chunk_bytes"] = 2 * cfg.layers * cfg.chunk * token_bytes
     return result

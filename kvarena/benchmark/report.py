@@ -132,9 +132,14 @@ def format_recycle(rec: dict | None) -> str:
     if rec.get("status") == "skipped":
         return f"recycle: skipped ({rec.get('reason')})"
     cfg = rec["config"]
+    if cfg.get("sink_tokens") is not None:
+        vis = (f"sink {cfg['sink_tokens']} + window {cfg['window_tokens']} tokens, first chunk "
+               f"{cfg['first_chunk'] or cfg['chunk']} tokens")
+    else:
+        vis = f"window {cfg['window']}, sinks {cfg['sinks']}"
     head = (f"recycle: {cfg['chunks']} chunks x {cfg['layers']} layers, chunk {cfg['chunk']} tokens, "
-            f"{cfg['h_q']}q/{cfg['h_kv']}kv heads d{cfg['head_dim']} {cfg['dtype']}, window {cfg['window']}, "
-            f"sinks {cfg['sinks']}, batch {cfg['batch']} on {rec['device']}; bytes per chunk once the window is full "
+            f"{cfg['h_q']}q/{cfg['h_kv']}kv heads d{cfg['head_dim']} {cfg['dtype']}, {vis}, "
+            f"batch {cfg['batch']} on {rec['device']}; bytes per chunk once the window is full "
             f"(all layers, K+V; new chunk = {_fmt_bytes(rec['new_chunk_bytes'])})")
     lines = []
     for name in ("kvarena", "shift_left"):
@@ -193,14 +198,14 @@ def write_json(path: Path, results: dict) -> Path:
     return path
 
 
-def _flat_recycle(rec: dict) -> list[dict]:
+def _flat_recycle(rec: dict, section: str = "recycle") -> list[dict]:
     if not rec or rec.get("status") == "skipped":
         return []
     rows = []
     for name in ("kvarena", "shift_left"):
         s = rec[name]
         c = s["counts"]
-        row = {"section": "recycle", "provider": name, **{f"cfg_{k}": v for k, v in rec["config"].items()}}
+        row = {"section": section, "provider": name, **{f"cfg_{k}": v for k, v in rec["config"].items()}}
         for key in ("new_bytes_per_chunk", "retained_bytes_per_chunk", "temp_bytes_per_chunk"):
             row[key] = c[key]["mean"] if c.get(key) else None
         row.update({f"mem_{k}": v for k, v in s["memory"].items()})
@@ -216,6 +221,7 @@ def write_csv(path: Path, results: dict) -> Path:
     meta = {f"meta_{k}": v for k, v in results.get("meta", {}).items()}
     rows = [{"section": "kernels", **r} for r in results.get("kernels", [])]
     rows += _flat_recycle(results.get("recycle"))
+    rows += _flat_recycle(results.get("recycle_tokens"), "recycle_tokens")
     rows += [{"section": "overhead", **r} for r in results.get("overhead") or []]
     rows += [{"section": "ceilings", **(results.get("ceilings") or {})}]
     rows = [{**r, **meta} for r in rows]

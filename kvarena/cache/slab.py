@@ -480,6 +480,28 @@ class SlabKVCache(KVPoolBase):
             seen.update(range((a + pad) // st, (b + pad - 1) // st + 1))
         return sorted(seen)
 
+    def slabs_per_rollout(self, first_chunk_tokens: int | None = None, run_chunks: int = 1) -> int | None:
+        """The most slabs one rollout holds at once (None: unbounded window or training mode).
+
+        ``first_chunk_tokens``: chunk 0's length (default a full slab); ``run_chunks``: the
+        longest multi-chunk step (each extra chunk may hold one more slab during it).
+        At most ``ceil(S / T) + ceil(W / T) + 2 + run_chunks - 1``; what is needed for
+        exactly the rollouts a budget must hold.
+        """
+        self._require_arena("slabs_per_rollout")
+        _s, w = self._rule(first_chunk_tokens or self.slab_tokens)
+        if w is None or self.training_mode:
+            return None
+        st = self.slab_tokens
+        n0 = _check_int("first_chunk_tokens", first_chunk_tokens or st, 1)
+        if n0 > st:
+            raise ValueError(f"first_chunk_tokens: expected 1 to slab_tokens ({st}), got {n0}")
+        s_tok, _w = self._rule(n0)
+        # Holdings repeat once the window has left the sinks: two windows past that suffice.
+        last = 2 + (s_tok + 2 * w) // st
+        held = max(len(self._chunks_seen(c, n0)) for c in range(last + 1))
+        return held + _check_int("run_chunks", run_chunks, 1) - 1
+
     def visible_chunks(self, chunk_index: int, namespace: Hashable | None = None) -> list[int]:
         """Chunk indices chunk ``chunk_index`` attends to (at least one token of), ascending.
 

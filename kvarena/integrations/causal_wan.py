@@ -105,18 +105,20 @@ class CausalKVCache:
         st = ft * fpc
         if window_frames is not None:
             _check_int("window_frames", window_frames, fpc)
+        layout = KVLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+        per = {"sink_tokens": sink * ft, "slab_tokens": st}
+        if window_frames is not None:
+            per["window_tokens"] = window_frames * ft
         if window_frames is None or training:
             if max_frames is None:
                 raise ValueError("max_frames: required when every slab stays (window_frames=None or training=True)")
             slabs = math.ceil(_check_int("max_frames", max_frames, 1) / fpc) + 1
         else:
-            # The pool's bound: sink slabs (+1 for a short chunk 0 straddling the sink edge),
-            # the window's slabs (+1 where it starts inside one), and the extra chunks of a run.
-            slabs = math.ceil(sink / fpc) + math.ceil(window_frames / fpc) + 2 + (runs - 1)
-        layout = KVLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
-        per = {"sink_tokens": sink * ft, "slab_tokens": st}
-        if window_frames is not None:
-            per["window_tokens"] = window_frames * ft
+            # The most slabs a rollout holds, whatever the first chunk's frame count (a pool on
+            # the meta device answers without memory).
+            probe = SlabKVCache(CachePolicy("slab_kv", max_bytes=1 << 40, per_component=per), layout=layout,
+                                slab_tokens=st, device="meta")
+            slabs = max(probe.slabs_per_rollout(f * ft, runs) for f in range(1, fpc + 1))
         policy = CachePolicy("slab_kv", max_bytes=rollouts * slabs * layout.block_bytes(st), per_component=per,
                              training_mode_disables_recycle=training)
         self.pool = SlabKVCache(policy, layout=layout, slab_tokens=st, device=device,
