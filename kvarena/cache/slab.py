@@ -2,14 +2,18 @@
 
 One *slab* holds one chunk's K/V for every layer: a block of ``slab_tokens`` tokens of
 an arena region, ``[num_layers, 2, slab_tokens, H_kv, D]``. Per namespace (a rollout,
-one CFG branch, one expert) the pool keeps a logical slab table: the sink chunks
-``0 .. sinks-1`` (kept forever) then the last ``window`` chunks. When chunk ``c`` is
-planned for the first time past ``sinks + window`` chunks, the oldest non-sink chunk
-(which ``c`` no longer sees) is evicted and ``c`` takes over its slot: no retained byte
-moves, and the memory of a rollout is flat once its window is full.
+one CFG branch, one expert) the pool keeps a logical slab table of the chunks that a
+query can still see.
 
-Chunk ``c`` sees the chunks ``0 .. min(sinks, c+1)-1`` and ``max(sinks, c-window+1) .. c``
-(never a later one); inside the chunk attention is full (block-causal overall).
+Visibility is a rule on logical tokens (``t`` counts from the rollout's first token; only
+chunk 0 may be short, stored right-aligned): a query of the chunk covering ``[s, e)``
+sees ``t < e`` with ``t < S`` (sinks) or ``t >= e - W`` (window), ``S`` and ``W`` given in
+tokens (``sink_tokens`` / ``window_tokens``) or in whole chunks (``sinks`` / ``window``).
+Inside a chunk attention is full (block-causal overall). A slab holding a sink token is
+kept forever; a new chunk takes over, in place, the slab of a chunk no later query can
+see, so no retained byte moves and a rollout's memory is flat once its window is full.
+The kernels read each chunk's visible tokens as ``[kv_start, seq_len)`` of a list of
+pages (whole slabs, or equal slices of them where a sink/window edge falls inside one).
 
 Per denoising step, one :meth:`SlabKVCache.plan` for a batch of rollouts returns
 :class:`SlabMetadata` reused by every layer; :meth:`SlabKVCache.forward` then either
@@ -49,8 +53,8 @@ __all__ = ["Slab", "SlabKVCache", "SlabMetadata", "SlabSnapshot"]
 
 _UNBOUNDED_WINDOW = 1 << 30
 _VISIBILITY = (
-    "the slab pool's visibility is whole chunks, set by CachePolicy per_component "
-    "{'sinks': n, 'window': m}; it cannot be changed per layer or per call"
+    "the slab pool's visibility is set by CachePolicy per_component {'sinks': n, 'window': m} "
+    "(chunks) or {'sink_tokens': S, 'window_tokens': W}; it cannot be changed per layer or per call"
 )
 
 
@@ -250,9 +254,10 @@ class SlabKVCache(KVPoolBase):
     policy : CachePolicy
         Of class ``"slab_kv"``. ``max_bytes // slab_bytes`` is the number of slabs (slots) of the pool's own
         arena; ``block_bytes`` is 0 or ``layout.block_bytes(slab_tokens)``;
-        ``per_component``: ``"window"`` (chunks attended and kept, the current one
-        included; default unbounded), ``"sinks"`` (default 0), optionally
-        ``"slab_tokens"``; ``training_mode_disables_recycle`` keeps every slab.
+        ``per_component``: either ``"window"`` (chunks attended and kept, the current one
+        included; default unbounded) and ``"sinks"`` (default 0), or ``"window_tokens"``
+        (default unbounded, at least ``slab_tokens``) and ``"sink_tokens"`` (default 0);
+        optionally ``"slab_tokens"``; ``training_mode_disables_recycle`` keeps every slab.
     layout : KVLayout, optional
         Without it (and without ``arena``), the arena is made on the first
         :meth:`append` from that K/V (layout, dtype, device).
@@ -268,12 +273,15 @@ class SlabKVCache(KVPoolBase):
     attention : AttentionSpec, list of AttentionSpec, or mapping, optional
         Per-layer attention options (as :class:`PagedKVCache`): ``scale``, ``softcap``,
         ``backend``, ``num_splits``, ``deterministic``, ``return_lse``. Visibility is
-        the pool's (sinks + window chunks, block-causal), so ``window_left``,
+        the pool's (sinks + window, block-causal), so ``window_left``,
         ``sink_tokens``, ``chunk_size`` and ``causal`` keep their defaults.
 
     Attributes
     ----------
-    window, sinks : int
+    window, sinks : int or None
+        The chunk form (None in the token form).
+    sink_tokens, window_tokens : int or None
+        The token form (None in the chunk form; ``window_tokens`` None: unbounded).
     training_mode : bool
     slab_tokens : int or None
     layout : KVLayout or None
@@ -1149,7 +1157,9 @@ class SlabKVCache(KVPoolBase):
             r.version = self._stamp()
 
     def __repr__(self) -> str:
+        vis = (f"window={self.window}, sinks={self.sinks}" if self.sink_tokens is None
+               else f"window_tokens={self.window_tokens}, sink_tokens={self.sink_tokens}")
         return (
-            f"SlabKVCache(slots={self.num_slots}, used={self.used_bytes}, window={self.window}, "
-            f"sinks={self.sinks}, slab_tokens={self.slab_tokens}, training={self.training_mode})"
+            f"SlabKVCache(slots={self.num_slots}, used={self.used_bytes}, {vis}, "
+            f"slab_tokens={self.slab_tokens}, training={self.training_mode})"
         )
