@@ -792,10 +792,10 @@ class SlabKVCache(KVPoolBase):
         for n in q_lens:
             cu.append(cu[-1] + n)
         flat += cu
-        slots = []
-        for _ns, _r, run, _rec in rows:
-            for ch in run:
-                slots += [ch.slot * st + j for j in range(st - ch.n_tokens, st)]
+        # slot_mapping: chunk i's tokens go to rows st - n_i .. st - 1 of its slab; built on
+        # the device from one first slot per chunk (a host list of B * T ints costs ~1 ms).
+        chunks = [ch for _ns, _r, run, _rec in rows for ch in run]
+        flat += [ch.slot for ch in chunks] + [st - ch.n_tokens for ch in chunks]
         packed = upload(flat, torch.int32, self.device)
         o = 0
 
@@ -807,7 +807,18 @@ class SlabKVCache(KVPoolBase):
         tables = [take(n_seq * w).view(n_seq, w) for w in widths]
         lens_starts = [(take(n_seq), take(n_seq)) for _ in range(3)]
         cu_t = take(n_seq + 1)
+        first = take(n_seq).to(torch.int64) * st  # int64: slot * slab_tokens may pass 2**31
+        first = first + take(n_seq)
         (seq_lens, kv_start), (hist_lens, hist_start), (own_lens, own_start) = lens_starts
+        if all(ch.n_tokens == t for ch in chunks):  # one chunk per rollout, all of one length
+            offsets = torch.arange(t, device=self.device, dtype=torch.int64)
+            slot_mapping = (first[:, None] + offsets[None, :]).reshape(-1)
+        else:
+            lens = torch.tensor([ch.n_tokens for ch in chunks], dtype=torch.int64)
+            starts = torch.cumsum(lens, 0) - lens
+            idx = torch.arange(b * t, dtype=torch.int64)
+            rel = (idx - torch.repeat_interleave(starts, lens, output_size=b * t)).to(self.device)
+            slot_mapping = torch.repeat_interleave(first, lens.to(self.device), output_size=b * t) + rel
         return SlabMetadata(
             namespaces=tuple(ns for ns, _r, _run, _rec in rows),
             chunk_indices=tuple(run[-1].index for _ns, _r, run, _rec in rows),
@@ -823,7 +834,7 @@ class SlabKVCache(KVPoolBase):
             hist_seq_lens=hist_lens,
             hist_kv_start=hist_start,
             cu_seqlens_q=cu_t,
-            slot_mapping=upload(slots, self._slot_dtype, self.device),
+            slot_mapping=slot_mapping.to(self._slot_dtype),
             own_page_tokens=g_own,
             dense_block_table=tables[2],
             dense_seq_lens=own_lens,
