@@ -341,3 +341,20 @@ def test_token_rules_and_runs_on_the_triton_path(seed) -> None:
             _step(pool, truth, "a", c, n0, [c], S, W, commit=commit, backend="triton", dtype=dtype, what="triton")
     _step(pool, truth, "a", range(5, 7), n0, [5, 6], S, W, commit=False, backend="triton", dtype=dtype,
           what="triton run")
+
+
+def test_restore_frees_the_slabs_a_later_run_retired() -> None:
+    """A run past the window retires slabs; restoring a snapshot taken before it frees them
+    (they belong to the abandoned timeline), and clearing frees everything."""
+    pool = _pool({"sinks": 1, "window": 1})
+    pool.plan({"a": 0})
+    snap = pool.snapshot("a")
+    pool.plan({"a": range(1, 4)})  # retires chunks 1 and 2
+    assert pool.used_bytes == 4 * pool.slab_bytes
+    pool.restore("a", snap)
+    assert pool.used_bytes == pool.slab_bytes and pool.chunk_indices("a") == [0]
+    pool.plan({"a": range(1, 4)})
+    pool.plan({"a": 3})  # releases the run's retired slabs
+    assert pool.used_bytes == 2 * pool.slab_bytes
+    pool.clear_namespace("a")
+    assert pool.used_bytes == 0

@@ -244,6 +244,7 @@ class SlabSnapshot:
     _owner: int = field(repr=False)
     _chunks: tuple = field(repr=False)  # (index, _Chunk) in logical order
     _last: int = field(repr=False)
+    _retired: tuple = field(repr=False, default=())  # (index, _Chunk) retired by a run, still held
 
 
 class SlabKVCache(KVPoolBase):
@@ -1127,7 +1128,7 @@ class SlabKVCache(KVPoolBase):
             r = self._rollouts.get(namespace)
             if r is None:
                 raise KeyError(f"namespace {namespace!r} is not in this SlabKVCache")
-            return SlabSnapshot(namespace, self._cache_id, tuple(r.chunks.items()), r.last)
+            return SlabSnapshot(namespace, self._cache_id, tuple(r.chunks.items()), r.last, tuple(r.retired.items()))
 
     def restore(self, namespace: Hashable, snap: SlabSnapshot) -> None:
         """Roll ``namespace`` back to ``snap``, freeing the slabs claimed after it.
@@ -1161,8 +1162,12 @@ class SlabKVCache(KVPoolBase):
                     )
             kept = {i for i, _ch in snap._chunks}
             extra = sorted((ch for i, ch in r.chunks.items() if i not in kept), key=lambda c: -c.index)
+            # Slabs a run retired after the snapshot belong to the abandoned timeline: freed.
+            was_retired = dict(snap._retired)
+            extra += [ch for i, ch in r.retired.items() if was_retired.get(i) is not ch]
             if extra:
                 self._region.allocator.decref([ch.slot for ch in extra])
+            r.retired = {i: ch for i, ch in r.retired.items() if was_retired.get(i) is ch}
             r.chunks = dict(snap._chunks)
             r.last = snap._last
             r.version = self._stamp()
