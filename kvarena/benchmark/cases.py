@@ -13,7 +13,9 @@ decode
 chunk
     Slab chunk attention of a causal video DiT: a chunk of ``chunk`` queries attends to
     ``sinks`` sink slabs plus the ``window`` newest slabs, its own included (full
-    attention: every key is visible). A slab is one page of ``chunk`` tokens.
+    attention: every key is visible). A slab is one page of ``chunk`` tokens, or
+    ``chunk / page_tokens`` pages when token-granular sinks/windows put an edge inside a
+    slab (``-p<page>`` cases: the same keys read through frame-sized pages).
 train
     A denoising step's forward + backward (Self-Forcing-style training): the chunk's
     queries over the cached history (``sinks`` + ``window - 1`` slabs, a constant) and
@@ -75,6 +77,8 @@ class Case:
         Chunks attended and kept, the newest included (chunk, store).
     sinks : int
         Sink chunks kept forever (chunk, store).
+    page_tokens : int
+        Chunk cases: rows per page (0: the whole slab); must divide ``chunk``.
     model : str
         A label for the table and the plot (e.g. ``"wan1.3b"``).
     skip_providers : tuple of str
@@ -94,6 +98,7 @@ class Case:
     chunk: int = 0
     window: int = 0
     sinks: int = 0
+    page_tokens: int = 0
     model: str = ""
     skip_providers: tuple[str, ...] = ()
 
@@ -107,7 +112,7 @@ class Case:
     @property
     def page(self) -> int:
         """Tokens per page of the arena: ``block_size`` for decode, the slab otherwise."""
-        return self.block_size if self.kind == "decode" else self.chunk
+        return self.block_size if self.kind == "decode" else (self.page_tokens or self.chunk)
 
     def as_dict(self) -> dict:
         """The fields plus ``kv_tokens``, for reports."""
@@ -161,9 +166,10 @@ def _decode(batch: int, context: int, *, h_q=32, h_kv=8, head_dim=128, dtype="bf
 
 
 def _chunk(model: str, h_q: int, h_kv: int, chunk: int, window: int, *, sinks=1, head_dim=128,
-           dtype="bfloat16", kind="chunk") -> Case:
-    return Case(kind, f"{kind}-{model}-w{window}", h_q, h_kv, head_dim, dtype, chunk=chunk,
-                window=window, sinks=sinks, model=model)
+           dtype="bfloat16", kind="chunk", page=0) -> Case:
+    name = f"{kind}-{model}-w{window}" + (f"-p{page}" if page else "")
+    return Case(kind, name, h_q, h_kv, head_dim, dtype, chunk=chunk, window=window, sinks=sinks,
+                page_tokens=page, model=model)
 
 
 def _gpu_set() -> list[Case]:
@@ -172,6 +178,9 @@ def _gpu_set() -> list[Case]:
     # (12 heads, chunk 3 frames x 1560 = 4680) over a window sweep, then one point per
     # other model; one sink chunk each. 0.7-9 TFLOP per call.
     out += [_chunk("wan1.3b", 12, 12, 4680, w) for w in (2, 4, 8)]
+    # The w8 keys through 1560-token (one-frame) pages: what a token-granular sink/window
+    # costs the kernel (more blocks, a partial key tile per page), against w8 above.
+    out.append(_chunk("wan1.3b", 12, 12, 4680, 8, page=1560))
     out.append(_chunk("wan5b", 24, 24, 7040, 4))
     out.append(_chunk("matrixgame", 12, 12, 2640, 6))
     out.append(_chunk("magi1", 24, 8, 12150, 4))
@@ -203,6 +212,7 @@ def _quick_set() -> list[Case]:
     tiny = dict(h_q=4, h_kv=2, head_dim=64, model="tiny")
     out = [_decode(2, c, **tiny) for c in (128, 256, 512)]
     out += [_chunk("tiny", 4, 2, 64, w, head_dim=64) for w in (2, 3)]
+    out.append(_chunk("tiny", 4, 2, 64, 3, head_dim=64, page=16))
     out.append(_chunk("tiny", 4, 2, 64, 3, head_dim=64, kind="train"))
     out.append(_chunk("tiny", 4, 2, 64, 3, head_dim=64, kind="store"))
     return out

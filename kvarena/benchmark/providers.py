@@ -159,7 +159,9 @@ def make_data(case: Case, device: str | torch.device, *, seed: int = 0) -> CaseD
     if case.kind == "decode":
         pages_per_seq = -(-case.context // page)
     else:
-        pages_per_seq = case.sinks + case.window
+        if case.chunk % page:
+            raise ValueError(f"case {case.name}: page_tokens {page} must divide chunk {case.chunk}")
+        pages_per_seq = (case.sinks + case.window) * (case.chunk // page)
     num_pages = b * pages_per_seq + 1
     perm = torch.randperm(num_pages, generator=gen)[: b * pages_per_seq]
     block_table = perm.view(b, pages_per_seq).to(torch.int32).to(device)
