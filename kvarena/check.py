@@ -190,11 +190,12 @@ def _launches(only: str | None, capability: int, all_variants: bool = False) -> 
                                   lean=not det and not guard and not softcap)
             meta = pa._attn_constexprs(cfg, group, d, causal=causal, has_kv_start=has_kv_start,
                                        write_lse=write_lse, split=split, upcast=False, guard=guard,
-                                       softcap=softcap, block_size=block, elem_bytes=eb, own_kv=own)
+                                       softcap=softcap, block_size=block, elem_bytes=eb, own_kv=own,
+                                       sink_logits=label == "all flags")  # the most code: with sinks
             meta.update(stride_qd=1, stride_od=1)  # unit strides: the JIT specializes them too
             ptrs = {"q_ptr": dt, "k_ptr": dt, "v_ptr": dt, "o_ptr": "fp32" if split else dt, "lse_ptr": "fp32",
                     "block_table_ptr": "i32", "seq_lens_ptr": "i32", "cu_q_ptr": "i32", "kv_start_ptr": "i32",
-                    "k2_ptr": dt, "v2_ptr": dt}
+                    "k2_ptr": dt, "v2_ptr": dt, "sink_ptr": "fp32"}
             desc = (f"{name}: {dt} D{d} G{group} BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} "
                     f"w{cfg['num_warps']} s{cfg['num_stages']}")
             desc += " [" + ",".join(n for n, on in zip(_FLAG_NAMES, flags) if on) + "]"
@@ -202,6 +203,8 @@ def _launches(only: str | None, capability: int, all_variants: bool = False) -> 
                 desc += " +nonfinite-guard"
             if meta["OWN_KV"]:
                 desc += " +own-k/v"
+            if meta["HAS_SINK_LOGITS"]:
+                desc += " +sink-logits"
             out.append(_Launch("attention", desc, pa._paged_attn_kernel, ptrs, meta, cfg["num_warps"],
                                cfg["num_stages"], i64=("stride_kb", "stride_vb"),
                                floats=("scale_log2", "softcap_inv", "softcap_log2"), maxnreg=cfg.get("maxnreg"),
@@ -230,8 +233,9 @@ def _launches(only: str | None, capability: int, all_variants: bool = False) -> 
     for name, d, dt in REDUCE_CASES:
         d_pad = head_dim_pad(d)
         block_r = pa._reduce_block_rows(d_pad)
-        meta = dict(HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_R=block_r, WRITE_LSE=True, stride_od=1)
-        ptrs = {"part_ptr": "fp32", "part_lse_ptr": "fp32", "o_ptr": dt, "lse_ptr": "fp32"}
+        meta = dict(HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_R=block_r, WRITE_LSE=True, HAS_SINK_LOGITS=True,
+                    stride_od=1)
+        ptrs = {"part_ptr": "fp32", "part_lse_ptr": "fp32", "o_ptr": dt, "lse_ptr": "fp32", "sink_ptr": "fp32"}
         out.append(_Launch("split_reduce", f"{name}: {dt} BR{block_r} w{ROW_TILE_WARPS}",
                            pa._split_reduce_kernel, ptrs, meta, ROW_TILE_WARPS, 1,
                            i64=("stride_ps",)))

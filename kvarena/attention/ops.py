@@ -171,6 +171,20 @@ def _arange_i32(n: int, device: torch.device) -> torch.Tensor:
     return base[:n]
 
 
+def check_sink_logits(sink: torch.Tensor | None, q: torch.Tensor) -> None:
+    """``sink`` (already a 1-D float tensor, see AttentionSpec) fits ``q [.., H_q, D]``."""
+    if sink is None:
+        return
+    h_q = q.shape[-2]
+    if sink.shape[0] != h_q:
+        raise ValueError(f"sink_logits: expected one logit per query head ({h_q}), got shape {tuple(sink.shape)}")
+    if sink.device != q.device:
+        raise ValueError(f"sink_logits: expected q's device {q.device}, got {sink.device}")
+    want = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if sink.dtype != want:
+        raise TypeError(f"sink_logits: expected {want} for {q.dtype} queries, got {sink.dtype}")
+
+
 def _check_out(out, q: torch.Tensor) -> None:
     if out is None:
         return
@@ -311,6 +325,7 @@ def paged_attention(
     backend: str = "auto",
     num_splits: int | None = None,
     deterministic: bool = False,
+    sink_logits: torch.Tensor | None = None,
 ):
     """Block-table gather attention over a paged (or slab) KV cache.
 
@@ -331,6 +346,9 @@ def paged_attention(
         positions ``L - q_len .. L - 1`` (bottom-right aligned).
     scale, causal, chunk_size, window_left, sink_tokens, softcap, backend, num_splits, deterministic, return_lse
         The options of :class:`kvarena.AttentionSpec` (same names, meanings, checks).
+    sink_logits : Tensor ``[H_q]``, optional
+        Learned sink logits (gpt-oss), float32 (float64 with fp64 q) on q's device: each
+        joins its head's softmax denominator (see :class:`kvarena.AttentionSpec`).
     kv_start : Tensor, int32 ``[B]``, optional
         Keys ``t < kv_start[b]`` are invisible (left padding).
     max_seqlen_q, max_seqlen_k : int, optional
@@ -361,14 +379,15 @@ def paged_attention(
     spec = AttentionSpec(
         scale=scale, causal=causal, chunk_size=chunk_size, window_left=window_left,
         sink_tokens=sink_tokens, softcap=softcap, backend=backend, num_splits=num_splits,
-        deterministic=deterministic, return_lse=return_lse,
+        deterministic=deterministic, return_lse=return_lse, sink_logits=sink_logits,
     )
     cu, max_q, max_k = _validate_paged(
         q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, max_seqlen_q, max_seqlen_k
     )
-    cache_grad = _needs_grad(k_cache, v_cache)
+    check_sink_logits(spec.sink_logits, q)
+    cache_grad = _needs_grad(k_cache, v_cache, spec.sink_logits)
     chosen = resolve_backend(spec.backend, q.device, q.dtype, cache_grad or _needs_grad(q),
-                             "k_cache/v_cache" if cache_grad else "q", triton_grad=not cache_grad)
+                             "k_cache/v_cache/sink_logits" if cache_grad else "q", triton_grad=not cache_grad)
     return attend(q, k_cache, v_cache, block_table, seq_lens, cu, kv_start, spec=spec, max_seqlen_q=max_q,
                   max_seqlen_k=max_k, backend=chosen, out=out)
 
@@ -398,13 +417,16 @@ def attend(
     the cache. Returns like :func:`paged_attention`.
     """
     kn, vn = new_kv if new_kv is not None else (None, None)
-    grad = _needs_grad(q, k_cache, v_cache, kn, vn)
+    grad = _needs_grad(q, k_cache, v_cache, kn, vn, spec.sink_logits)
     if grad and backend == "triton":
         # The Triton forward, then the Triton backward (dq, and dk/dv for new_kv): one
-        # custom op with an autograd formula and fake kernels, eager or compiled.
+        # custom op with an autograd formula and fake kernels, eager or compiled. Sink logits
+        # need nothing there: the forward's lse includes them, so P = exp(s - lse) is exact.
         if k_cache.requires_grad or v_cache.requires_grad:
             raise ValueError("k_cache/v_cache: the Triton backward gives no gradient to a cache tensor; "
                              "use backend='torch' (or give the keys as new_kv / own k, v)")
+        if _needs_grad(spec.sink_logits):
+            raise ValueError("sink_logits: the Triton backward gives no gradient to sink_logits; use backend='torch'")
         result, lse = torch.ops.kvarena.attention_train(
             q, kn, vn, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, max_seqlen_q,
             max_seqlen_k, _GIVEN_AT_QUERIES, *spec.op_args(),

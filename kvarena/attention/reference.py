@@ -216,7 +216,8 @@ def paged_attention_torch(
         # Zeros that stay connected to q (gradient 0, as on the Triton path; a where, not
         # q * 0, so a NaN in q cannot reach them).
         out = torch.where(torch.zeros((), dtype=torch.bool, device=dev), q, torch.zeros((), dtype=q.dtype, device=dev))
-        return out, torch.full((total_q, h_q), float("-inf"), dtype=acc, device=dev)
+        lse = torch.full((total_q, h_q), float("-inf"), dtype=acc, device=dev)
+        return add_sink_logits(out, lse, spec.sink_logits)
     lens = seq_lens.long()
     cu = cu_seqlens_q.long()
     q_lens = cu[1:] - cu[:-1]  # [B]
@@ -261,9 +262,26 @@ def paged_attention_torch(
     o, lse = _masked_softmax_attend(s, vis[:, None, None], vp, "bhgmk,bkhd->bmhgd")  # o [B, Mq, H_kv, G, D]
 
     # Back to the packed layout.
-    out = o[b_of_r, i_of_r].reshape(total_q, h_q, d).to(q.dtype)
+    out = o[b_of_r, i_of_r].reshape(total_q, h_q, d)
     lse = lse.permute(0, 3, 1, 2)[b_of_r, i_of_r].reshape(total_q, h_q)  # [total_q, H_q]
-    return out, lse
+    out, lse = add_sink_logits(out, lse, spec.sink_logits)
+    return out.to(q.dtype), lse
+
+
+def add_sink_logits(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None):
+    """Attention without sinks ``(out [N, H, D], lse [N, H])`` -> with one sink logit per head.
+
+    A sink is a key of logit ``sink[h]`` and value 0: the denominator grows from ``e^lse``
+    to ``e^lse + e^sink``, so ``out`` scales by ``e^(lse - lse')`` with ``lse' =
+    logaddexp(lse, sink)`` (exact; a row with no key keeps ``out = 0`` and gets ``lse' =
+    sink``). Differentiable, gradients to ``sink`` included. The scaling runs in the lse's
+    precision and the result keeps ``out``'s dtype.
+    """
+    if sink is None:
+        return out, lse
+    new = torch.logaddexp(lse, sink.to(lse.dtype)[None, :])
+    scale = torch.exp(lse - new)  # 0 for a row with no key (lse = -inf)
+    return (out.to(lse.dtype) * scale[..., None]).to(out.dtype), new
 
 
 # The CPU flash-attention kernel behind SDPA, which also returns the log-sum-exp (torch's
@@ -378,16 +396,17 @@ def paged_attention_sdpa(
         return None  # an older torch whose CPU kernel refuses H_q != H_kv
     # o [B, H_q, Mq, D], lse [B, H_q, Mq]
     if q_len == 1:
-        out, lse = o.reshape(total_q, h_q, d).to(out_dtype), lse.reshape(total_q, h_q)
+        out, lse = o.reshape(total_q, h_q, d), lse.reshape(total_q, h_q)
     else:
-        out = o.transpose(1, 2).reshape(total_q, h_q, d).to(out_dtype)
+        out = o.transpose(1, 2).reshape(total_q, h_q, d)
         lse = lse.transpose(1, 2).reshape(total_q, h_q)
     empty = [i for i, (n, s) in enumerate(zip(lens, starts)) if s >= n]
     if empty:  # no visible key: out 0, lse -inf (the kernel gives lse 0 there)
         rows = torch.tensor([i * q_len + j for i in empty for j in range(q_len)])
         out[rows] = 0
         lse[rows] = float("-inf")
-    return out, lse
+    out, lse = add_sink_logits(out, lse, spec.sink_logits)
+    return out.to(out_dtype), lse
 
 
 def check_slots(slots: torch.Tensor, capacity: int) -> torch.Tensor:

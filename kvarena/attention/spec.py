@@ -23,6 +23,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 __all__ = ["AttentionSpec", "BACKENDS", "INT_LIMIT", "check_backend", "check_bool"]
 
 #: The backends every op accepts: ``"auto"`` = Triton on CUDA, torch on CPU.
@@ -102,6 +104,12 @@ class AttentionSpec:
         Triton split size independent of the batch (bitwise batch-invariant).
     return_lse : bool, default False
         Also return the fp32 natural-log sum-exp of each query row.
+    sink_logits : Tensor ``[H_q]``, optional
+        Learned attention-sink logits (gpt-oss): one per query head, added to each row's
+        softmax denominator as a key whose value is zero, so ``out = sum_t e^{s_t} v_t /
+        (e^{sink} + sum_t e^{s_t})`` and ``lse`` includes it. float32 (float64 with fp64
+        inputs). Not ``sink_tokens`` (keys kept visible by a window). A learned tensor,
+        not a constant: left out of ``==`` and ``hash``.
 
     Raises
     ------
@@ -133,6 +141,7 @@ class AttentionSpec:
     backend: str = field(default="auto", metadata=_op("str"))
     num_splits: int | None = field(default=None, metadata=_op("int?"))
     deterministic: bool = field(default=False, metadata=_op("bool"))
+    sink_logits: torch.Tensor | None = field(default=None, compare=False, repr=False, metadata=_op("Tensor?"))
     # Not an op argument: the op always computes the lse; the wrappers drop it.
     return_lse: bool = False
 
@@ -158,6 +167,13 @@ class AttentionSpec:
         set_(self, "num_splits", _opt_count("num_splits", self.num_splits, 1))
         check_bool("deterministic", self.deterministic)
         check_bool("return_lse", self.return_lse)
+        s = self.sink_logits
+        if s is not None:
+            if not isinstance(s, torch.Tensor):
+                raise TypeError(f"sink_logits: expected None or a 1-D float32 tensor [H_q], got {type(s).__name__}")
+            if s.dim() != 1 or s.dtype not in (torch.float32, torch.float64):
+                raise ValueError(f"sink_logits: expected a 1-D float32 tensor [H_q], got {s.dtype} of shape "
+                                 f"{tuple(s.shape)}")
 
     # ------------------------------------------------------------------ derived values
     def scale_for(self, head_dim: int) -> float:

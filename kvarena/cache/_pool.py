@@ -206,9 +206,11 @@ class KVPoolBase:
         """``(attention backend, store backend, k/v need gradients)``, resolved before any write."""
         grad_on = torch.is_grad_enabled()
         kv_grad = grad_on and (k.requires_grad or v.requires_grad)
+        sink_grad = grad_on and spec.sink_logits is not None and spec.sink_logits.requires_grad
         # The arena never requires grad: gradients go to q and the given k/v, which the
-        # Triton backward computes.
-        attn = resolve_backend(spec.backend, self.device, self.layout.dtype, kv_grad or (grad_on and q.requires_grad),
-                               triton_grad=True)
+        # Triton backward computes (learned sink logits: the torch path's).
+        attn = resolve_backend(spec.backend, self.device, self.layout.dtype,
+                               kv_grad or sink_grad or (grad_on and q.requires_grad),
+                               "sink_logits" if sink_grad else "q", triton_grad=not sink_grad)
         store = resolve_backend(spec.backend, self.device, self.layout.dtype, False)
         return attn, store, kv_grad

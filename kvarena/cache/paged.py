@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvarena.attention.ops import attend, store
+from kvarena.attention.ops import attend, check_sink_logits, store
 from kvarena.attention.spec import check_bool
 from kvarena.cache._meta import StaleMetadataError, as_device, next_version, region_of_arena, upload
 from kvarena.cache._pool import KVPoolBase
@@ -641,7 +641,7 @@ class PagedKVCache(KVPoolBase):
     CLASS_NAME = "paged_kv"
     FORWARD_OPTIONS = frozenset(
         ("backend", "scale", "softcap", "return_lse", "num_splits", "deterministic", "window_left",
-         "sink_tokens", "chunk_size")
+         "sink_tokens", "chunk_size", "sink_logits")
     )
     NOT_FORWARD_OPTIONS = {
         "causal": "a layer's causality is part of its AttentionSpec: pass attention= to the constructor",
@@ -714,6 +714,8 @@ class PagedKVCache(KVPoolBase):
         layer = self._check_layer(layer)
         spec = self._call_spec(layer, options)
         self._check_qkv(q, k, v, (meta.total_q,), "[total_q, H, D]")
+        if spec.sink_logits is not None:
+            check_sink_logits(spec.sink_logits, q)
         attn_backend, store_backend, kv_grad = self._backends(spec, q, k, v)
         kc, vc = region.k(layer), region.v(layer)
         store(k, v, kc, vc, meta.slot_mapping, store_backend)

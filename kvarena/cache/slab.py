@@ -58,6 +58,11 @@ _VISIBILITY = (
 )
 
 
+_NO_SINK_LOGITS = (
+    "not served by the slab pool: its denoising steps merge partial attentions by LSE, where a "
+    "learned sink would join the denominator twice; use PagedKVCache or paged_attention"
+)
+
 # The per_component keys a slab pool reads (CachePolicy is shared by every cache class).
 _SLAB_COMPONENTS = frozenset({"window", "sinks", "sink_tokens", "window_tokens", "slab_tokens"})
 
@@ -382,6 +387,8 @@ class SlabKVCache(KVPoolBase):
         for name, default in (("window_left", None), ("sink_tokens", 0), ("chunk_size", None), ("causal", True)):
             if getattr(spec, name) != default:
                 raise ValueError(f"{where}.{name}: must stay {default!r}: {_VISIBILITY}")
+        if spec.sink_logits is not None:
+            raise ValueError(f"{where}.sink_logits: {_NO_SINK_LOGITS}")
 
     def _attach(self, arena: KVArena, reg: ArenaRegion, specs: tuple) -> None:
         self._specs = specs
@@ -907,6 +914,7 @@ class SlabKVCache(KVPoolBase):
     NOT_FORWARD_OPTIONS = {
         **{name: _VISIBILITY for name in ("window_left", "sink_tokens", "chunk_size", "causal")},
         "kv_start": "set by the pool from the plan's metadata (a short first chunk); do not pass it",
+        "sink_logits": _NO_SINK_LOGITS,
         "out": "forward() returns a new tensor; kvarena.paged_attention(..., out=) writes into a buffer",
         **{name: "set by the pool from the plan's metadata; do not pass it"
            for name in ("cu_seqlens_q", "max_seqlen_q", "max_seqlen_k")},

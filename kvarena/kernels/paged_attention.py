@@ -182,7 +182,7 @@ def _range_tiles(a, b, block_size, BLOCK_N: tl.constexpr):
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     block_table_ptr, seq_lens_ptr, cu_q_ptr, kv_start_ptr,
-    k2_ptr, v2_ptr,
+    k2_ptr, v2_ptr, sink_ptr,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -209,6 +209,7 @@ def _paged_attn_kernel(
     PAGE_SIZE: tl.constexpr,
     LARGE_BLOCKS: tl.constexpr,
     OWN_KV: tl.constexpr,
+    HAS_SINK_LOGITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split_id = tl.program_id(1)
@@ -414,6 +415,15 @@ def _paged_attn_kernel(
             m_i, l_i, acc, bad_w = _softmax_step(s, v, m_i, l_i, acc, bad_w, GUARD_NONFINITE, not interior)
 
     # ---- epilogue: rows that saw no key give 0 and lse = -inf
+    if HAS_SINK_LOGITS and not SPLIT:
+        # A learned sink (gpt-oss): one more key per query head, value 0, logit sink[h]. It
+        # joins the denominator once, here (split partials leave it to the reduce).
+        sink = tl.load(sink_ptr + (kvh * GROUP + head_in)) * 1.4426950408889634  # [BLOCK_M], log2 domain
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)  # 0 for a row that saw no key (m_i = -inf)
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
+        m_i = m_new
     has_key = l_i > 0.0
     inv_l = tl.where(has_key, 1.0 / tl.where(has_key, l_i, 1.0), 0.0)
     o = acc * inv_l[:, None]  # [BLOCK_M, HEAD_DIM_PAD]
@@ -437,11 +447,13 @@ def _split_reduce_kernel(
     stride_qs, stride_qt, stride_qh,
     stride_ot, stride_oh, stride_od,
     stride_lt, stride_lh,
+    sink_ptr,
     n_rows, num_heads, num_splits,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_R: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    HAS_SINK_LOGITS: tl.constexpr,
 ):
     # Rows r = token * num_heads + head, BLOCK_R of them per program.
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
@@ -461,6 +473,10 @@ def _split_reduce_kernel(
         ls = tl.load(lse_p, mask=r_ok, other=float("-inf"))
         m = tl.maximum(m, ls)
         lse_p += stride_qs
+    if HAS_SINK_LOGITS:
+        # The sink joins the denominator once, as a partial of value 0 (log2 domain).
+        sink = tl.load(sink_ptr + head, mask=r_ok, other=0.0) * 1.4426950408889634  # [BLOCK_R]
+        m = tl.maximum(m, sink)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     # Pass 2: weighted sum. An empty split (lse = -inf) has weight 0 and its partial is
     # not even loaded, so nothing it holds can leak.
@@ -477,6 +493,8 @@ def _split_reduce_kernel(
         tot += w
         lse_p += stride_qs
         part_p += stride_ps
+    if HAS_SINK_LOGITS:
+        tot += tl.exp2(sink - m_safe)
     has_key = tot > 0.0
     inv = tl.where(has_key, 1.0 / tl.where(has_key, tot, 1.0), 0.0)
     o = acc * inv[:, None]
@@ -614,7 +632,8 @@ def _pick_num_splits(programs: int, max_seqlen_k: int, sm_count: int, ctas: int 
 
 def _attn_constexprs(cfg: dict, group: int, head_dim: int, *, causal: bool, has_kv_start: bool,
                      write_lse: bool, split: bool, upcast: bool, guard: bool, softcap: bool,
-                     block_size: int, elem_bytes: int, large_ok: bool = True, own_kv: bool = False) -> dict:
+                     block_size: int, elem_bytes: int, large_ok: bool = True, own_kv: bool = False,
+                     sink_logits: bool = False) -> dict:
     """The constexpr arguments of ``_paged_attn_kernel`` (shared with ``kvarena check``).
 
     The block layout is specialized three ways: blocks of at least ``BLOCK_N`` rows
@@ -627,7 +646,7 @@ def _attn_constexprs(cfg: dict, group: int, head_dim: int, *, causal: bool, has_
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, HAS_KV_START=has_kv_start, WRITE_LSE=write_lse,
         SPLIT=split, UPCAST=upcast, GUARD_NONFINITE=guard, HAS_SOFTCAP=softcap, PAGE_SIZE=page,
-        LARGE_BLOCKS=large, OWN_KV=own_kv and large,
+        LARGE_BLOCKS=large, OWN_KV=own_kv and large, HAS_SINK_LOGITS=sink_logits,
     )
 
 
@@ -808,7 +827,9 @@ def paged_attention_fwd(
     meta = _attn_constexprs(cfg, group, head_dim, causal=causal, has_kv_start=kv_start is not None,
                             write_lse=write_lse, split=split, upcast=upcast,
                             guard=guard, softcap=bool(softcap), block_size=block_size,
-                            elem_bytes=q.element_size(), large_ok=large_ok, own_kv=plan.own_kv)
+                            elem_bytes=q.element_size(), large_ok=large_ok, own_kv=plan.own_kv,
+                            sink_logits=spec.sink_logits is not None)
+    sink_arg = spec.sink_logits if spec.sink_logits is not None else seq_lens  # else never read
     # 1-D metadata is read with unit stride; .contiguous() is free when it already is.
     seq_lens, cu_seqlens_q = seq_lens.contiguous(), cu_seqlens_q.contiguous()
     kv_start_arg = kv_start.contiguous() if kv_start is not None else seq_lens  # else never read
@@ -843,7 +864,7 @@ def paged_attention_fwd(
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, o_arg, lse_arg,
         block_table, seq_lens, cu_seqlens_q, kv_start_arg,
-        k2, v2,
+        k2, v2, sink_arg,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -871,8 +892,9 @@ def paged_attention_fwd(
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         *lse_strides,
+        sink_arg,
         n_rows, h_q, num_splits,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_R=block_r,
-        WRITE_LSE=lse is not None, num_warps=ROW_TILE_WARPS,
+        WRITE_LSE=lse is not None, HAS_SINK_LOGITS=spec.sink_logits is not None, num_warps=ROW_TILE_WARPS,
     )
     return True
