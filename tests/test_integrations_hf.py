@@ -1,0 +1,194 @@
+"""kvarena as a Hugging Face attention implementation (``attn_implementation="kvarena"``).
+
+Tiny random decoders built from configs (no downloads), fp32 on CPU: greedy tokens equal
+eager's and every step's logits within 1e-4, for a single prompt and a left-padded batch
+of 3 prompts longer than the sliding window; beam search and ``num_return_sequences``;
+mutation controls (drop the window, softcap, sinks, padding or scaling: the comparison
+must fail); what it cannot serve raises ``kvarena: ...``. Tied embeddings are off and the
+init range is large, so a tiny model does not just echo its input; ``eos_token_id=-1``
+keeps every row generating.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from _helpers import one_torch_thread  # noqa: F401 - autouse fixture
+
+transformers = pytest.importorskip("transformers", minversion="5.0")
+from kvarena.integrations import hf  # noqa: E402
+
+TRITON = os.environ.get("TRITON_INTERPRET") == "1"
+TOL = 1e-4
+WINDOW = 6
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, tie_word_embeddings=False, initializer_range=0.2, max_position_embeddings=256)
+MODELS = {
+    "llama-gqa": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2-mqa": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=1)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=WINDOW)),
+    "gemma2-window-softcap": ("Gemma2Config", "Gemma2ForCausalLM",
+                              dict(sliding_window=WINDOW, head_dim=16, attn_logit_softcapping=5.0,
+                                   final_logit_softcapping=None, query_pre_attn_scalar=16)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(sliding_window=WINDOW, head_dim=16, query_pre_attn_scalar=16,
+                    layer_types=["sliding_attention", "full_attention"])),
+    "gptoss-sinks": ("GptOssConfig", "GptOssForCausalLM",
+                     dict(sliding_window=WINDOW, head_dim=16, num_local_experts=4, num_experts_per_tok=2)),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    hf.register()
+    yield
+
+
+def _model(name: str):
+    cfg_name, model_name, extra = MODELS[name]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, cfg_name)(**{**COMMON, **extra})
+    return getattr(transformers, model_name)(cfg).eval()
+
+
+def _prompts(batch: bool):
+    gen = torch.Generator().manual_seed(7)
+    if not batch:
+        ids = torch.randint(1, 128, (1, 9), generator=gen)
+        return ids, torch.ones_like(ids)
+    lens = (5, 11, 17)  # all but the first longer than the window; left padded to 17
+    ids = torch.zeros(3, 17, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lens):
+        ids[i, 17 - n :] = torch.randint(1, 128, (n,), generator=gen)
+        mask[i, 17 - n :] = 1
+    return ids, mask
+
+
+def _generate(model, impl: str, ids, mask, **kw):
+    model.set_attn_implementation(impl)
+    out = model.generate(ids, attention_mask=mask, do_sample=False, eos_token_id=-1, pad_token_id=0,
+                         output_logits=True, return_dict_in_generate=True, **kw)
+    return out.sequences, torch.stack(out.logits)
+
+
+def _compare(model, ids, mask, what: str, **kw) -> None:
+    want_seq, want_logits = _generate(model, "eager", ids, mask, **kw)
+    got_seq, got_logits = _generate(model, "kvarena", ids, mask, **kw)
+    err = (got_logits - want_logits).abs().max().item()
+    assert err <= TOL, f"{what}: max logit error {err:.2e} > {TOL}"
+    assert torch.equal(got_seq, want_seq), f"{what}: greedy tokens differ from eager"
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["one-prompt", "left-padded-3"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_generate_equals_eager(name: str, batch: bool) -> None:
+    model = _model(name)
+    ids, mask = _prompts(batch)
+    _compare(model, ids, mask, f"{name} batch={batch}", max_new_tokens=10)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "gptoss-sinks"])
+def test_beam_search_and_several_returns(name: str) -> None:
+    model = _model(name)
+    ids, mask = _prompts(True)
+    _compare(model, ids, mask, f"{name} beams", max_new_tokens=6, num_beams=3, num_return_sequences=2)
+
+
+@pytest.mark.parametrize(
+    "name, drop",
+    [("mistral-window", "sliding_window"), ("gemma2-window-softcap", "softcap"), ("gptoss-sinks", "s_aux"),
+     ("llama-gqa", "padding"), ("qwen3", "scaling")],
+)
+def test_mutation_controls_fail(name: str, drop: str, monkeypatch) -> None:
+    """Dropping one thing the adapter passes on must break the comparison (the tests can fail)."""
+    real = hf.kvarena_attention
+
+    def broken(module, query, key, value, attention_mask, **kw):
+        if drop == "padding":
+            attention_mask = None
+        elif drop == "scaling":
+            kw["scaling"] = 1.0
+        else:
+            kw[drop] = None
+        return real(module, query, key, value, attention_mask, **kw)
+
+    monkeypatch.setattr(hf, "kvarena_attention", broken)
+    hf.register()
+    try:
+        model = _model(name)
+        ids, mask = _prompts(True)
+        # Dropped padding may also be caught as packing (pad positions break the position run).
+        with pytest.raises((AssertionError, NotImplementedError)):
+            _compare(model, ids, mask, f"{name} without {drop}", max_new_tokens=4)
+    finally:
+        monkeypatch.undo()
+        hf.register()
+
+
+def test_bf16_logits_are_as_close_to_fp32_as_eager() -> None:
+    """Teacher-forced bf16 logits: kvarena's error vs an fp32 eager oracle <= 1.5x eager-bf16's."""
+    model = _model("llama-gqa")
+    ids, mask = _prompts(True)
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        oracle = model(ids, attention_mask=mask).logits
+        bf = model.to(torch.bfloat16)
+        errs = {}
+        for impl in ("eager", "kvarena"):
+            bf.set_attn_implementation(impl)
+            got = bf(ids, attention_mask=mask).logits.float()
+            errs[impl] = (got - oracle)[mask.bool()].abs().max().item()
+    assert errs["kvarena"] <= 1.5 * errs["eager"], errs
+
+
+def test_what_it_cannot_serve_is_a_clear_error() -> None:
+    model = _model("llama-gqa")
+    model.set_attn_implementation("kvarena")
+    ids = torch.randint(1, 128, (2, 7))
+    right = torch.ones_like(ids)
+    right[0, -2:] = 0
+    with pytest.raises(NotImplementedError, match="^kvarena: right padding"):
+        model(ids, attention_mask=right)
+    with pytest.raises(NotImplementedError, match="^kvarena: packed sequences"):
+        model(ids[:1], position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]]))
+    four_d = torch.zeros(2, 1, 7, 7)
+    with pytest.raises(NotImplementedError, match="^kvarena: an attention mask that did not come from its mask hook"):
+        model(ids, attention_mask=four_d)
+    with pytest.raises(NotImplementedError, match="^kvarena: a custom mask function"):
+        hf.kvarena_mask(2, 7, 7, use_vmap=True)
+    model.train()
+    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    with pytest.raises(NotImplementedError, match="^kvarena: attention dropout"):
+        model(ids)
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not TRITON, reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("name", ["llama-gqa", "gemma2-window-softcap", "gptoss-sinks"])
+def test_generate_on_the_triton_path(name: str) -> None:
+    hf.register(backend="triton")
+    try:
+        model = _model(name)
+        ids, mask = _prompts(True)
+        _compare(model, ids[:, -8:], mask[:, -8:], f"{name} triton", max_new_tokens=3)
+    finally:
+        hf.register()
+
+
+def test_example_script_generates_the_same_tokens() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "hf_generate.py"
+    res = subprocess.run([sys.executable, str(script), "--max-new-tokens", "4", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "same tokens: True" in res.stdout, res.stdout
