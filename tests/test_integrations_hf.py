@@ -21,6 +21,8 @@ transformers = pytest.importorskip("transformers", minversion="5.0")
 from kvarena.integrations import hf  # noqa: E402
 
 TRITON = os.environ.get("TRITON_INTERPRET") == "1"
+# transformers 5.2x renames generate's past_key_values to cache (still accepted, with a warning)
+pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 TOL = 1e-4
 WINDOW = 6
 
@@ -76,27 +78,83 @@ def _generate(model, impl: str, ids, mask, **kw):
     return out.sequences, torch.stack(out.logits)
 
 
-def _compare(model, ids, mask, what: str, **kw) -> None:
+def _compare(model, ids, mask, what: str, arena=None, **kw) -> None:
+    """Eager (with transformers' cache) against kvarena (with ``arena`` as its cache if given)."""
     want_seq, want_logits = _generate(model, "eager", ids, mask, **kw)
-    got_seq, got_logits = _generate(model, "kvarena", ids, mask, **kw)
+    extra = {} if arena is None else {"past_key_values": arena}
+    got_seq, got_logits = _generate(model, "kvarena", ids, mask, **kw, **extra)
     err = (got_logits - want_logits).abs().max().item()
     assert err <= TOL, f"{what}: max logit error {err:.2e} > {TOL}"
     assert torch.equal(got_seq, want_seq), f"{what}: greedy tokens differ from eager"
 
 
+@pytest.mark.parametrize("cache", ["hf-cache", "kvarena-cache"])
 @pytest.mark.parametrize("batch", [False, True], ids=["one-prompt", "left-padded-3"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_generate_equals_eager(name: str, batch: bool) -> None:
+def test_generate_equals_eager(name: str, batch: bool, cache: str) -> None:
+    """transformers' own cache (attended in place) or a KVArenaCache (K/V in the arena)."""
     model = _model(name)
     ids, mask = _prompts(batch)
-    _compare(model, ids, mask, f"{name} batch={batch}", max_new_tokens=10)
+    arena = hf.KVArenaCache(model.config, block_size=4) if cache == "kvarena-cache" else None
+    _compare(model, ids, mask, f"{name} batch={batch} {cache}", max_new_tokens=10, arena=arena)
+    if cache == "kvarena-cache":
+        # padding never stored: each row holds its real tokens (the last generated one is
+        # never fed back), in ceil(n / block_size) blocks
+        real = mask.sum(1) + 10 - 1
+        assert [arena.pool.seq_len(n) for n in arena._names] == real.tolist()
+        blocks = sum(-(-int(n) // 4) for n in real)
+        assert arena.used_bytes == blocks * arena.pool.layout.block_bytes(4)
 
 
+@pytest.mark.parametrize("cache", ["hf-cache", "kvarena-cache"])
 @pytest.mark.parametrize("name", ["llama-gqa", "gptoss-sinks"])
-def test_beam_search_and_several_returns(name: str) -> None:
+def test_beam_search_and_several_returns(name: str, cache: str) -> None:
     model = _model(name)
     ids, mask = _prompts(True)
-    _compare(model, ids, mask, f"{name} beams", max_new_tokens=6, num_beams=3, num_return_sequences=2)
+    arena = hf.KVArenaCache(model.config) if cache == "kvarena-cache" else None
+    _compare(model, ids, mask, f"{name} beams {cache}", max_new_tokens=6, num_beams=3, num_return_sequences=2,
+             arena=arena)
+
+
+def test_kvarena_cache_assisted_chunked_and_reset() -> None:
+    """Assisted decoding (crop = truncate), chunked prefill, then reset() and a generate with
+    another batch size on the same object (6 beams, then 3 prompts)."""
+    model = _model("mistral-window")
+    torch.manual_seed(1)
+    draft = transformers.MistralForCausalLM(transformers.MistralConfig(
+        **{**model.config.to_dict(), "num_hidden_layers": 1})).eval()
+    ids, mask = _prompts(False)
+    cache = hf.KVArenaCache(model.config)
+    for extra in (dict(assistant_model=draft), dict(prefill_chunk_size=4)):
+        draft.set_attn_implementation("eager")
+        want, _ = _generate(model, "eager", ids, mask, max_new_tokens=8, **extra)
+        draft.set_attn_implementation("kvarena")
+        cache.reset()
+        got, _ = _generate(model, "kvarena", ids, mask, max_new_tokens=8, past_key_values=cache, **extra)
+        assert torch.equal(got, want), f"{list(extra)}"
+        assert cache.pool.seq_len(cache._names[0]) == 9 + 8 - 1
+    cache.reset()
+    assert cache.used_bytes == 0
+    _compare(model, ids, mask, "6 beams", max_new_tokens=4, num_beams=6, arena=cache)
+    cache.reset()
+    ids3, mask3 = _prompts(True)
+    _compare(model, ids3, mask3, "then 3 prompts", max_new_tokens=4, arena=cache)
+
+
+def test_kvarena_cache_errors_leave_it_unchanged() -> None:
+    model = _model("llama-gqa")
+    ids, mask = _prompts(True)
+    model.set_attn_implementation("eager")
+    with pytest.raises(ValueError, match="^kvarena: KVArenaCache needs attn_implementation='kvarena'.*'eager'"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, past_key_values=hf.KVArenaCache(model.config))
+    from kvarena import CacheFullError
+
+    model.set_attn_implementation("kvarena")
+    small = hf.KVArenaCache(model.config, max_tokens=20, block_size=4)  # the prompts need 33 tokens
+    with pytest.raises(CacheFullError):
+        model(ids, attention_mask=mask, past_key_values=small)
+    assert small.used_bytes == 0 and small.pool.namespaces() == [] and small.get_seq_length() == 0
+    model(ids[:, -4:], attention_mask=mask[:, -4:], past_key_values=small)  # a batch that fits still runs
 
 
 @pytest.mark.parametrize(
@@ -171,13 +229,15 @@ def test_what_it_cannot_serve_is_a_clear_error() -> None:
 
 @pytest.mark.interpreter
 @pytest.mark.skipif(not TRITON, reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("cache", ["hf-cache", "kvarena-cache"])
 @pytest.mark.parametrize("name", ["llama-gqa", "gemma2-window-softcap", "gptoss-sinks"])
-def test_generate_on_the_triton_path(name: str) -> None:
+def test_generate_on_the_triton_path(name: str, cache: str) -> None:
     hf.register(backend="triton")
     try:
         model = _model(name)
         ids, mask = _prompts(True)
-        _compare(model, ids[:, -8:], mask[:, -8:], f"{name} triton", max_new_tokens=3)
+        arena = hf.KVArenaCache(model.config, block_size=4) if cache == "kvarena-cache" else None
+        _compare(model, ids[:, -8:], mask[:, -8:], f"{name} triton {cache}", max_new_tokens=3, arena=arena)
     finally:
         hf.register()
 

@@ -24,12 +24,14 @@ packed sequences (``position_ids`` restarting inside a row), dropout while train
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from kvarena.attention.ops import paged_attention
 from kvarena.attention.spec import check_backend
 
-__all__ = ["register", "kvarena_attention", "kvarena_mask"]
+__all__ = ["KVArenaCache", "register", "kvarena_attention", "kvarena_mask"]
 
 NAME = "kvarena"
 
@@ -116,6 +118,10 @@ def kvarena_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
         shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
         raise _unsupported(f"an attention mask that did not come from its mask hook (got {shape}; a 4-D custom mask?)")
     b, h_q, s, d = query.shape
+    arena = _HANDOFF.get(id(key))
+    if arena is not None and arena[0]() is key:
+        return arena[1]._attend(arena[2], query, key, value, attention_mask, scaling, sliding_window, softcap,
+                                s_aux, backend, kwargs.get("position_ids"))
     n = key.shape[2]
     _check_packed(kwargs.get("position_ids"), attention_mask, b, s, n)
     q = query.transpose(1, 2).reshape(b * s, h_q, d)
@@ -153,3 +159,236 @@ def register(*, backend: str = "auto") -> None:
 
     AttentionInterface.register(NAME, attention)
     AttentionMaskInterface.register(NAME, kvarena_mask)
+
+
+# --------------------------------------------------------------------------- KVArenaCache
+
+# The hand-off from KVArenaCache.update to the attention function: the new key tensor the
+# cache returned -> (weakref to it, the cache, layer). transformers has no official way for
+# an attention function to find a custom cache's storage; an id alone could be reused once
+# the tensor is gone, hence the weakref identity check.
+_HANDOFF: dict[int, tuple] = {}
+
+#: Tokens per row the arena holds when neither ``max_tokens`` nor ``max_bytes`` is given:
+#: ``batch x min(max_position_embeddings, DEFAULT_MAX_TOKENS_PER_ROW)``.
+DEFAULT_MAX_TOKENS_PER_ROW = 1 << 15
+
+
+def _cache_base():
+    from transformers.cache_utils import Cache
+
+    return Cache
+
+
+class KVArenaCache:  # the transformers Cache base is mixed in at first use (see __new__)
+    """A transformers ``Cache`` whose K/V live in a kvarena ``PagedKVCache`` arena.
+
+    Pass it as ``generate(past_key_values=KVArenaCache(model.config))`` on a model using
+    ``attn_implementation="kvarena"`` (another implementation is a ``ValueError`` naming
+    it, at the first layer: it would attend only the new tokens). Per step: one
+    ``plan`` (at the step's first attention call, not per layer), padding tokens never
+    stored, every layer's new K/V stored into the arena and attended through the block
+    tables; beam search / ``num_return_sequences`` reorder rows with ``fork`` (blocks
+    shared by reference count), assisted decoding's ``crop`` is ``truncate``, ``reset()``
+    frees every block. A full arena raises ``CacheFullError`` with the cache unchanged.
+
+    Parameters
+    ----------
+    config : PretrainedConfig
+        The model's (its ``num_hidden_layers``, ``max_position_embeddings`` and
+        ``_attn_implementation`` are read).
+    max_tokens, max_bytes : int, optional
+        Arena size in tokens (all rows together) or bytes. Neither: sized at the first
+        update for ``batch x min(max_position_embeddings, DEFAULT_MAX_TOKENS_PER_ROW)``
+        tokens; it does not grow (a later, bigger batch may hit ``CacheFullError``).
+    block_size : int, default 16
+    dtype, device : optional
+        Default: the first update's K/V dtype and device (the model's).
+    """
+
+    def __new__(cls, *args, **kwargs):
+        base = _cache_base()
+        if not issubclass(cls, base):
+            cls = _cache_class(cls, base)
+        return object.__new__(cls)
+
+    def __init__(self, config, *, max_tokens: int | None = None, max_bytes: int | None = None,
+                 block_size: int = 16, dtype=None, device=None) -> None:
+        from kvarena.cache.arena import _check_int
+
+        _cache_base().__init__(self, layers=[])
+        self.config = config
+        self.num_layers = _check_int("config.num_hidden_layers", config.num_hidden_layers, 1)
+        self._max_tokens = None if max_tokens is None else _check_int("max_tokens", max_tokens, 1)
+        self._max_bytes = None if max_bytes is None else _check_int("max_bytes", max_bytes, 1)
+        self.block_size = _check_int("block_size", block_size, 1)
+        self._dtype, self._device = dtype, device
+        self.pool = None
+        self._names: list = []  # namespace of each batch row
+        self._next_name = 0
+        self._len = 0  # padded length (what transformers counts: pads included)
+        self._meta = None
+        self._step_rows = None
+
+    # --- what transformers asks ------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._len
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._len + query_length, 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.pool is not None
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    # --- the arena ---------------------------------------------------------------------
+    def _make_pool(self, key: torch.Tensor, batch: int) -> None:
+        from kvarena.cache.arena import KVLayout
+        from kvarena.cache.keys import CachePolicy
+        from kvarena.cache.paged import PagedKVCache
+
+        dtype = self._dtype or key.dtype
+        device = torch.device(self._device) if self._device is not None else key.device
+        layout = KVLayout(num_layers=self.num_layers, num_kv_heads=key.shape[1], head_dim=key.shape[3], dtype=dtype)
+        if self._max_bytes is not None:
+            max_bytes = self._max_bytes
+        else:
+            tokens = self._max_tokens
+            if tokens is None:
+                per_row = min(int(getattr(self.config, "max_position_embeddings", 0) or DEFAULT_MAX_TOKENS_PER_ROW),
+                              DEFAULT_MAX_TOKENS_PER_ROW)
+                tokens = batch * per_row
+            blocks = -(-tokens // self.block_size) + batch  # a partly filled block per row
+            max_bytes = blocks * layout.block_bytes(self.block_size)
+        self.pool = PagedKVCache(CachePolicy("paged_kv", max_bytes), layout=layout, block_size=self.block_size,
+                                 device=device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Hand the new K/V to the attention function (stored there, where the padding is known)."""
+        impl = getattr(self.config, "_attn_implementation", None)
+        if impl != NAME:
+            raise ValueError(f"kvarena: KVArenaCache needs attn_implementation='kvarena', the model uses {impl!r}; "
+                             "its attention would see only the new tokens")
+        if layer_idx == 0:  # a new step
+            b = key_states.shape[0]
+            if self.pool is None:
+                self._make_pool(key_states, b)
+            if not self._names:
+                self._names = [self._fresh() for _ in range(b)]
+            elif len(self._names) != b:
+                raise ValueError(f"kvarena: the cache holds {len(self._names)} rows, this step has {b}; "
+                                 "call reset() before a generate with another batch size")
+            self._len += key_states.shape[2]
+            self._meta = None
+        _HANDOFF.clear() if layer_idx == 0 else None
+        _HANDOFF[id(key_states)] = (weakref.ref(key_states), self, layer_idx)
+        return key_states, value_states
+
+    def _fresh(self):
+        self._next_name += 1
+        return self._next_name
+
+    def _attend(self, layer: int, query, key, value, kv_start, scaling, sliding_window, softcap, s_aux, backend,
+                position_ids):
+        b, h_q, s, d = query.shape
+        past = self._len - s  # padded
+        if self._meta is None:
+            # The step's plan: each row's real new tokens (its left padding among them is
+            # never stored). One plan for all layers.
+            pads = kv_start.tolist() if kv_start is not None else [0] * b
+            new = [s - min(s, max(0, p - past)) for p in pads]
+            _check_packed(position_ids, kv_start, b, s, self._len)
+            rows = [i for i in range(b) if new[i] > 0]
+            try:
+                self._meta = self.pool.plan({self._names[i]: new[i] for i in rows})
+            except BaseException:  # CacheFullError and co.: the pool is unchanged, so is the cache
+                self._len = past
+                if past == 0:
+                    self._names = []
+                raise
+            j = torch.arange(s)[None, :]
+            real = (past + j) >= torch.tensor(pads)[:, None]  # [B, S]
+            # None when every row is real (decode, unpadded prefill): no gather, no scatter.
+            self._step_rows = None if bool(real.all()) else real.to(query.device)
+        real = self._step_rows
+        if real is None:
+            qf = query.transpose(1, 2).reshape(b * s, h_q, d)
+            kf = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
+            vf = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
+        else:  # the step's real rows packed, in row order (one gather per tensor and layer)
+            qf = query.transpose(1, 2)[real]  # [total_new, H_q, D]
+            kf, vf = key.transpose(1, 2)[real], value.transpose(1, 2)[real]
+        opts = dict(scale=scaling, window_left=None if sliding_window is None else sliding_window - 1,
+                    softcap=softcap, backend=backend)
+        if s_aux is not None:
+            opts["sink_logits"] = s_aux.to(torch.float64 if query.dtype == torch.float64 else torch.float32)
+        dtype = self.pool.layout.dtype
+        out = self.pool.forward(qf.to(dtype), kf.to(dtype), vf.to(dtype), self._meta, layer, **opts).to(query.dtype)
+        if real is None:
+            return out.view(b, s, h_q, d), None
+        full = query.new_zeros(b, s, h_q, d)
+        full[real] = out
+        return full, None
+
+    # --- beams, assisted decoding, reset -----------------------------------------------
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row i becomes a copy of row ``beam_idx[i]`` (shared blocks, no K/V copied)."""
+        src = [self._names[i] for i in beam_idx.tolist()]
+        new = [self._fresh() for _ in src]
+        for s_name, d_name in zip(src, new):
+            self.pool.fork(s_name, d_name)
+        for name in self._names:
+            self.pool.free_namespace(name)
+        self._names = new
+        self._meta = None
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.reorder_cache(torch.arange(len(self._names)).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.reorder_cache(torch.as_tensor(indices).reshape(-1))
+
+    def crop(self, n: int) -> None:
+        """Assisted decoding's rollback: ``n < 0`` drops the newest ``-n`` tokens (transformers
+        >= 5.2x), ``n > 0`` keeps the first ``n`` (the older meaning), ``0`` does nothing."""
+        keep = self._len + n if n <= 0 else min(n, self._len)
+        drop = self._len - keep
+        if drop <= 0:
+            return
+        for name in self._names:
+            self.pool.truncate(name, max(0, self.pool.seq_len(name) - drop))
+        self._len = keep
+        self._meta = None
+
+    def reset(self) -> None:
+        """Free every block and forget the rows: the object serves a new generate."""
+        if self.pool is not None:
+            for name in self.pool.namespaces():
+                self.pool.free_namespace(name)
+        self._names, self._len, self._meta = [], 0, None
+
+    @property
+    def used_bytes(self) -> int:
+        return 0 if self.pool is None else self.pool.used_bytes
+
+
+def _cache_class(cls, base):
+    """``cls`` with transformers' Cache mixed in (made once)."""
+    made = _MIXED.get(cls)
+    if made is None:
+        made = _MIXED[cls] = type(cls.__name__, (cls, base), {"__module__": cls.__module__})
+    return made
+
+
+_MIXED: dict = {}
