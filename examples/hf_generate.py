@@ -3,6 +3,7 @@
 Usage:
     python examples/hf_generate.py                    # a tiny random Llama, no download
     python examples/hf_generate.py --model PATH       # a real checkpoint (and its tokenizer)
+    python examples/hf_generate.py --arena-cache      # K/V in a kvarena arena (KVArenaCache)
 
 Needs ``pip install -e ".[hf]"``. Prints both generations, whether the tokens agree and
 the largest logit difference per step.
@@ -34,6 +35,8 @@ def main() -> None:
     p.add_argument("--prompt", action="append", default=None, help="prompt text (with --model; repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--arena-cache", action="store_true",
+                   help="kvarena also holds the K/V (KVArenaCache) instead of transformers' cache")
     a = p.parse_args()
     hf.register()
     if a.model is None:
@@ -50,9 +53,10 @@ def main() -> None:
     runs = {}
     for impl in ("eager", "kvarena"):
         model.set_attn_implementation(impl)
+        extra = {"past_key_values": hf.KVArenaCache(model.config)} if impl == "kvarena" and a.arena_cache else {}
         out = model.generate(ids, attention_mask=mask, max_new_tokens=a.max_new_tokens, do_sample=False,
                              output_logits=True, return_dict_in_generate=True,
-                             pad_token_id=tok.pad_token_id if tok else 0)
+                             pad_token_id=tok.pad_token_id if tok else 0, **extra)
         runs[impl] = out
         text = tok.batch_decode(out.sequences, skip_special_tokens=True) if tok else out.sequences.tolist()
         print(f"{impl}: {text}")

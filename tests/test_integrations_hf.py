@@ -248,6 +248,7 @@ def test_example_script_generates_the_same_tokens(monkeypatch, capsys) -> None:
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "examples" / "hf_generate.py"
-    monkeypatch.setattr(sys, "argv", [str(script), "--max-new-tokens", "4", "--device", "cpu"])
-    runpy.run_path(str(script), run_name="__main__")
-    assert "same tokens: True" in capsys.readouterr().out
+    for extra in ([], ["--arena-cache"]):
+        monkeypatch.setattr(sys, "argv", [str(script), "--max-new-tokens", "4", "--device", "cpu", *extra])
+        runpy.run_path(str(script), run_name="__main__")
+        assert "same tokens: True" in capsys.readouterr().out, extra
