@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvarena.attention.spec import AttentionSpec
 from kvarena.cache._meta import StaleMetadataError
 from kvarena.cache.arena import CacheFullError, KVArena, KVLayout, RegionSpec
 from kvarena.cache.keys import CachePolicy
@@ -595,3 +596,44 @@ def test_pool_metadata_drives_the_triton_kernels(seed) -> None:
         kh, vh = hist.append(ns, 0, k[i : i + 1], v[i : i + 1])
         assert_close(out[i : i + 1], dense_causal(q[i : i + 1], kh, vh), torch.float32, f"triton graph row {ns}")
     assert torch.all(out[2] == 0)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+def test_padded_plan_equals_the_packed_one(seed, backend) -> None:
+    """plan(pad_to=S): q/k/v/out stay [B * S] (new tokens last in each row, left padding);
+    padding is never stored and the real rows equal a packed plan of the same tokens."""
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1")
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, dtype=dtype)
+
+    def pool():
+        return PagedKVCache(CachePolicy("paged_kv", lay.block_bytes(4) * 32), layout=lay, block_size=4,
+                            attention=AttentionSpec(backend=backend))
+
+    padded, packed = pool(), pool()
+    s = 7
+    for news in ([7, 3, 5], [1, 1, 0], [2, 0, 1]):  # prefill, decode with an idle row, a ragged step
+        q = torch.randn(3, s, 4, 16, dtype=dtype)
+        k, v = torch.randn(3, s, 2, 16, dtype=dtype), torch.randn(3, s, 2, 16, dtype=dtype)
+        meta = padded.plan({f"r{i}": n for i, n in enumerate(news)}, pad_to=s)
+        assert meta.total_q == 3 * s and meta.num_tokens == sum(news) and meta.pad_to == s
+        out = padded.forward(q.reshape(-1, 4, 16), k.reshape(-1, 2, 16), v.reshape(-1, 2, 16), meta, 0)
+        out = out.view(3, s, 4, 16)
+        rows = [i for i, n in enumerate(news) if n]
+
+        def real(x, rows=rows, news=news):
+            return torch.cat([x[i, s - news[i] :] for i in rows])
+
+        m2 = packed.plan({f"r{i}": news[i] for i in rows})
+        want = packed.forward(real(q), real(k), real(v), m2, 0)
+        assert_close(real(out), want, dtype, f"news {news}")
+        assert not out.isnan().any()
+        assert [padded.seq_len(f"r{i}") for i in rows] == [packed.seq_len(f"r{i}") for i in rows]
+    assert padded.used_bytes == packed.used_bytes
+    with pytest.raises(ValueError, match="do not fit pad_to"):
+        padded.plan({"r0": 8}, pad_to=s)
+    meta = padded.plan({"r0": 1}, pad_to=2)
+    kg = torch.randn(2, 2, 16, dtype=dtype, requires_grad=True)
+    with pytest.raises(ValueError, match="padded plan"):
+        padded.forward(torch.randn(2, 4, 16, dtype=dtype), kg, kg, meta, 0)

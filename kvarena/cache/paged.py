@@ -54,6 +54,8 @@ class PagedMetadata:
         The rows' namespaces, in the order of the mapping given to ``plan``.
     num_tokens : int
         Real new tokens (``total_q`` minus padding).
+    pad_to : int or None
+        Query rows per sequence of a padded plan (``plan(..., pad_to=)``).
     """
 
     slot_mapping: torch.Tensor
@@ -70,6 +72,7 @@ class PagedMetadata:
     _versions: tuple = field(repr=False)
     _epoch: int = field(repr=False)
     _graph_gen: int | None = field(default=None, repr=False)
+    pad_to: int | None = None
 
 
 class _Seq:
@@ -437,7 +440,7 @@ class PagedKVCache(KVPoolBase):
             "cu_seqlens_q": torch.arange(0, (max_batch + 1) * q_per, q_per, dtype=torch.int32, device=dev),
         }
 
-    def plan(self, batch: Mapping[Hashable, int], *, graph: bool = False) -> PagedMetadata:
+    def plan(self, batch: Mapping[Hashable, int], *, graph: bool = False, pad_to: int | None = None) -> PagedMetadata:
         """Reserve slots for this step's new tokens and build the step's metadata.
 
         Parameters
@@ -452,6 +455,14 @@ class PagedKVCache(KVPoolBase):
             and the host maxima are the capacity's (``max_seqlen_q = q_per_seq``,
             ``max_seqlen_k = max_blocks * block_size``), so one captured graph serves
             every step. Every namespace must add exactly ``q_per_seq`` tokens.
+        pad_to : int, optional
+            A padded batch: every row owns ``pad_to`` query rows (q, k, v and the output
+            are ``[B * pad_to, H, D]``, i.e. ``[B, pad_to, H, D]`` flattened), its new
+            tokens the last ones (left padding; ``0 <= n <= pad_to``). Padding rows are
+            never stored (slot -1) and their outputs mean nothing (a padding row sits at a
+            position before the row's new tokens: it sees the keys up to there, or none),
+            so a padded model batch needs no pack / unpack per layer. Not under autograd
+            for k/v (ValueError at forward).
 
         Returns
         -------
@@ -470,7 +481,14 @@ class PagedKVCache(KVPoolBase):
             raise TypeError(f"batch: expected a mapping of namespace -> n_new_tokens, got {type(batch).__name__}")
         if not batch:
             raise ValueError("batch: expected at least one namespace")
-        items = [(ns, _check_int(f"batch[{ns!r}]", n, 1)) for ns, n in batch.items()]
+        if pad_to is not None:
+            pad_to = _check_int("pad_to", pad_to, 1)
+            if graph:
+                raise ValueError("pad_to: not with graph=True (graph plans have their own fixed rows)")
+        items = [(ns, _check_int(f"batch[{ns!r}]", n, 0 if pad_to else 1)) for ns, n in batch.items()]
+        for ns, n in items:
+            if pad_to is not None and n > pad_to:
+                raise ValueError(f"batch[{ns!r}]: {n} new tokens do not fit pad_to = {pad_to} rows")
         bs = self.block_size
         g = self._graph
         if graph:
@@ -544,9 +562,9 @@ class PagedKVCache(KVPoolBase):
                 data.index_copy_(0, dst, data.index_select(0, src))
             self._flush()
             # 3. Metadata.
-            return self._build_meta(items, old_lens, max_blocks, graph)
+            return self._build_meta(items, old_lens, max_blocks, graph, pad_to)
 
-    def _build_meta(self, items, old_lens, max_blocks, graph) -> PagedMetadata:
+    def _build_meta(self, items, old_lens, max_blocks, graph, pad_to=None) -> PagedMetadata:
         bs = self.block_size
         nseq = len(items)
         seqs = [self._seqs[ns] for ns, _n in items]
@@ -554,6 +572,8 @@ class PagedKVCache(KVPoolBase):
         for _ns, n in items:
             cu.append(cu[-1] + n)
         total_q = cu[-1]
+        if pad_to is not None:
+            return self._build_padded_meta(items, seqs, old_lens, max_blocks, pad_to)
         lens = [s.seq_len for s in seqs]
         # One upload: rows | seq_lens | old_lens | cu_seqlens_q.
         packed = upload([s.row for s in seqs] + lens + old_lens + cu, torch.int32, self.device)
@@ -610,6 +630,32 @@ class PagedKVCache(KVPoolBase):
             _versions=versions,
             _epoch=self._epoch,
             _graph_gen=self._graph_gen,
+        )
+
+    def _build_padded_meta(self, items, seqs, old_lens, max_blocks, pad_to: int) -> PagedMetadata:
+        """Metadata of a padded batch: row b's ``pad_to`` queries, its new tokens last."""
+        bs = self.block_size
+        nseq = len(items)
+        lens = [s.seq_len for s in seqs]
+        news = [n for _ns, n in items]
+        total_q = nseq * pad_to
+        packed = upload([s.row for s in seqs] + lens + old_lens + news, torch.int32, self.device)
+        rows, seq_lens = packed[:nseq], packed[nseq : 2 * nseq]
+        olds, new_t = packed[2 * nseq : 3 * nseq].long(), packed[3 * nseq :].long()
+        table = self._table[:, :max_blocks].index_select(0, rows.long())  # [B, max_blocks]
+        dev = self.device
+        j = torch.arange(pad_to, device=dev)[None, :]  # [1, S]
+        first = pad_to - new_t[:, None]  # [B, 1]: the first real query row
+        pos = olds[:, None] + j - first  # [B, S] token position; < old_len on padding rows
+        real = j >= first
+        blk = table.long().gather(1, (pos.clamp(min=0) // bs).clamp(max=max(max_blocks - 1, 0)))
+        slots = torch.where(real, blk * bs + pos.clamp(min=0) % bs, torch.full_like(pos, -1)).reshape(-1)
+        cu = torch.arange(0, (nseq + 1) * pad_to, pad_to, dtype=torch.int32, device=dev)
+        return PagedMetadata(
+            slot_mapping=slots.to(self._slot_dtype), block_table=table, seq_lens=seq_lens, cu_seqlens_q=cu,
+            max_seqlen_q=pad_to, max_seqlen_k=max(lens), total_q=total_q, num_seqs=nseq,
+            namespaces=tuple(ns for ns, _n in items), num_tokens=sum(news), _owner=self._cache_id,
+            _versions=tuple(s.version for s in seqs), _epoch=self._epoch, pad_to=pad_to,
         )
 
     # ------------------------------------------------------------------ forward
@@ -717,6 +763,10 @@ class PagedKVCache(KVPoolBase):
         if spec.sink_logits is not None:
             check_sink_logits(spec.sink_logits, q)
         attn_backend, store_backend, kv_grad = self._backends(spec, q, k, v)
+        if kv_grad and meta.pad_to is not None:
+            # The differentiable paths read each query row's own k/v at its position, which
+            # for a padding row is a real older token's.
+            raise ValueError("meta: a padded plan (pad_to) gives no gradient to k/v; plan the real tokens packed")
         kc, vc = region.k(layer), region.v(layer)
         store(k, v, kc, vc, meta.slot_mapping, store_backend)
         return attend(

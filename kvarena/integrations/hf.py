@@ -229,6 +229,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         self._len = 0  # padded length (what transformers counts: pads included)
         self._meta = None
         self._step_rows = None
+        self._packed = False
 
     # --- what transformers asks ------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -309,24 +310,29 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
             pads = kv_start.tolist() if kv_start is not None else [0] * b
             new = [s - min(s, max(0, p - past)) for p in pads]
             _check_packed(position_ids, kv_start, b, s, self._len)
-            rows = [i for i in range(b) if new[i] > 0]
+            # Inference: a padded plan, so q/k/v/out keep transformers' [B, S] rows (no
+            # gather or scatter per layer). Under autograd the real rows are packed: the
+            # differentiable paths read each row's own k/v at its position.
+            self._packed = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
+            if self._packed:
+                batch = {self._names[i]: new[i] for i in range(b) if new[i] > 0}
+            else:
+                batch = {name: n for name, n in zip(self._names, new)}
             try:
-                self._meta = self.pool.plan({self._names[i]: new[i] for i in rows})
+                self._meta = self.pool.plan(batch, pad_to=None if self._packed else s)
             except BaseException:  # CacheFullError and co.: the pool is unchanged, so is the cache
                 self._len = past
                 if past == 0:
                     self._names = []
                 raise
             j = torch.arange(s)[None, :]
-            real = (past + j) >= torch.tensor(pads)[:, None]  # [B, S]
-            # None when every row is real (decode, unpadded prefill): no gather, no scatter.
-            self._step_rows = None if bool(real.all()) else real.to(query.device)
-        real = self._step_rows
-        if real is None:
+            self._step_rows = ((past + j) >= torch.tensor(pads)[:, None]).to(query.device)  # [B, S] real rows
+        if not self._packed:
             qf = query.transpose(1, 2).reshape(b * s, h_q, d)
             kf = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
             vf = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
         else:  # the step's real rows packed, in row order (one gather per tensor and layer)
+            real = self._step_rows
             qf = query.transpose(1, 2)[real]  # [total_new, H_q, D]
             kf, vf = key.transpose(1, 2)[real], value.transpose(1, 2)[real]
         opts = dict(scale=scaling, window_left=None if sliding_window is None else sliding_window - 1,
@@ -335,10 +341,10 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
             opts["sink_logits"] = s_aux.to(torch.float64 if query.dtype == torch.float64 else torch.float32)
         dtype = self.pool.layout.dtype
         out = self.pool.forward(qf.to(dtype), kf.to(dtype), vf.to(dtype), self._meta, layer, **opts).to(query.dtype)
-        if real is None:
+        if not self._packed:
             return out.view(b, s, h_q, d), None
         full = query.new_zeros(b, s, h_q, d)
-        full[real] = out
+        full[self._step_rows] = out
         return full, None
 
     # --- beams, assisted decoding, reset -----------------------------------------------
