@@ -147,6 +147,11 @@ def test_kvarena_cache_errors_leave_it_unchanged() -> None:
     model.set_attn_implementation("eager")
     with pytest.raises(ValueError, match="^kvarena: KVArenaCache needs attn_implementation='kvarena'.*'eager'"):
         model.generate(ids, attention_mask=mask, max_new_tokens=2, past_key_values=hf.KVArenaCache(model.config))
+    twin = _model("llama-gqa")  # the same model on sdpa, given a cache made from the kvarena model's config
+    twin.set_attn_implementation("sdpa")
+    model.set_attn_implementation("kvarena")
+    with pytest.raises(ValueError, match="^kvarena: KVArenaCache needs attn_implementation='kvarena'"):
+        twin.generate(ids, attention_mask=mask, max_new_tokens=2, past_key_values=hf.KVArenaCache(model.config))
     from kvarena import CacheFullError
 
     model.set_attn_implementation("kvarena")
@@ -173,6 +178,10 @@ def test_mutation_controls_fail(name: str, drop: str, monkeypatch) -> None:
             kw["scaling"] = 1.0
         else:
             kw[drop] = None
+            if drop == "sliding_window" and attention_mask is not None:  # the window comes from the mask too
+                padded, causal, _window = attention_mask._kvarena
+                attention_mask = attention_mask.clone()
+                attention_mask._kvarena = (padded, causal, None)
         return real(module, query, key, value, attention_mask, **kw)
 
     monkeypatch.setattr(hf, "kvarena_attention", broken)
@@ -204,6 +213,23 @@ def test_bf16_logits_are_as_close_to_fp32_as_eager() -> None:
     assert errs["kvarena"] <= 1.5 * errs["eager"], errs
 
 
+def test_second_generate_continues_the_same_kvarena_cache() -> None:
+    """Multi-turn: a second generate on the full sequence with the same cache feeds only
+    the unseen tokens (the cache must not look recurrent to transformers)."""
+    model = _model("llama-gqa")
+    ids, mask = _prompts(False)
+    turns = {}
+    for impl in ("eager", "kvarena"):
+        model.set_attn_implementation(impl)
+        cache = transformers.DynamicCache(config=model.config) if impl == "eager" else hf.KVArenaCache(model.config)
+        first = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, eos_token_id=-1,
+                               pad_token_id=0, past_key_values=cache)
+        more = torch.cat([first, torch.randint(1, 128, (1, 4), generator=torch.Generator().manual_seed(3))], 1)
+        turns[impl] = model.generate(more, attention_mask=torch.ones_like(more), max_new_tokens=5, do_sample=False,
+                                     eos_token_id=-1, pad_token_id=0, past_key_values=cache)
+    assert torch.equal(turns["kvarena"], turns["eager"])
+
+
 def test_what_it_cannot_serve_is_a_clear_error() -> None:
     model = _model("llama-gqa")
     model.set_attn_implementation("kvarena")
@@ -219,6 +245,14 @@ def test_what_it_cannot_serve_is_a_clear_error() -> None:
         model(ids, attention_mask=four_d)
     with pytest.raises(NotImplementedError, match="^kvarena: a custom mask function"):
         hf.kvarena_mask(2, 7, 7, use_vmap=True)
+    with pytest.raises(NotImplementedError, match="^kvarena: a cache of 9 slots for 7 tokens"):
+        hf.kvarena_mask(2, 7, 9)  # a static cache: slots past the tokens hold nothing
+    from transformers.masking_utils import causal_mask_function, chunked_causal_mask_function
+
+    chunked = chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))
+    with pytest.raises(NotImplementedError, match="^kvarena: a mask other than causal"):
+        hf.kvarena_mask(2, 7, 7, mask_function=chunked)
+    assert hf.kvarena_mask(2, 7, 7, mask_function=causal_mask_function)._kvarena == (False, True, None)
     model.train()
     model.config.attention_dropout = 0.1
     for layer in model.model.layers:

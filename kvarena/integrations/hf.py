@@ -40,34 +40,76 @@ def _unsupported(what: str) -> NotImplementedError:
     return NotImplementedError(f"kvarena: {what} is not supported by the kvarena attention implementation")
 
 
+def _rule_of(mask_function, batch_size: int, q_offset: int, q_length: int, kv_offset: int, kv_length: int,
+             device) -> tuple[bool, int | None]:
+    """``(causal, window)`` that reproduces a transformers mask function on this call.
+
+    kvarena expresses ``kv <= q`` (causal), optionally ``kv > q - W`` (a sliding window), or
+    everything (bidirectional). The function is evaluated (index-based, as transformers'
+    non-vmap path does) on up to 64 evenly spaced query rows, the last one included, of the
+    first and last batch rows, over the call's keys; the rule is read off those rows and
+    must reproduce each of them exactly, else ``kvarena:`` NotImplementedError (chunked
+    attention, prefix / block masks, packed sequences). ``window`` None: no key of this
+    call is cut by a window.
+    """
+    n = min(q_length, 64)
+    rows_q = torch.unique(torch.linspace(q_offset, q_offset + q_length - 1, n).round().long())
+    rows_b = torch.tensor(sorted({0, batch_size - 1}))
+    kv = torch.arange(kv_offset, kv_offset + kv_length)
+    got = mask_function(rows_b[:, None, None, None], torch.zeros(1, 1, 1, 1, dtype=torch.long),
+                        rows_q[None, None, :, None], kv[None, None, None, :])
+    got = torch.as_tensor(got).to("cpu").expand(len(rows_b), 1, len(rows_q), len(kv))[:, 0]  # [b, q, kv]
+    future = kv[None, None, :] > rows_q[None, :, None]
+    causal = not bool((got & future).any())
+    want = ~future if causal else torch.ones_like(got)
+    window = None
+    last = got[:, -1]  # the last query row of each batch row: the one a window cuts most
+    if causal and bool(last.any()):
+        lo = int(kv[last.any(0).nonzero().min()])
+        if lo > kv_offset:
+            window = int(rows_q[-1]) - lo + 1
+            want = want & (kv[None, None, :] > rows_q[None, :, None] - window)
+    if not torch.equal(got, want.expand_as(got)):
+        raise _unsupported("a mask other than causal, a causal sliding window or bidirectional (chunked "
+                           "attention, a prefix or block mask, packed sequences)")
+    return causal, window
+
+
 def kvarena_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                  mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
-    """The mask hook: what the attention function needs from the 2-D padding mask.
+    """The mask hook: what the attention function needs, read from transformers' mask inputs.
 
-    Returns None (no padding among the layer's keys) or the number of left-padding keys
-    per row, int32 ``[B]``, which the attention function passes on as ``kv_start``. Runs
-    once per forward and mask kind (not per layer); reading the mask is its one host sync.
-    The causal / sliding / chunked pattern itself comes to the attention function as
-    options, so only the padding is taken from here.
+    Returns int32 ``[B]``: the left padding per row among the layer's keys (the attention
+    function's ``kv_start``), carrying the mask's pattern as ``(causal, window)`` (taken
+    from ``mask_function``, checked to be one kvarena expresses exactly). Runs once per
+    forward and mask kind (not per layer); reading the mask is its one host sync.
     """
     if kwargs.get("use_vmap"):
         raise _unsupported("a custom mask function (or_mask_function / and_mask_function, which need vmap)")
-    if attention_mask is None:
-        return None
-    if attention_mask.dim() != 2:
-        raise _unsupported(f"a {attention_mask.dim()}-D padding mask in the mask hook")
-    if attention_mask.shape[1] < kv_length:
-        raise _unsupported(f"a padding mask of {attention_mask.shape[1]} columns for {kv_length} keys "
-                           "(a static cache longer than the mask)")
-    keep = attention_mask[:, attention_mask.shape[1] - kv_length :].bool()  # the layer's keys, oldest first
-    if bool(keep.all()):
-        return None
-    n_real = keep.sum(1)
-    # Left padding: each row is zeros then ones, so its ones are exactly its last n_real keys.
-    tail = torch.arange(kv_length, device=keep.device)[None, :] >= (kv_length - n_real)[:, None]
-    if not torch.equal(keep, tail):
-        raise _unsupported("right padding or a padding hole inside a row (only left padding is")
-    return (kv_length - n_real).to(torch.int32)
+    if kv_length > q_offset + q_length:
+        raise _unsupported(f"a cache of {kv_length} slots for {q_offset + q_length} tokens (a static cache)")
+    rule = (True, None) if mask_function is None else _rule_of(
+        mask_function, batch_size, q_offset, q_length, kv_offset, kv_length, kwargs.get("device"))
+    padded = attention_mask is not None
+    if padded:
+        if attention_mask.dim() != 2:
+            raise _unsupported(f"a {attention_mask.dim()}-D padding mask in the mask hook")
+        if attention_mask.shape[1] < kv_length:
+            raise _unsupported(f"a padding mask of {attention_mask.shape[1]} columns for {kv_length} keys")
+        keep = attention_mask[:, attention_mask.shape[1] - kv_length :].bool()  # the layer's keys, oldest first
+        padded = not bool(keep.all())
+    if padded:
+        n_real = keep.sum(1)
+        # Left padding: each row is zeros then ones, so its ones are exactly its last n_real keys.
+        tail = torch.arange(kv_length, device=keep.device)[None, :] >= (kv_length - n_real)[:, None]
+        if not torch.equal(keep, tail):
+            raise _unsupported("right padding or a padding hole inside a row (only left padding is")
+        kv_start = (kv_length - n_real).to(torch.int32)
+    else:
+        device = attention_mask.device if attention_mask is not None else kwargs.get("device")
+        kv_start = torch.zeros(batch_size, dtype=torch.int32, device=device)
+    kv_start._kvarena = (padded, *rule)
+    return kv_start
 
 
 def _check_packed(position_ids: torch.Tensor | None, kv_start: torch.Tensor | None, b: int, s: int, n: int) -> None:
@@ -75,8 +117,8 @@ def _check_packed(position_ids: torch.Tensor | None, kv_start: torch.Tensor | No
     one sequence: refuse them. One check per position_ids tensor (all layers share it)."""
     if position_ids is None or s < 2:
         return
-    key = (id(position_ids), position_ids._version)
-    if _checked_positions.get(key) is position_ids:
+    key = (id(position_ids), position_ids._version, id(kv_start))
+    if _checked_positions.get(key) == (position_ids, kv_start):
         return
     pos = position_ids.expand(b, s) if position_ids.dim() == 2 else position_ids
     real = torch.ones(b, s, dtype=torch.bool, device=pos.device)
@@ -86,7 +128,7 @@ def _check_packed(position_ids: torch.Tensor | None, kv_start: torch.Tensor | No
     if not bool(step_ok.all()):
         raise _unsupported("packed sequences (position_ids that restart inside a row)")
     _checked_positions.clear()
-    _checked_positions[key] = position_ids
+    _checked_positions[key] = (position_ids, kv_start)
 
 
 _checked_positions: dict = {}
@@ -112,15 +154,24 @@ def kvarena_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     """
     if dropout and module.training:
         raise _unsupported("attention dropout while training")
-    if attention_mask is not None and not (
-        isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 1 and attention_mask.dtype == torch.int32
-    ):
+    if attention_mask is not None and not hasattr(attention_mask, "_kvarena"):
         shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
         raise _unsupported(f"an attention mask that did not come from its mask hook (got {shape}; a 4-D custom mask?)")
+    if attention_mask is None:  # the model made no mask: its own flags
+        causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
+        window = sliding_window
+    else:
+        padded, causal, window = attention_mask._kvarena
+        if window is None:  # the mask cut no key of this call; the layer's window cuts none either
+            window = sliding_window
+        elif sliding_window is not None and window != sliding_window:
+            raise _unsupported(f"a mask window ({window}) that differs from the layer's sliding_window "
+                               f"({sliding_window})")
+        attention_mask = attention_mask if padded else None
     b, h_q, s, d = query.shape
     arena = _HANDOFF.get(id(key))
     if arena is not None and arena[0]() is key:
-        return arena[1]._attend(arena[2], query, key, value, attention_mask, scaling, sliding_window, softcap,
+        return arena[1]._attend(arena[2], query, key, value, attention_mask, scaling, causal, window, softcap,
                                 s_aux, backend, kwargs.get("position_ids"))
     n = key.shape[2]
     _check_packed(kwargs.get("position_ids"), attention_mask, b, s, n)
@@ -135,9 +186,8 @@ def kvarena_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     if s_aux is not None:
         sink = s_aux.to(torch.float64 if query.dtype == torch.float64 else torch.float32)
     out = paged_attention(
-        q, k_cache, v_cache, table, lens, cu, scale=scaling,
-        causal=bool(kwargs.get("is_causal", getattr(module, "is_causal", True))),
-        window_left=None if sliding_window is None else sliding_window - 1, softcap=softcap,
+        q, k_cache, v_cache, table, lens, cu, scale=scaling, causal=causal,
+        window_left=None if window is None else window - 1, softcap=softcap,
         kv_start=attention_mask, max_seqlen_q=s, max_seqlen_k=n, sink_logits=sink, backend=backend,
     )
     return out.view(b, s, h_q, d), None
@@ -230,6 +280,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         self._meta = None
         self._step_rows = None
         self._packed = False
+        self._pending: set[int] = set()  # hand-offs not attended yet
 
     # --- what transformers asks ------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -248,6 +299,14 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
 
     @property
     def is_sliding(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    @property
+    def is_linear(self) -> list[bool]:  # the base class's all([]) would call it recurrent
+        return [False] * self.num_layers
+
+    @property
+    def is_dummy(self) -> list[bool]:
         return [False] * self.num_layers
 
     def __len__(self) -> int:
@@ -278,9 +337,18 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Hand the new K/V to the attention function (stored there, where the padding is known)."""
         impl = getattr(self.config, "_attn_implementation", None)
-        if impl != NAME:
-            raise ValueError(f"kvarena: KVArenaCache needs attn_implementation='kvarena', the model uses {impl!r}; "
-                             "its attention would see only the new tokens")
+        if impl != NAME or self._pending:
+            # The config it was made with says so, or the last hand-off was never attended by
+            # kvarena (a model other than the config's, on another implementation).
+            self._pending.clear()
+            raise ValueError(f"kvarena: KVArenaCache needs attn_implementation='kvarena', the model uses "
+                             f"{impl if impl != NAME else 'another implementation'!r}; its attention would see "
+                             "only the new tokens")
+        if self.pool is not None and (key_states.shape[1], key_states.shape[3]) != (
+                self.pool.layout.num_kv_heads, self.pool.layout.head_dim):
+            raise ValueError(f"kvarena: this KVArenaCache's arena holds {self.pool.layout.num_kv_heads} kv heads of "
+                             f"dim {self.pool.layout.head_dim}, got {key_states.shape[1]} of dim "
+                             f"{key_states.shape[3]} (another model? make a new KVArenaCache)")
         if layer_idx == 0:  # a new step
             b = key_states.shape[0]
             if self.pool is None:
@@ -292,16 +360,19 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
                                  "call reset() before a generate with another batch size")
             self._len += key_states.shape[2]
             self._meta = None
-        _HANDOFF.clear() if layer_idx == 0 else None
+        if layer_idx == 0:
+            _HANDOFF.clear()
         _HANDOFF[id(key_states)] = (weakref.ref(key_states), self, layer_idx)
+        self._pending.add(id(key_states))
         return key_states, value_states
 
     def _fresh(self):
         self._next_name += 1
         return self._next_name
 
-    def _attend(self, layer: int, query, key, value, kv_start, scaling, sliding_window, softcap, s_aux, backend,
+    def _attend(self, layer: int, query, key, value, kv_start, scaling, causal, window, softcap, s_aux, backend,
                 position_ids):
+        self._pending.discard(id(key))
         b, h_q, s, d = query.shape
         past = self._len - s  # padded
         if self._meta is None:
@@ -309,7 +380,6 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
             # never stored). One plan for all layers.
             pads = kv_start.tolist() if kv_start is not None else [0] * b
             new = [s - min(s, max(0, p - past)) for p in pads]
-            _check_packed(position_ids, kv_start, b, s, self._len)
             # Inference: a padded plan, so q/k/v/out keep transformers' [B, S] rows (no
             # gather or scatter per layer). Under autograd the real rows are packed: the
             # differentiable paths read each row's own k/v at its position.
@@ -319,8 +389,11 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
             else:
                 batch = {name: n for name, n in zip(self._names, new)}
             try:
+                if not causal:
+                    raise _unsupported("a bidirectional layer with KVArenaCache")
+                _check_packed(position_ids, kv_start, b, s, self._len)
                 self._meta = self.pool.plan(batch, pad_to=None if self._packed else s)
-            except BaseException:  # CacheFullError and co.: the pool is unchanged, so is the cache
+            except BaseException:  # a refused step (CacheFullError, ...): the pool is unchanged, so is the cache
                 self._len = past
                 if past == 0:
                     self._names = []
@@ -335,7 +408,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
             real = self._step_rows
             qf = query.transpose(1, 2)[real]  # [total_new, H_q, D]
             kf, vf = key.transpose(1, 2)[real], value.transpose(1, 2)[real]
-        opts = dict(scale=scaling, window_left=None if sliding_window is None else sliding_window - 1,
+        opts = dict(scale=scaling, window_left=None if window is None else window - 1,
                     softcap=softcap, backend=backend)
         if s_aux is not None:
             opts["sink_logits"] = s_aux.to(torch.float64 if query.dtype == torch.float64 else torch.float32)
@@ -383,6 +456,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
             for name in self.pool.namespaces():
                 self.pool.free_namespace(name)
         self._names, self._len, self._meta = [], 0, None
+        self._pending.clear()
 
     @property
     def used_bytes(self) -> int:
