@@ -127,3 +127,29 @@ def test_store_kv_all_skipped_into_an_empty_cache_is_a_no_op():
     store_kv(k, k, k_cache, k_cache.clone(), torch.tensor([-1, -1, -1]))
     with pytest.raises(ValueError, match="slot_mapping: slot 0 is past the cache"):
         store_kv(k, k, k_cache, k_cache.clone(), torch.tensor([-1, 0, -1]))
+
+
+@pytest.mark.parametrize("commit", [False, True], ids=["denoise", "commit"])
+def test_compile_fullgraph_token_window_pages_equal_eager(seed, commit):
+    """Token sinks/windows read the arena through strided page views: they trace too."""
+
+    def pool():
+        policy = CachePolicy("slab_kv", LAYOUT.block_bytes(5) * 8, per_component={"sink_tokens": 2, "window_tokens": 7})
+        return SlabKVCache(policy, layout=LAYOUT, slab_tokens=5)
+
+    eager, comp = pool(), pool()
+    q, k = torch.randn(1, 5, 4, 16), torch.randn(1, 5, 2, 16)
+    for c in (eager, comp):
+        for chunk in range(3):
+            m = c.plan({"x": chunk})
+            for layer in range(LAYOUT.num_layers):
+                c.forward(q, k + chunk, k - chunk, m, layer, commit=True)
+    meta_e, meta_c = eager.plan({"x": 3}), comp.plan({"x": 3})
+    assert meta_c.page_tokens == 1  # gcd(5, 2, 7): one-token pages
+
+    def layer_fn(cache, meta, q, k, v):
+        return cache.forward(q, k, v, meta, 1, commit=commit)
+
+    ref = layer_fn(eager, meta_e, q, k, k)
+    got = torch.compile(layer_fn, fullgraph=True, backend="aot_eager")(comp, meta_c, q, k, k)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
