@@ -180,7 +180,7 @@ def check_sink_logits(sink: torch.Tensor | None, q: torch.Tensor) -> None:
         raise ValueError(f"sink_logits: expected one logit per query head ({h_q}), got shape {tuple(sink.shape)}")
     if sink.device != q.device:
         raise ValueError(f"sink_logits: expected q's device {q.device}, got {sink.device}")
-    want = torch.float64 if q.dtype == torch.float64 else torch.float32
+    want = reference._acc_dtype(q.dtype)  # the lse's dtype
     if sink.dtype != want:
         raise TypeError(f"sink_logits: expected {want} for {q.dtype} queries, got {sink.dtype}")
 

@@ -555,7 +555,8 @@ class SlabKVCache(KVPoolBase):
         """``(n0, tokens of each chunk of the run)`` after checking ``n`` against them."""
         st = self.slab_tokens
         last = -1 if r is None else r.last
-        known = {c: {**r.retired, **r.chunks}[c].n_tokens for c in range(c0, min(c1, last + 1))} if r is not None else {}
+        records = {} if r is None else {**r.retired, **r.chunks}
+        known = {c: records[c].n_tokens for c in range(c0, min(c1, last + 1))}
         if c1 - c0 == 1 and n is not None:  # one chunk: the historical messages
             c = c0
             if c in known and n != known[c]:

@@ -29,6 +29,7 @@ import weakref
 import torch
 
 from kvarena.attention.ops import paged_attention
+from kvarena.attention.reference import _acc_dtype
 from kvarena.attention.spec import check_backend
 
 __all__ = ["KVArenaCache", "register", "kvarena_attention", "kvarena_mask"]
@@ -134,6 +135,11 @@ def _check_packed(position_ids: torch.Tensor | None, kv_start: torch.Tensor | No
 _checked_positions: dict = {}
 
 
+def _sink_logits(s_aux: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """gpt-oss's ``s_aux`` (a parameter in the model's dtype) as kvarena's sink_logits."""
+    return None if s_aux is None else s_aux.to(_acc_dtype(dtype))
+
+
 def kvarena_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                       scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
                       softcap: float | None = None, s_aux: torch.Tensor | None = None, *, backend: str = "auto",
@@ -182,9 +188,7 @@ def kvarena_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     table = torch.arange(b, dtype=torch.int32, device=dev)[:, None]
     lens = torch.full((b,), n, dtype=torch.int32, device=dev)
     cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=dev)
-    sink = None
-    if s_aux is not None:
-        sink = s_aux.to(torch.float64 if query.dtype == torch.float64 else torch.float32)
+    sink = _sink_logits(s_aux, query.dtype)
     out = paged_attention(
         q, k_cache, v_cache, table, lens, cu, scale=scaling, causal=causal,
         window_left=None if window is None else window - 1, softcap=softcap,
@@ -398,8 +402,9 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
                 if past == 0:
                     self._names = []
                 raise
-            j = torch.arange(s)[None, :]
-            self._step_rows = ((past + j) >= torch.tensor(pads)[:, None]).to(query.device)  # [B, S] real rows
+            if self._packed:  # [B, S]: the real rows, gathered on every layer
+                j = torch.arange(s)[None, :]
+                self._step_rows = ((past + j) >= torch.tensor(pads)[:, None]).to(query.device)
         if not self._packed:
             qf = query.transpose(1, 2).reshape(b * s, h_q, d)
             kf = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
@@ -411,7 +416,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         opts = dict(scale=scaling, window_left=None if window is None else window - 1,
                     softcap=softcap, backend=backend)
         if s_aux is not None:
-            opts["sink_logits"] = s_aux.to(torch.float64 if query.dtype == torch.float64 else torch.float32)
+            opts["sink_logits"] = _sink_logits(s_aux, query.dtype)
         dtype = self.pool.layout.dtype
         out = self.pool.forward(qf.to(dtype), kf.to(dtype), vf.to(dtype), self._meta, layer, **opts).to(query.dtype)
         if not self._packed:
