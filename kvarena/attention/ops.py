@@ -44,6 +44,7 @@ __all__ = [
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TORCH_DTYPES = (*KERNEL_DTYPES, torch.float64)
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
 MAX_HEAD_DIM = 256
 
 
@@ -185,6 +186,70 @@ def check_sink_logits(sink: torch.Tensor | None, q: torch.Tensor) -> None:
         raise TypeError(f"sink_logits: expected {want} for {q.dtype} queries, got {sink.dtype}")
 
 
+def check_kv_scales(k_cache: torch.Tensor, k_scale, v_scale, q_dtype: torch.dtype) -> tuple | None:
+    """The fp8 rule of a cache pair: ``(k_scale, v_scale)`` for fp8 caches, None for float ones.
+
+    fp8 caches need both scales: fp32 ``[num_blocks, block_size, H_kv]`` (per token and kv
+    head; any strides) or 0-dim fp32 static scales, on the caches' device; their inputs are
+    float16, bfloat16 or float32. Float caches take no scales.
+    """
+    fp8 = k_cache.dtype in FP8_CACHE_DTYPES
+    if not fp8:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale/v_scale: only fp8 caches take scales; k_cache is {k_cache.dtype}")
+        return None
+    if q_dtype not in KERNEL_DTYPES:
+        raise TypeError(f"q: fp8 caches take float16, bfloat16 or float32 inputs, got {q_dtype}")
+    want = tuple(k_cache.shape[:3])
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is None:
+            raise ValueError(f"{name}: an fp8 cache ({k_cache.dtype}) needs its fp32 scales: a "
+                             f"[num_blocks, block_size, H_kv] = {list(want)} tensor or a 0-dim static scale")
+        _require_tensor(name, t)
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name}: expected float32 scales, got {t.dtype}")
+        if t.dim() and tuple(t.shape) != want:
+            raise ValueError(f"{name}: expected shape {want} ([num_blocks, block_size, H_kv]) or a 0-dim static "
+                             f"scale, got {tuple(t.shape)}")
+        if t.device != k_cache.device:
+            raise ValueError(f"{name}: expected the caches' device {k_cache.device}, got {t.device}")
+    if k_scale.dim() != v_scale.dim():
+        raise ValueError("v_scale: k_scale and v_scale must both be per-token tensors or both 0-dim static scales")
+    if k_scale.dim():
+        check_no_overlap("k_scale", k_scale)
+        check_no_overlap("v_scale", v_scale)
+    elif _check_values(k_scale):
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not 0 < float(t) < float("inf"):
+                raise ValueError(f"{name}: a static scale must be finite and > 0, got {float(t)}")
+    return k_scale, v_scale
+
+
+def _as_bytes(t: torch.Tensor | None) -> torch.Tensor | None:
+    """fp8 caches and per-token scales as uint8 views at a custom op's boundary (see
+    ``kvarena.cache.arena.as_bytes``); the ops view them back with :func:`_from_bytes`."""
+    return t if t is None or t.dim() == 0 or t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _from_bytes(k_cache, v_cache, k_scale, v_scale):
+    """fp8 caches and scales given as uint8 views (a pool's ``op_views``, a custom op's
+    arguments) viewed back as float8_e4m3fn / fp32: ``(k_cache, v_cache, kv_scales or None)``."""
+    if k_scale is None:
+        return k_cache, v_cache, None
+    if k_cache.dtype == torch.uint8:
+        k_cache, v_cache = k_cache.view(FP8_CACHE_DTYPES[0]), v_cache.view(FP8_CACHE_DTYPES[0])
+    if k_scale.dtype == torch.uint8:
+        k_scale, v_scale = k_scale.view(torch.float32), v_scale.view(torch.float32)
+    return k_cache, v_cache, (k_scale, v_scale)
+
+
+def refuse_fp8_grad(kv_scales, *tensors) -> None:
+    """fp8 caches are for inference: a call that needs gradients is a ValueError."""
+    if kv_scales is not None and _needs_grad(*tensors):
+        raise ValueError("k_cache: fp8 KV caches have no backward (quantization is not differentiable and "
+                         "no kernel computes it); run under torch.no_grad() or use a float layout to train")
+
+
 def _check_out(out, q: torch.Tensor) -> None:
     if out is None:
         return
@@ -205,9 +270,11 @@ def _validate_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv
     _require_tensor("v_cache", v_cache, 4)
     if q.dtype not in TORCH_DTYPES:
         raise TypeError(f"q: expected dtype float16, bfloat16, float32 or float64, got {q.dtype}")
+    fp8 = k_cache.dtype in FP8_CACHE_DTYPES
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}: expected q's dtype {q.dtype}, got {t.dtype}")
+        if t.dtype != (k_cache.dtype if fp8 else q.dtype):
+            want = f"k_cache's dtype {k_cache.dtype}" if fp8 else f"q's dtype {q.dtype}"
+            raise TypeError(f"{name}: expected {want}, got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name}: expected q's device {q.device}, got {t.device}")
         if t.shape[-1] > 1 and t.stride(-1) != 1:
@@ -326,6 +393,8 @@ def paged_attention(
     num_splits: int | None = None,
     deterministic: bool = False,
     sink_logits: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ):
     """Block-table gather attention over a paged (or slab) KV cache.
 
@@ -351,6 +420,11 @@ def paged_attention(
         joins its head's softmax denominator (see :class:`kvarena.AttentionSpec`).
     kv_start : Tensor, int32 ``[B]``, optional
         Keys ``t < kv_start[b]`` are invisible (left padding).
+    k_scale, v_scale : Tensor, fp32, optional
+        Required with float8_e4m3fn caches (and only then): per-(token, kv head) scales
+        ``[num_blocks, block_size, H_kv]`` or 0-dim static scales; key ``t`` is
+        ``k_cache[...] * k_scale[...]``. q (and out) are float16/bfloat16/float32.
+        Inference only (a ValueError under autograd).
     max_seqlen_q, max_seqlen_k : int, optional
         Host bounds of the query / key lengths (None = read from the device: a sync).
     out : Tensor ``[total_q, H_q, D]``, optional
@@ -385,11 +459,13 @@ def paged_attention(
         q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, max_seqlen_q, max_seqlen_k
     )
     check_sink_logits(spec.sink_logits, q)
+    kv_scales = check_kv_scales(k_cache, k_scale, v_scale, q.dtype)
+    refuse_fp8_grad(kv_scales, q, spec.sink_logits)
     cache_grad = _needs_grad(k_cache, v_cache, spec.sink_logits)
     chosen = resolve_backend(spec.backend, q.device, q.dtype, cache_grad or _needs_grad(q),
                              "k_cache/v_cache/sink_logits" if cache_grad else "q", triton_grad=not cache_grad)
     return attend(q, k_cache, v_cache, block_table, seq_lens, cu, kv_start, spec=spec, max_seqlen_q=max_q,
-                  max_seqlen_k=max_k, backend=chosen, out=out)
+                  max_seqlen_k=max_k, backend=chosen, out=out, kv_scales=kv_scales)
 
 
 def attend(
@@ -407,6 +483,7 @@ def attend(
     backend: str,
     out: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """Block-table attention with already validated arguments (what the pools call).
 
@@ -414,9 +491,12 @@ def attend(
     ``[total_q, H_kv, D]``: the keys/values of the query rows themselves, which the
     caller has just stored at the rows' positions; on the differentiable path the
     attention reads them from these tensors (so gradients reach them) instead of from
-    the cache. Returns like :func:`paged_attention`.
+    the cache. ``kv_scales``: fp8 caches (see :func:`check_kv_scales`; never with
+    gradients). Returns like :func:`paged_attention`.
     """
     kn, vn = new_kv if new_kv is not None else (None, None)
+    if kv_scales is not None and not torch.compiler.is_compiling():
+        k_cache, v_cache, kv_scales = _from_bytes(k_cache, v_cache, *kv_scales)
     grad = _needs_grad(q, k_cache, v_cache, kn, vn, spec.sink_logits)
     if grad and backend == "triton":
         # The Triton forward, then the Triton backward (dq, and dk/dv for new_kv): one
@@ -443,19 +523,22 @@ def attend(
         result = torch.empty_like(q) if out is None else out
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if spec.return_lse else None
         _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, result, lse, spec,
-                       max_seqlen_q, max_seqlen_k)
+                       max_seqlen_q, max_seqlen_k, kv_scales=kv_scales)
         return (result, lse) if spec.return_lse else result
     else:
         # Under torch.compile: one opaque custom op with a fake impl. Eager calls the body
         # directly, skipping the ~10-20 us of custom-op dispatch per layer.
         if torch.compiler.is_compiling():
+            ks, vs = kv_scales if kv_scales is not None else (None, None)
+            fp8 = kv_scales is not None
             result, lse = torch.ops.kvarena.paged_attention(
-                q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, max_seqlen_q,
-                max_seqlen_k, *spec.replace(backend=backend).op_args(),
+                q, _as_bytes(k_cache) if fp8 else k_cache, _as_bytes(v_cache) if fp8 else v_cache, block_table,
+                seq_lens, cu_seqlens_q, kv_start, _as_bytes(ks), _as_bytes(vs), max_seqlen_q, max_seqlen_k,
+                *spec.replace(backend=backend).op_args(),
             )
         else:
             result, lse = _paged_attention_body(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
-                                                kv_start, spec, max_seqlen_q, max_seqlen_k, backend)
+                                                kv_start, spec, max_seqlen_q, max_seqlen_k, backend, kv_scales)
     if out is not None:
         out.copy_(result)
         result = out
@@ -475,6 +558,7 @@ def attend_with_own_kv(
     spec: AttentionSpec,
     max_seqlen_q: int,
     max_seqlen_k: int,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """History from the cache plus the step's own k/v in ONE Triton launch, or None.
 
@@ -496,8 +580,10 @@ def attend_with_own_kv(
         return (result, lse) if spec.return_lse else result
     result = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if spec.return_lse else None
+    if kv_scales is not None:
+        k_cache, v_cache, kv_scales = _from_bytes(k_cache, v_cache, *kv_scales)
     if not _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, result, lse, spec,
-                          max_seqlen_q, max_seqlen_k, own_kv=own_kv):
+                          max_seqlen_q, max_seqlen_k, own_kv=own_kv, kv_scales=kv_scales):
         return None
     return (result, lse) if spec.return_lse else result
 
@@ -521,6 +607,7 @@ def attend_history_and_own(
     backend: str,
     own_kv_start: torch.Tensor | None = None,
     own_max_seqlen_k: int | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A denoising step: the cached history plus the step's own k/v.
 
@@ -538,11 +625,11 @@ def attend_history_and_own(
     grad = _needs_grad(q, *own_kv)
     if not paged and backend == "triton" and (grad or not torch.compiler.is_compiling()):
         res = attend_with_own_kv(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, own_kv,
-                                 spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                                 spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, kv_scales=kv_scales)
         if res is not None:
             return res if spec.return_lse else (res, None)
     out_h, lse_h = attend(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec=spec_lse,
-                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, backend=backend)
+                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, backend=backend, kv_scales=kv_scales)
     out_c, lse_c = attend(q, own_kv[0], own_kv[1], own_table, own_lens, cu_seqlens_q, own_kv_start, spec=spec_lse,
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=own_max_seqlen_k if paged else own_kv[0].shape[1],
                           backend=backend)
@@ -640,9 +727,13 @@ def _validate_store(k, v, k_cache, v_cache, slot_mapping) -> None:
         raise ValueError(f"v_cache: expected k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     if tuple(k.shape[1:]) != tuple(k_cache.shape[2:]):
         raise ValueError(f"k: expected [N, {k_cache.shape[2]}, {k_cache.shape[3]}] to match the cache, got {tuple(k.shape)}")
+    fp8 = k_cache.dtype in FP8_CACHE_DTYPES
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"v_cache: expected k_cache's dtype {k_cache.dtype}, got {v_cache.dtype}")
     for name, t in (("k", k), ("v", v), ("v_cache", v_cache)):
-        if t.dtype != k_cache.dtype:
-            raise TypeError(f"{name}: expected the cache dtype {k_cache.dtype}, got {t.dtype}")
+        if name != "v_cache" and t.dtype != (k.dtype if fp8 else k_cache.dtype):
+            want = "k's dtype" if fp8 else "the cache dtype"
+            raise TypeError(f"{name}: expected {want} {k.dtype if fp8 else k_cache.dtype}, got {t.dtype}")
         if t.device != k_cache.device:
             raise ValueError(f"{name}: expected the cache device {k_cache.device}, got {t.device}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
@@ -663,6 +754,8 @@ def store_kv(
     slot_mapping: torch.Tensor,
     *,
     backend: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Scatter new keys/values into the cache in place.
 
@@ -677,6 +770,12 @@ def store_kv(
         skipped. Nothing is written unless every slot is valid (in range, no
         duplicates; checked on CPU, and on CUDA under ``KVARENA_DEBUG=1``).
     backend : {"auto", "torch", "triton"}
+    k_scale, v_scale : Tensor, fp32, optional
+        Required with float8_e4m3fn caches (k, v are then float16/bfloat16/float32):
+        ``[num_blocks, block_size, H_kv]`` per-token scales, which the store WRITES (each
+        row's ``max(amax / 448, 2**-126)``; NaN for a row holding a NaN), or 0-dim static
+        scales, which it reads (values beyond +-448 scales saturate). Bytes are rounded to
+        nearest-even, equal to torch's cast of ``(x / scale).clamp(-448, 448)``.
 
     Examples
     --------
@@ -690,14 +789,20 @@ def store_kv(
     """
     check_backend(backend)
     _validate_store(k, v, k_cache, v_cache, slot_mapping)
-    store(k, v, k_cache, v_cache, slot_mapping, resolve_backend(backend, k_cache.device, k_cache.dtype, False,
-                                                                 "k_cache"))
+    kv_scales = check_kv_scales(k_cache, k_scale, v_scale, k.dtype)
+    store(k, v, k_cache, v_cache, slot_mapping, resolve_backend(backend, k_cache.device, k.dtype, False, "k"),
+          kv_scales)
 
 
-def store(k, v, k_cache, v_cache, slot_mapping, backend: str) -> None:
+def store(k, v, k_cache, v_cache, slot_mapping, backend: str, kv_scales=None) -> None:
     """``store_kv`` with validated arguments and a resolved backend (what the pools call)."""
-    op = torch.ops.kvarena.store_kv if torch.compiler.is_compiling() else _store_kv_impl
-    op(k.detach(), v.detach(), k_cache, v_cache, slot_mapping, backend)
+    ks, vs = kv_scales if kv_scales is not None else (None, None)
+    if torch.compiler.is_compiling():
+        if kv_scales is not None:
+            k_cache, v_cache, ks, vs = _as_bytes(k_cache), _as_bytes(v_cache), _as_bytes(ks), _as_bytes(vs)
+        torch.ops.kvarena.store_kv(k.detach(), v.detach(), k_cache, v_cache, slot_mapping, backend, ks, vs)
+    else:
+        _store_kv_impl(k.detach(), v.detach(), k_cache, v_cache, slot_mapping, backend, ks, vs)
 
 
 # --------------------------------------------------------------------------- merge
@@ -771,26 +876,27 @@ def merge(out_a, lse_a, out_b, lse_b, backend: str) -> tuple[torch.Tensor, torch
 
 
 def _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse, spec,
-                   max_seqlen_q, max_seqlen_k, own_kv=None) -> bool:
+                   max_seqlen_q, max_seqlen_k, own_kv=None, kv_scales=None) -> bool:
     if q.device.type == "meta":
         return True  # a dry run: the caller's outputs are allocated, no kernel runs
     from kvarena.kernels.paged_attention import paged_attention_fwd
 
     return paged_attention_fwd(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse,
-                               spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, own_kv=own_kv)
+                               spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, own_kv=own_kv,
+                               kv_scales=kv_scales)
 
 
 def _paged_attention_body(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec,
-                          max_seqlen_q, max_seqlen_k, backend) -> tuple[torch.Tensor, torch.Tensor]:
+                          max_seqlen_q, max_seqlen_k, backend, kv_scales=None) -> tuple[torch.Tensor, torch.Tensor]:
     if backend == "triton":
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse, spec,
-                       max_seqlen_q, max_seqlen_k)
+                       max_seqlen_q, max_seqlen_k, kv_scales=kv_scales)
         return out, lse
     # No gradient here: the SDPA route when the call has no position mask, else the batched one.
     args = (q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start)
-    kw = dict(spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    kw = dict(spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, kv_scales=kv_scales)
     fast = reference.paged_attention_sdpa(*args, **kw)
     return fast if fast is not None else reference.paged_attention_torch(*args, **kw)
 
@@ -798,22 +904,24 @@ def _paged_attention_body(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens
 _LIB = torch.library.Library("kvarena", "FRAGMENT")
 _LIB.define(
     "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
-    "Tensor cu_seqlens_q, Tensor? kv_start, SymInt max_seqlen_q, SymInt max_seqlen_k, "
+    "Tensor cu_seqlens_q, Tensor? kv_start, Tensor? k_scale, Tensor? v_scale, SymInt max_seqlen_q, "
+    "SymInt max_seqlen_k, "
     f"{AttentionSpec.op_schema()}) -> (Tensor, Tensor)"
 )
 
 
-def _paged_attention_op_impl(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, max_seqlen_q,
-                             max_seqlen_k, *spec_args):
+def _paged_attention_op_impl(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, k_scale, v_scale,
+                             max_seqlen_q, max_seqlen_k, *spec_args):
     spec = AttentionSpec.from_op_args(spec_args)
     backend = resolve_backend(spec.backend, q.device, q.dtype, False)
+    k_cache, v_cache, kv_scales = _from_bytes(k_cache, v_cache, k_scale, v_scale)
     out, lse = _paged_attention_body(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec,
-                                     int(max_seqlen_q), int(max_seqlen_k), backend)
+                                     int(max_seqlen_q), int(max_seqlen_k), backend, kv_scales)
     return out, lse
 
 
-def _paged_attention_op_fake(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, max_seqlen_q,
-                             max_seqlen_k, *spec_args):
+def _paged_attention_op_fake(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, k_scale, v_scale,
+                             max_seqlen_q, max_seqlen_k, *spec_args):
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=lse_dtype)
 
@@ -860,23 +968,26 @@ def _store_kv_impl(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     backend: str,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
+    k_cache, v_cache, kv_scales = _from_bytes(k_cache, v_cache, k_scale, v_scale)
     if backend == "triton":
         from kvarena.kernels.store import store_kv_fwd
 
         if k_cache.device.type != "meta":  # meta: a dry run (shapes and allocations only)
-            store_kv_fwd(k, v, k_cache, v_cache, slot_mapping)
+            store_kv_fwd(k, v, k_cache, v_cache, slot_mapping, kv_scales)
         return
-    reference.store_kv_torch(k, v, k_cache, v_cache, slot_mapping)
+    reference.store_kv_torch(k, v, k_cache, v_cache, slot_mapping, kv_scales)
 
 
 _store_kv_op = torch.library.custom_op(
-    "kvarena::store_kv", _store_kv_impl, mutates_args=("k_cache", "v_cache")
+    "kvarena::store_kv", _store_kv_impl, mutates_args=("k_cache", "v_cache", "k_scale", "v_scale")
 )
 
 
 @_store_kv_op.register_fake
-def _(k, v, k_cache, v_cache, slot_mapping, backend):
+def _(k, v, k_cache, v_cache, slot_mapping, backend, k_scale=None, v_scale=None):
     return None
 
 

@@ -34,7 +34,60 @@ __all__ = [
     "merge_attention_states_ref",
     "merge_attention_states_torch",
     "visibility_mask",
+    "FP8_MAX",
+    "fp8_row_scales",
+    "quantize_fp8",
+    "dequantize_fp8",
 ]
+
+#: Largest finite float8_e4m3fn value; quantized values saturate there.
+FP8_MAX = 448.0
+# fp32(1 / 448): the scale is amax * this constant, ONE fp32 multiply, so that every backend
+# (torch, the Triton kernel on GPU and in the interpreter) computes the same bits (a
+# division would be div.full.f32, 2 ulp, in a Triton kernel).
+_INV_FP8_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))
+# Smallest scale: the smallest normal fp32. All-zero rows (amax 0) get it and store zeros;
+# a scale that is itself subnormal could be flushed to 0 on a GPU and divide by zero.
+FP8_MIN_SCALE = 2.0**-126
+
+
+def fp8_row_scales(x: torch.Tensor) -> torch.Tensor:
+    """Per-row fp8 scale of ``x [..., D]``: ``max(amax * fp32(1/448), 2**-126)`` in fp32.
+
+    A row holding a NaN gets a NaN scale (so all of it dequantizes to NaN, as a NaN in a
+    float cache would poison the rows that see it); an inf makes amax and the scale inf,
+    which dequantizes the row to NaN as well.
+    """
+    xf = x.float()
+    nan = torch.isnan(xf)
+    amax = torch.where(nan, torch.zeros((), device=x.device), xf.abs()).amax(-1)
+    scale = torch.clamp_min(amax * torch.tensor(_INV_FP8_MAX, dtype=torch.float32, device=x.device), FP8_MIN_SCALE)
+    return torch.where(nan.any(-1), torch.full_like(scale, float("nan")), scale)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [..., D] / scale [...]`` rounded to float8_e4m3fn (nearest-even, saturating at +-448).
+
+    fp32 IEEE division, then torch's own cast: what the Triton store kernel's explicit
+    rounding helper is checked against bit for bit.
+    """
+    sc = scale.float()
+    y = x.float() / (sc[..., None] if sc.dim() else sc)
+    return y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize_fp8(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x8 [..., D]`` (fp8) times ``scale [...]`` (or a 0-dim static scale), in ``dtype``."""
+    sc = scale.to(dtype)
+    return x8.to(dtype) * (sc[..., None] if sc.dim() else sc)
+
+
+def _read_kv(cache: torch.Tensor, scale: torch.Tensor | None, index, dtype: torch.dtype) -> torch.Tensor:
+    """``cache[index]`` in ``dtype``, dequantized with ``scale[index]`` for an fp8 cache."""
+    x = cache[index]
+    if scale is None:
+        return x.to(dtype)
+    return dequantize_fp8(x, scale[index] if scale.dim() else scale, dtype)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -193,6 +246,7 @@ def paged_attention_torch(
     max_seqlen_q: int,
     max_seqlen_k: int,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched, sync-free block-table attention (the CPU path; differentiable).
 
@@ -200,7 +254,7 @@ def paged_attention_torch(
     a tensor and the maxima are host ints bounding the real lengths. ``new_kv = (k, v)``
     ``[total_q, H_kv, D]`` are read instead of the cache at the query rows' own
     positions (``L - q_len + i``), so that gradients reach the keys a pool has just
-    stored.
+    stored. ``kv_scales = (k_scale, v_scale)``: fp8 caches, dequantized as gathered.
 
     Returns
     -------
@@ -241,8 +295,9 @@ def paged_attention_torch(
     blocks = block_table.long()[:, tk // block_size]  # [B, Mk]
     blocks = torch.where(k_in, blocks, torch.zeros_like(blocks))
     rows = (tk % block_size).expand(b_count, -1)
-    kg = k_cache[blocks, rows].to(acc)  # [B, Mk, H_kv, D]
-    vg = v_cache[blocks, rows].to(acc)
+    ks, vs = kv_scales if kv_scales is not None else (None, None)
+    kg = _read_kv(k_cache, ks, (blocks, rows), acc)  # [B, Mk, H_kv, D]
+    vg = _read_kv(v_cache, vs, (blocks, rows), acc)
     if new_kv is not None:
         # Row r's own key sits at position L - q_len + i; padding rows (seq_len 0) go to a
         # dummy column Mk that is sliced off again.
@@ -311,6 +366,7 @@ def paged_attention_sdpa(
     spec: AttentionSpec,
     max_seqlen_q: int,
     max_seqlen_k: int,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Block-table attention through the CPU flash kernel of SDPA, or None (the CPU fast path).
 
@@ -369,11 +425,15 @@ def paged_attention_sdpa(
     # as_strided (view + slice + transpose cost ~3-5 us each at these sizes).
     kv_shape = (b_count, h_kv, max_k, d)
     kv_strides = (n_blocks * block_size * h_kv * d, d, h_kv * d, 1)
-    k = k_cache.index_select(0, flat).as_strided(kv_shape, kv_strides)
-    v = v_cache.index_select(0, flat).as_strided(kv_shape, kv_strides)
+    if kv_scales is None:
+        k = k_cache.index_select(0, flat).as_strided(kv_shape, kv_strides)
+        v = v_cache.index_select(0, flat).as_strided(kv_shape, kv_strides)
+    else:  # fp8: the gathered blocks dequantized once, to fp32
+        k = _read_kv(k_cache, kv_scales[0], flat.long(), torch.float32).as_strided(kv_shape, kv_strides)
+        v = _read_kv(v_cache, kv_scales[1], flat.long(), torch.float32).as_strided(kv_shape, kv_strides)
     if q.stride(-1) != 1:
         q = q.contiguous()  # the CPU kernel assumes a unit head_dim stride
-    if q.dtype in (torch.float16, torch.bfloat16):
+    if q.dtype in (torch.float16, torch.bfloat16) or kv_scales is not None:
         # The CPU kernel's half-precision path converts each K/V block once per query head
         # (and per query block); converting the gathered K/V once is 1.5-2.5x faster for
         # decode at 128-512 keys and 4-8% faster for 64-query chunks (1 thread, same run).
@@ -449,12 +509,15 @@ def store_kv_torch(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Sync-free ``store_kv`` (the CPU path): no boolean indexing, no host read.
 
     A skipped row (slot < 0) is redirected to the first valid row's slot *with that row's
     value*, so the duplicate write is identical and harmless; with no valid row at all, it
     rewrites slot 0 with its own current value. Slots must already be validated.
+    ``kv_scales``: fp8 caches; per-token scale arrays ``[num_blocks, block_size, H_kv]``
+    get each row's :func:`fp8_row_scales`, 0-dim static scales are only read.
     """
     n = slot_mapping.shape[0]
     if n == 0 or k_cache.shape[0] * k_cache.shape[1] == 0:
@@ -468,10 +531,21 @@ def store_kv_torch(
     first_slot = slots.index_select(0, first.view(1))  # [1]; a 0-d tensor index would read the host
     dst = torch.where(valid, slots, torch.where(any_valid, first_slot, torch.zeros_like(first_slot)))
     blk, row = dst // block_size, dst % block_size
-    for new, cache in ((k, k_cache), (v, v_cache)):
+    scales = kv_scales if kv_scales is not None else (None, None)
+    for new, cache, sc in ((k, k_cache, scales[0]), (v, v_cache, scales[1])):
+        rows = new.index_select(0, src)
+        if sc is not None:
+            # fp8: quantize, then write bytes (and scales) exactly as the float path writes values.
+            if sc.dim():
+                row_sc = torch.where(any_valid, fp8_row_scales(rows), sc[0, 0])
+                sc.index_put_((blk, row), row_sc)
+                rows = quantize_fp8(rows, row_sc)
+            else:
+                rows = quantize_fp8(rows, sc)
+            cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
         # With no valid row every write lands on slot 0 and rewrites its own value: only that
         # one row is read back, not one per token (a per-token gather doubled the cost).
-        vals = torch.where(any_valid, new.index_select(0, src).to(cache.dtype), cache[0, 0])
+        vals = torch.where(any_valid, rows.to(cache.dtype), cache[0, 0])
         cache.index_put_((blk, row), vals)
 
 

@@ -76,7 +76,7 @@ def check_forward_tensor(
     if tuple(t.shape) != shape:
         raise ValueError(f"{name}: expected shape {shape} ({what}), got {tuple(t.shape)}")
     if t.dtype != dtype:
-        raise TypeError(f"{name}: expected the layout's dtype {dtype}, got {t.dtype}")
+        raise TypeError(f"{name}: expected the layout's input dtype {dtype}, got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{name}: expected the cache's device {device}, got {t.device}")
     if shape[-1] > 1 and t.stride(-1) != 1:

@@ -136,7 +136,7 @@ class KVPoolBase:
         for i, spec in enumerate(specs):
             if i == 0 or spec is not specs[i - 1]:
                 self._check_spec(spec, f"attention[{i}]")
-                resolve_backend(spec.backend, device, layout.dtype, False, "layout.dtype")
+                resolve_backend(spec.backend, device, layout.input_dtype, False, "layout.input_dtype")
         return specs
 
     def _check_spec(self, spec: AttentionSpec, where: str) -> None:
@@ -199,7 +199,7 @@ class KVPoolBase:
         if h_q == 0 or h_q % h_kv:
             raise ValueError(f"q: H_q ({h_q}) must be a positive multiple of the layout's H_kv ({h_kv})")
         for name, t, heads in (("q", q, h_q), ("k", k, h_kv), ("v", v, h_kv)):
-            check_forward_tensor(name, t, (*lead, heads, d), lay.dtype, self.device, f"{what} of the plan/layout")
+            check_forward_tensor(name, t, (*lead, heads, d), lay.input_dtype, self.device, f"{what} of the plan/layout")
         return h_q
 
     def _backends(self, spec: AttentionSpec, q, k, v) -> tuple[str, str, bool]:
@@ -209,8 +209,11 @@ class KVPoolBase:
         sink_grad = grad_on and spec.sink_logits is not None and spec.sink_logits.requires_grad
         # The arena never requires grad: gradients go to q and the given k/v, which the
         # Triton backward computes (learned sink logits: the torch path's).
-        attn = resolve_backend(spec.backend, self.device, self.layout.dtype,
+        if self.layout.is_fp8 and (kv_grad or sink_grad or (grad_on and q.requires_grad)):
+            raise ValueError("k/v: this pool stores fp8 K/V, which has no backward (quantization is not "
+                             "differentiable); run under torch.no_grad() or use a float layout to train")
+        attn = resolve_backend(spec.backend, self.device, self.layout.input_dtype,
                                kv_grad or sink_grad or (grad_on and q.requires_grad),
                                "sink_logits" if sink_grad else "q", triton_grad=not sink_grad)
-        store = resolve_backend(spec.backend, self.device, self.layout.dtype, False)
+        store = resolve_backend(spec.backend, self.device, self.layout.input_dtype, False)
         return attn, store, kv_grad

@@ -6,6 +6,8 @@ allocation and carves it into named regions (one per KV pool: ``"slab_kv"``,
 viewed, without copies, as::
 
     data : [num_blocks, num_layers, 2, block_tokens, H_kv, D]   (layout.dtype)
+    scales : [num_blocks, num_layers, 2, block_tokens, H_kv]   (fp32; fp8 layouts only,
+             a second section of the region after every block's K/V)
 
 with the per-layer key/value caches the attention ops take as strided views::
 
@@ -38,6 +40,7 @@ import torch
 
 __all__ = [
     "ALIGN_BYTES",
+    "FP8_DTYPES",
     "ArenaRegion",
     "BlockAllocator",
     "CacheFullError",
@@ -50,8 +53,24 @@ __all__ = [
 ALIGN_BYTES = 256
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: Storage dtypes that hold quantized K/V (dequantized in the attention kernels).
+FP8_DTYPES = (torch.float8_e4m3fn,)
+#: Input (q/k/v/out) dtypes of a layout whose storage is fp8.
+_FP8_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: Bytes of one fp32 scale.
+_SCALE_BYTES = 4
 # torch sizes are int64; keep room for the alignment padding of a few regions.
 _MAX_ARENA_BYTES = 2**62
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a uint8 view (0-dim tensors, static fp8 scales, as they are).
+
+    An arena's fp8 bytes and fp32 scales are views of one uint8 buffer; torch.compile's
+    aot_autograd refuses mutated graph inputs that are views of one base in two dtypes,
+    while uint8 views of the uint8 buffer are plain.
+    """
+    return t if t.dim() == 0 or t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
 class CacheFullError(RuntimeError):
@@ -87,7 +106,21 @@ class KVLayout:
     head_dim : int
         Head dimension ``D``, ``>= 1`` (the attention ops take multiples of 8 up to 256).
     dtype : torch.dtype
-        float16, bfloat16, float32 or float64.
+        Storage dtype: float16, bfloat16, float32, float64, or ``torch.float8_e4m3fn``
+        (quantized K/V: half the bytes of bf16 per token, dequantized in registers by the
+        attention kernels).
+    input_dtype : torch.dtype, optional
+        dtype of the q/k/v a pool takes and of its outputs. ``None``: ``dtype`` for a
+        float layout (which takes no other), bfloat16 for fp8. An fp8 layout takes
+        float16, bfloat16 or float32.
+    scales : "token" or float or sequence, default "token"
+        fp8 only. ``"token"``: one fp32 scale per (token, kv head) for K and for V,
+        ``amax / 448`` of that row, stored in the arena beside the blocks (4 bytes per
+        ``head_dim`` bytes of K/V; a decode step writes one token into a partly filled
+        block without touching the tokens already stored). Static scales given by the
+        user: one float for every layer's K and V, or one per layer (a float, or a
+        ``(k_scale, v_scale)`` pair); values beyond +-448 scales saturate. Normalized to
+        a tuple of ``(k_scale, v_scale)`` pairs, one per layer.
 
     Raises
     ------
@@ -109,6 +142,8 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    input_dtype: torch.dtype | None = None
+    scales: str | float | tuple = "token"
 
     def __post_init__(self) -> None:
         _check_pos_int("num_layers", self.num_layers)
@@ -116,10 +151,66 @@ class KVLayout:
         _check_pos_int("head_dim", self.head_dim)
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype: expected a torch.dtype, got {self.dtype!r}")
-        if self.dtype not in _FLOAT_DTYPES:
+        if self.dtype not in _FLOAT_DTYPES + FP8_DTYPES:
             raise ValueError(
-                f"dtype: expected float16, bfloat16, float32 or float64, got {self.dtype}"
+                f"dtype: expected float16, bfloat16, float32, float64 or float8_e4m3fn, got {self.dtype}"
             )
+        fp8 = self.dtype in FP8_DTYPES
+        inp = self.input_dtype
+        if inp is None:
+            inp = torch.bfloat16 if fp8 else self.dtype
+        elif not isinstance(inp, torch.dtype):
+            raise TypeError(f"input_dtype: expected None or a torch.dtype, got {inp!r}")
+        elif fp8 and inp not in _FP8_INPUT_DTYPES:
+            raise ValueError(f"input_dtype: an fp8 layout takes float16, bfloat16 or float32 inputs, got {inp}")
+        elif not fp8 and inp != self.dtype:
+            raise ValueError(f"input_dtype: a {self.dtype} layout takes {self.dtype} inputs (only fp8 storage "
+                             f"converts), got {inp}")
+        object.__setattr__(self, "input_dtype", inp)
+        object.__setattr__(self, "scales", self._norm_scales(fp8))
+        if fp8 and self.head_dim % 4:
+            raise ValueError(f"head_dim: an fp8 layout needs a multiple of 4 (fp32 scale alignment), got {self.head_dim}")
+
+    def _norm_scales(self, fp8: bool):
+        sc = self.scales
+        if isinstance(sc, str):
+            if sc != "token":
+                raise ValueError(f"scales: expected 'token', a float or one float / (k, v) pair per layer, got {sc!r}")
+            return sc
+        if not fp8:
+            raise ValueError(f"scales: static scales are for fp8 layouts, not {self.dtype}")
+
+        def one(x, where):
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < float(x) < float("inf"):
+                raise ValueError(f"scales{where}: expected a finite float > 0, got {x!r}")
+            return float(x)
+
+        if isinstance(sc, (int, float)) and not isinstance(sc, bool):
+            s = one(sc, "")
+            return ((s, s),) * self.num_layers
+        if not isinstance(sc, (tuple, list)) or len(sc) != self.num_layers:
+            raise ValueError(f"scales: expected 'token', a float, or {self.num_layers} entries (one per layer), "
+                             f"got {sc!r}")
+        out = []
+        for i, x in enumerate(sc):
+            if isinstance(x, (tuple, list)):
+                if len(x) != 2:
+                    raise ValueError(f"scales[{i}]: expected a float or a (k_scale, v_scale) pair, got {x!r}")
+                out.append((one(x[0], f"[{i}][0]"), one(x[1], f"[{i}][1]")))
+            else:
+                s = one(x, f"[{i}]")
+                out.append((s, s))
+        return tuple(out)
+
+    @property
+    def is_fp8(self) -> bool:
+        """bool: K/V are stored quantized (fp8 with fp32 scales)."""
+        return self.dtype in FP8_DTYPES
+
+    @property
+    def token_scales(self) -> bool:
+        """bool: an fp8 layout with one stored scale per (token, kv head)."""
+        return self.is_fp8 and self.scales == "token"
 
     @property
     def element_size(self) -> int:
@@ -128,8 +219,10 @@ class KVLayout:
 
     @property
     def token_bytes(self) -> int:
-        """int: bytes of K and V of one token over all layers (``L * 2 * H_kv * D * elsize``)."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.element_size
+        """int: bytes of K and V of one token over all layers (``L * 2 * H_kv * D * elsize``,
+        plus ``L * 2 * H_kv * 4`` of scales for per-token fp8 scales)."""
+        per_row = self.head_dim * self.element_size + (_SCALE_BYTES if self.token_scales else 0)
+        return self.num_layers * 2 * self.num_kv_heads * per_row
 
     def block_bytes(self, block_tokens: int) -> int:
         """Bytes of one block of ``block_tokens`` tokens (all layers, K and V).
@@ -142,10 +235,16 @@ class KVLayout:
         Returns
         -------
         int
-            ``num_layers * 2 * block_tokens * H_kv * D * elsize``.
+            ``block_tokens * token_bytes``.
         """
         _check_pos_int("block_tokens", block_tokens)
         return block_tokens * self.token_bytes
+
+    def check_input(self, name: str, t: torch.Tensor) -> None:
+        """TypeError naming ``name`` unless ``t`` has the layout's ``input_dtype``."""
+        if t.dtype != self.input_dtype:
+            what = "input dtype" if self.is_fp8 else "dtype"
+            raise TypeError(f"{name}: expected the layout's {what} {self.input_dtype}, got {t.dtype}")
 
     @classmethod
     def from_kv(cls, k: torch.Tensor) -> KVLayout:
@@ -356,6 +455,9 @@ class ArenaRegion:
         Byte offset inside the arena buffer (multiple of 256).
     data : torch.Tensor
         ``[num_blocks, num_layers, 2, block_tokens, H_kv, D]`` view of the arena.
+    scales : torch.Tensor or None
+        fp8 with per-token scales: ``[num_blocks, num_layers, 2, block_tokens, H_kv]`` fp32
+        view of the region's scale section (after all blocks' K/V); else None.
     allocator : BlockAllocator
     """
 
@@ -368,13 +470,34 @@ class ArenaRegion:
         self.offset = offset
         self.nbytes = self.num_blocks * self.block_bytes
         lay = spec.layout
-        raw = buffer[offset : offset + self.nbytes]
-        self.data = raw.view(lay.dtype).view(
-            self.num_blocks, lay.num_layers, 2, self.block_tokens, lay.num_kv_heads, lay.head_dim
-        )
+        nb, st, h = self.num_blocks, self.block_tokens, lay.num_kv_heads
+        # fp8 with per-token scales: the region is [all blocks' K/V | all blocks' scales], so
+        # the K/V section keeps the float layout's contiguous block shape (slab page views,
+        # block strides) and the scales are a second array indexed by the same block id.
+        data_bytes = nb * lay.num_layers * 2 * st * h * lay.head_dim * lay.element_size
+        raw = buffer[offset : offset + data_bytes]
+        self.data = raw.view(lay.dtype).view(nb, lay.num_layers, 2, st, h, lay.head_dim)
         # Per-layer views are made once: forward() runs per layer and should not re-slice.
         self._k = [self.data[:, layer, 0] for layer in range(lay.num_layers)]
         self._v = [self.data[:, layer, 1] for layer in range(lay.num_layers)]
+        self.scales = None
+        self._ks = self._vs = [None] * lay.num_layers
+        if lay.token_scales:
+            sraw = buffer[offset + data_bytes : offset + self.nbytes]
+            self.scales = sraw.view(torch.float32).view(nb, lay.num_layers, 2, st, h)
+            self._ks = [self.scales[:, layer, 0] for layer in range(lay.num_layers)]
+            self._vs = [self.scales[:, layer, 1] for layer in range(lay.num_layers)]
+        elif lay.is_fp8:
+            # Static scales: a [L, 2] fp32 device tensor beside the arena (not per block).
+            static = torch.tensor(lay.scales, dtype=torch.float32, device=buffer.device)
+            self._ks = [static[layer, 0] for layer in range(lay.num_layers)]
+            self._vs = [static[layer, 1] for layer in range(lay.num_layers)]
+        # What the pools hand the ops: fp8 bytes and per-token scales as uint8 views, so a
+        # compiled graph never sees two dtypes of views of the one arena buffer.
+        self._op = [(self._k[i], self._v[i], None) for i in range(lay.num_layers)]
+        if lay.is_fp8:
+            self._op = [(as_bytes(self._k[i]), as_bytes(self._v[i]), (as_bytes(self._ks[i]), as_bytes(self._vs[i])))
+                        for i in range(lay.num_layers)]
         self.allocator = BlockAllocator(self.num_blocks)
 
     def _layer(self, layer) -> int:
@@ -393,6 +516,32 @@ class ArenaRegion:
     def v(self, layer: int) -> torch.Tensor:
         """Values of ``layer``: strided view ``[num_blocks, block_tokens, H_kv, D]``."""
         return self._v[self._layer(layer)]
+
+    def kv_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """fp8 scales of ``layer``'s K and V, or None for a float layout.
+
+        Per-token scales: fp32 views ``[num_blocks, block_tokens, H_kv]`` of the arena
+        (block ids as for :meth:`k`). Static scales: 0-dim fp32 tensors.
+        """
+        layer = self._layer(layer)
+        ks = self._ks[layer]
+        return None if ks is None else (ks, self._vs[layer])
+
+    def op_views(self, layer: int):
+        """``(k, v, kv_scales)`` of ``layer`` as the pools pass them to the ops (trusted index).
+
+        Float layouts: :meth:`k`, :meth:`v` and None. fp8: the same memory as uint8 views
+        (per-token scales ``[num_blocks, block_tokens, H_kv * 4]``; static ones 0-dim fp32),
+        which ``kvarena.attention.ops`` views back.
+        """
+        return self._op[layer]
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole blocks ``src[i] -> dst[i]`` (int64 device tensors): K/V and scales."""
+        data = self.data.view(torch.uint8) if self.layout.is_fp8 else self.data  # no fp8 index_copy_ on CPU
+        data.index_copy_(0, dst, data.index_select(0, src))
+        if self.scales is not None:
+            self.scales.index_copy_(0, dst, self.scales.index_select(0, src))
 
     @property
     def reserved_bytes(self) -> int:

@@ -558,8 +558,7 @@ class PagedKVCache(KVPoolBase):
             if copies_src and self._region is not None:
                 src = upload(copies_src, torch.int64, self.device)
                 dst = upload(copies_dst, torch.int64, self.device)
-                data = self._region.data
-                data.index_copy_(0, dst, data.index_select(0, src))
+                self._region.copy_blocks(src, dst)
             self._flush()
             # 3. Metadata.
             return self._build_meta(items, old_lens, max_blocks, graph, pad_to)
@@ -767,12 +766,12 @@ class PagedKVCache(KVPoolBase):
             # The differentiable paths read each query row's own k/v at its position, which
             # for a padding row is a real older token's.
             raise ValueError("meta: a padded plan (pad_to) gives no gradient to k/v; plan the real tokens packed")
-        kc, vc = region.k(layer), region.v(layer)
-        store(k, v, kc, vc, meta.slot_mapping, store_backend)
+        kc, vc, scales = region.op_views(layer)
+        store(k, v, kc, vc, meta.slot_mapping, store_backend, scales)
         return attend(
             q, kc, vc, meta.block_table, meta.seq_lens, meta.cu_seqlens_q, None, spec=spec,
             max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, backend=attn_backend,
-            new_kv=(k, v) if kv_grad else None,
+            new_kv=(k, v) if kv_grad else None, kv_scales=scales,
         )
 
     def __repr__(self) -> str:

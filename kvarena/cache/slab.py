@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from kvarena.attention.ops import attend, attend_history_and_own, resolve_backend, store
+from kvarena.attention.reference import dequantize_fp8, fp8_row_scales, quantize_fp8
 from kvarena.attention.spec import INT_LIMIT, AttentionSpec, check_bool
 from kvarena.cache._meta import (
     StaleMetadataError,
@@ -47,7 +48,7 @@ from kvarena.cache._meta import (
     upload,
 )
 from kvarena.cache._pool import KVPoolBase
-from kvarena.cache.arena import ArenaRegion, CacheFullError, KVArena, KVLayout, _check_int
+from kvarena.cache.arena import ArenaRegion, CacheFullError, KVArena, KVLayout, _check_int, as_bytes
 
 __all__ = ["Slab", "SlabKVCache", "SlabMetadata", "SlabSnapshot"]
 
@@ -862,7 +863,7 @@ class SlabKVCache(KVPoolBase):
             _history=tuple(history.items()),
         )
 
-    def _pages_of(self, layer: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pages_of(self, layer: int, g: int):
         """Layer ``layer``'s K and V as pages of ``g`` rows (a divisor of ``slab_tokens``).
 
         ``g = slab_tokens``: the region's own per-layer views (page id = slot). Smaller:
@@ -870,18 +871,29 @@ class SlabKVCache(KVPoolBase):
         ``slot * (2 * num_layers * slab_tokens / g) + i`` is rows ``i*g .. i*g+g-1`` of
         ``slot``'s slab at this layer; pages between two slabs' layer rows belong to other
         layers and are never listed. No byte moves; pages never overlap. Made once per
-        (layer, g).
+        (layer, g). Returns ``(k, v, kv_scales)``: fp8 per-token scales get the same page
+        views of the region's scale section (None for a float layout).
         """
+        region = self._region
         if g == self.slab_tokens:
-            return self._region.k(layer), self._region.v(layer)
+            return region.op_views(layer)
         views = self._page_views.get((layer, g))
         if views is None:
-            data = self._region.data  # [slots, L, 2, st, H, D], contiguous
             st, h, d = self.slab_tokens, self.layout.num_kv_heads, self.layout.head_dim
             n_pages = (self.num_slots - 1) * (2 * self.layout.num_layers * st // g) + st // g
-            size, stride = (n_pages, g, h, d), (g * h * d, h * d, d, 1)
-            base = data.storage_offset() + layer * 2 * st * h * d
-            views = (data.as_strided(size, stride, base), data.as_strided(size, stride, base + st * h * d))
+
+            def pages(t, e):  # t: [slots, L, 2, st, H(, D)] contiguous; e elements per (token, head)
+                size, stride = (n_pages, g, h, e)[: t.dim() - 2], (g * h * e, h * e, e, 1)[: t.dim() - 2]
+                base = t.storage_offset() + layer * 2 * st * h * e
+                return t.as_strided(size, stride, base), t.as_strided(size, stride, base + st * h * e)
+
+            k, v = pages(region.data, d)
+            scales = region.op_views(layer)[2]
+            if self.layout.is_fp8:  # as the ops take them (region.op_views): uint8 views
+                k, v = as_bytes(k), as_bytes(v)
+                if region.scales is not None:
+                    scales = tuple(as_bytes(x) for x in pages(region.scales, 1))
+            views = (k, v, scales)
             self._page_views[(layer, g)] = views
         return views
 
@@ -1002,18 +1014,18 @@ class SlabKVCache(KVPoolBase):
                     f"never committed at layer {layer} (run forward(..., commit=True) for it)"
                 )
         op_spec, op_spec_lse = _op_specs(spec) if options else self._op_pairs[layer]
-        kc, vc = region.k(layer), region.v(layer)
-        kp, vp = self._pages_of(layer, meta.page_tokens)
+        kc, vc, store_scales = region.op_views(layer)
+        kp, vp, scales = self._pages_of(layer, meta.page_tokens)
         qf = q.reshape(b * t, h_q, d)
         kf, vf = k.reshape(b * t, h_kv, d), v.reshape(b * t, h_kv, d)
         multi = meta.num_chunks != b
         if multi and (kv_grad or (torch.is_grad_enabled() and q.requires_grad)):
             # Each chunk of a run sees part of the others through the given k/v read as a
             # paged cache: gradients to a cache tensor are the torch path's.
-            attn_backend = resolve_backend(spec.backend, self.device, self.layout.dtype, True,
+            attn_backend = resolve_backend(spec.backend, self.device, self.layout.input_dtype, True,
                                            "k/v of a multi-chunk step")
         if commit:
-            store(kf, vf, kc, vc, meta.slot_mapping, store_backend)
+            store(kf, vf, kc, vc, meta.slot_mapping, store_backend, store_scales)
             for ch in meta._current:  # host-only bookkeeping: single stores, no lock, traceable
                 ch.committed[layer] = True
         if commit and not (multi and kv_grad):
@@ -1021,6 +1033,7 @@ class SlabKVCache(KVPoolBase):
                 qf, kp, vp, meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
                 meta.kv_start if meta.has_kv_start else None, spec=op_spec, max_seqlen_q=meta.max_seqlen_q,
                 max_seqlen_k=meta.max_seqlen_k, backend=attn_backend, new_kv=(kf, vf) if kv_grad else None,
+                kv_scales=scales,
             )
             out, lse = res if spec.return_lse else (res, None)
         else:
@@ -1037,7 +1050,8 @@ class SlabKVCache(KVPoolBase):
             out, lse = attend_history_and_own(
                 qf, kp, vp, meta.hist_block_table, meta.hist_seq_lens, meta.cu_seqlens_q, hist_kv_start, (kd, vd),
                 own_table=meta.dense_block_table, own_lens=meta.dense_seq_lens, spec=op_spec, spec_lse=op_spec_lse,
-                max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.hist_max_seqlen_k, backend=attn_backend, **paged,
+                max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.hist_max_seqlen_k, backend=attn_backend,
+                kv_scales=scales, **paged,
             )
         out = out.reshape(b, t, h_q, d)
         return (out, lse.reshape(b, t, h_q)) if spec.return_lse else out
@@ -1080,7 +1094,8 @@ class SlabKVCache(KVPoolBase):
                 lay = self.layout
                 shape = (lay.num_layers, t, lay.num_kv_heads, lay.head_dim)
                 for name, x in (("slab.k", k), ("slab.v", v)):
-                    check_forward_tensor(name, x, shape, lay.dtype, self.device, "[num_layers, T, H_kv, D] of the layout")
+                    check_forward_tensor(name, x, shape, lay.input_dtype, self.device,
+                                         "[num_layers, T, H_kv, D] of the layout")
                 rows, _t = self._reserve({namespace: (_check_int("slab.chunk_index", slab.chunk_index, 0), t)})
             except BaseException:
                 if fresh:  # a failed first append leaves the pool as it was: no arena
@@ -1090,10 +1105,20 @@ class SlabKVCache(KVPoolBase):
                 raise
             ch = rows[0][2][0]
             st = self.slab_tokens
-            data = self._region.data[ch.slot]  # [L, 2, st, H, D]
+            region = self._region
+            data = region.data[ch.slot]  # [L, 2, st, H, D]
             with torch.no_grad():
-                data[:, 0, st - t :].copy_(k)
-                data[:, 1, st - t :].copy_(v)
+                for j, x in ((0, k), (1, v)):
+                    if lay.is_fp8:
+                        # The store's quantization rule (bit-equal to the kernels'), all layers at once.
+                        if region.scales is not None:
+                            sc = fp8_row_scales(x)  # [L, t, H]
+                            region.scales[ch.slot, :, j, st - t :].copy_(sc)
+                        else:
+                            sc = torch.stack([region.kv_scales(i)[j] for i in range(lay.num_layers)])
+                            sc = sc[:, None, None].expand(x.shape[:3])
+                        x = quantize_fp8(x, sc)
+                    data[:, j, st - t :].copy_(x)
             ch.committed = [True] * lay.num_layers
 
     def get(self, namespace: Hashable) -> list[Slab]:
@@ -1103,20 +1128,29 @@ class SlabKVCache(KVPoolBase):
         -------
         list of Slab
             Sinks, then the oldest to the newest chunk; ``k, v [num_layers, n, H_kv, D]``
-            are views into the arena of the chunk's ``n`` real tokens. ``[]`` for an
-            unknown namespace.
+            are views into the arena of the chunk's ``n`` real tokens (fp8 layouts:
+            dequantized copies in the layout's ``input_dtype``). ``[]`` for an unknown
+            namespace.
         """
         with self._lock:
             r = self._rollouts.get(namespace)
             if r is None or self._region is None:
                 return []
             st = self.slab_tokens
-            data = self._region.data
-            return [
-                Slab(i, data[ch.slot, :, 0, st - ch.n_tokens :], data[ch.slot, :, 1, st - ch.n_tokens :])
-                for i, ch in r.chunks.items()
-                if all(ch.committed)
-            ]
+            region = self._region
+
+            def read(ch, j):  # [L, n, H, D] of K (j = 0) or V (j = 1)
+                x = region.data[ch.slot, :, j, st - ch.n_tokens :]
+                if not self.layout.is_fp8:
+                    return x
+                if region.scales is not None:
+                    sc = region.scales[ch.slot, :, j, st - ch.n_tokens :]
+                else:
+                    sc = torch.stack([region.kv_scales(i)[j] for i in range(self.layout.num_layers)])
+                    sc = sc[:, None, None].expand(x.shape[:3])
+                return dequantize_fp8(x, sc, self.layout.input_dtype)
+
+            return [Slab(i, read(ch, 0), read(ch, 1)) for i, ch in r.chunks.items() if all(ch.committed)]
 
     def clear_namespace(self, namespace: Hashable) -> None:
         """Free every slab of ``namespace`` (unknown: no-op)."""

@@ -42,6 +42,7 @@ from kvarena.kernels._common import (
     head_dim_pad,
     interpreting,
 )
+from kvarena.kernels.fp8 import _fp8e4m3_decode
 from kvarena.kernels.occupancy import ctas_per_sm
 
 # ----------------------------------------------------------------------------- constants
@@ -80,9 +81,13 @@ def _tanh(x):
 
 
 @triton.jit
-def _scores(q, kt, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP: tl.constexpr):
+def _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP: tl.constexpr, FP8: tl.constexpr):
     # [BLOCK_M, BLOCK_N] fp32 scores in the exp2 domain (fp32 inputs: full IEEE dots).
     s = tl.dot(q, kt, input_precision="ieee")
+    if FP8:
+        # fp8 keys: the dot ran on the decoded bytes (value / 256, exact in q's dtype); the
+        # per-key scale (times 256) multiplies the fp32 score column, not the key tile.
+        s = s * kcol[None, :]
     if HAS_SOFTCAP:
         s = softcap_log2 * _tanh(s * softcap_inv)
     else:
@@ -91,7 +96,7 @@ def _scores(q, kt, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP: tl.conste
 
 
 @triton.jit
-def _softmax_step(s, v, m_i, l_i, acc, bad_w, GUARD: tl.constexpr, guard_now):
+def _softmax_step(s, v, vcol, m_i, l_i, acc, bad_w, GUARD: tl.constexpr, guard_now, FP8: tl.constexpr):
     """One online-softmax step over masked scores ``s`` and values ``v``.
 
     ``GUARD`` (constexpr) and ``guard_now`` (this tile is a boundary tile): a key invisible to a row has pr = 0 there, but 0 * NaN (or inf) in the
@@ -110,19 +115,29 @@ def _softmax_step(s, v, m_i, l_i, acc, bad_w, GUARD: tl.constexpr, guard_now):
     if GUARD and guard_now:
         v_ok = tl.abs(v) < float("inf")  # [BLOCK_N, HEAD_DIM_PAD]; False for NaN
         key_bad = tl.max(tl.where(v_ok, 0.0, 1.0), 1)  # [BLOCK_N]
+        if FP8:
+            # A non-finite V scale (a NaN row, or a poisoned slot loaded for the tile) too.
+            vcol_ok = tl.abs(vcol) < float("inf")
+            key_bad = tl.maximum(key_bad, tl.where(vcol_ok, 0.0, 1.0))
+            vcol = tl.where(vcol_ok, vcol, 0.0)
         bad_w += tl.sum(pr * key_bad[None, :], 1)
         v = tl.where(v_ok, v, 0.0)
-    acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
+    if FP8:
+        # fp8 values: the per-key V scale (times 256) goes on P's columns, in fp32, before P
+        # is rounded to the dot's input dtype (as P alone is without fp8).
+        acc = acc * alpha[:, None] + tl.dot((pr * vcol[None, :]).to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
     return m_new, l_i, acc, bad_w
 
 
 @triton.jit
 def _block_tiles(
-    q, k_blk, v_blk, blk_start, j_lo, n_tiles, gap_at, gap_len, m_i, l_i, acc, bad_w,
+    q, k_blk, v_blk, ks_blk, vs_blk, blk_start, j_lo, n_tiles, gap_at, gap_len, m_i, l_i, acc, bad_w,
     key_lo, key_hi, row_hi, row_lo, sink_tokens,
-    stride_kt, stride_vt, scale_log2, softcap_inv, softcap_log2,
+    stride_kt, stride_vt, stride_kst, stride_vst, scale_log2, softcap_inv, softcap_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    GUARD: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+    GUARD: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr,
 ):
     """``n_tiles`` key tiles of one large block from tile ``j_lo``, at rows ``j * BLOCK_N``.
 
@@ -148,9 +163,19 @@ def _block_tiles(
             kt = tl.load(k_blk + rel[None, :] * stride_kt + d[:, None])
         else:
             kt = tl.load(k_blk + rel[None, :] * stride_kt + d[:, None], mask=d_ok[:, None], other=0.0)
-        if UPCAST:
+        kcol = scale_log2  # unused without FP8
+        vcol = scale_log2
+        if FP8:
+            kt = _fp8e4m3_decode(kt).to(q.dtype)
+            if MASKED:
+                kcol = tl.load(ks_blk + rel * stride_kst, mask=key_ok, other=0.0) * 256.0  # [BLOCK_N]
+                vcol = tl.load(vs_blk + rel * stride_vst, mask=key_ok, other=0.0) * 256.0
+            else:
+                kcol = tl.load(ks_blk + rel * stride_kst) * 256.0
+                vcol = tl.load(vs_blk + rel * stride_vst) * 256.0
+        elif UPCAST:
             kt = kt.to(tl.float32)
-        s = _scores(q, kt, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP)
+        s = _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, FP8)
         if MASKED:
             vis = key_ok[None, :] & (t[None, :] < row_hi[:, None])
             vis = vis & ((t[None, :] >= row_lo[:, None]) | (t[None, :] < sink_tokens))
@@ -160,9 +185,11 @@ def _block_tiles(
             v = tl.load(v_blk + rel[:, None] * stride_vt + d[None, :])
         else:
             v = tl.load(v_blk + rel[:, None] * stride_vt + d[None, :], mask=d_ok[None, :], other=0.0)
-        if UPCAST:
+        if FP8:
+            v = _fp8e4m3_decode(v).to(q.dtype)
+        elif UPCAST:
             v = v.to(tl.float32)
-        m_i, l_i, acc, bad_w = _softmax_step(s, v, m_i, l_i, acc, bad_w, GUARD and MASKED, True)
+        m_i, l_i, acc, bad_w = _softmax_step(s, v, vcol, m_i, l_i, acc, bad_w, GUARD and MASKED, True, FP8)
     return m_i, l_i, acc, bad_w
 
 
@@ -182,10 +209,12 @@ def _range_tiles(a, b, block_size, BLOCK_N: tl.constexpr):
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     block_table_ptr, seq_lens_ptr, cu_q_ptr, kv_start_ptr,
-    k2_ptr, v2_ptr, sink_ptr,
+    k2_ptr, v2_ptr, sink_ptr, ks_ptr, vs_ptr,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
+    stride_ksb, stride_kst, stride_ksh,
+    stride_vsb, stride_vst, stride_vsh,
     stride_k2b, stride_k2t, stride_k2h,
     stride_v2b, stride_v2t, stride_v2h,
     stride_os, stride_ot, stride_oh, stride_od,
@@ -210,6 +239,7 @@ def _paged_attn_kernel(
     LARGE_BLOCKS: tl.constexpr,
     OWN_KV: tl.constexpr,
     HAS_SINK_LOGITS: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split_id = tl.program_id(1)
@@ -304,6 +334,9 @@ def _paged_attn_kernel(
     bt_row = block_table_ptr + b.to(tl.int64) * stride_bt
     k_head = k_ptr + kvh.to(tl.int64) * stride_kh
     v_head = v_ptr + kvh.to(tl.int64) * stride_vh
+    # fp8 caches: per-key scales at [block, row, head] (all strides 0 for a static scale).
+    ks_head = ks_ptr + kvh.to(tl.int64) * stride_ksh
+    vs_head = vs_ptr + kvh.to(tl.int64) * stride_vsh
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -338,6 +371,8 @@ def _paged_attn_kernel(
                     bid = tl.load(bt_row + blk).to(tl.int64)
                     k_blk = k_head + bid * stride_kb
                     v_blk = v_head + bid * stride_vb
+                    ks_blk = ks_head + bid * stride_ksb
+                    vs_blk = vs_head + bid * stride_vsb
                     # Interior tiles: [fast_lo, min(fast_hi, block end)) in whole tiles.
                     f_lo = tl.cdiv(tl.maximum(fast_lo - bs0, 0), BLOCK_N)
                     f_hi = tl.maximum(tl.minimum(fast_hi, bs0 + block_size) - bs0, 0) // BLOCK_N
@@ -346,15 +381,15 @@ def _paged_attn_kernel(
                     key_hi = tl.minimum(r_hi, bs0 + block_size)
                     # Boundary tiles [ja, f_a) and [f_b, jb), then the interior run [f_a, f_b).
                     m_i, l_i, acc, bad_w = _block_tiles(
-                        q, k_blk, v_blk, bs0, ja, (f_a - ja) + (jb - f_b), f_a, f_b - f_a, m_i, l_i, acc,
-                        bad_w, r_lo, key_hi, row_hi, row_lo, sink_tokens, stride_kt, stride_vt,
-                        scale_log2, softcap_inv, softcap_log2,
-                        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST)
+                        q, k_blk, v_blk, ks_blk, vs_blk, bs0, ja, (f_a - ja) + (jb - f_b), f_a, f_b - f_a, m_i,
+                        l_i, acc, bad_w, r_lo, key_hi, row_hi, row_lo, sink_tokens, stride_kt, stride_vt,
+                        stride_kst, stride_vst, scale_log2, softcap_inv, softcap_log2,
+                        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, KV_FP8)
                     m_i, l_i, acc, bad_w = _block_tiles(
-                        q, k_blk, v_blk, bs0, f_a, f_b - f_a, 0, 0, m_i, l_i, acc,
+                        q, k_blk, v_blk, ks_blk, vs_blk, bs0, f_a, f_b - f_a, 0, 0, m_i, l_i, acc,
                         bad_w, r_lo, key_hi, row_hi, row_lo, sink_tokens, stride_kt, stride_vt,
-                        scale_log2, softcap_inv, softcap_log2,
-                        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST)
+                        stride_kst, stride_vst, scale_log2, softcap_inv, softcap_log2,
+                        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, KV_FP8)
         if OWN_KV:
             # Same online softmax, second key source: full tiles unmasked, the last partial
             # tile masked to own_len rows (cum == tiles of the history here).
@@ -366,16 +401,17 @@ def _paged_attn_kernel(
                 f_b = tl.minimum(tl.maximum(own_len // BLOCK_N, ja), jb)
                 all_rows_hi = tl.zeros_like(row_hi) + own_len
                 no_lo = tl.zeros_like(row_lo) - 1
+                # The own keys are given in q's dtype (never fp8).
                 m_i, l_i, acc, bad_w = _block_tiles(
-                    q, k_blk, v_blk, 0, ja, f_b - ja, 0, 0, m_i, l_i, acc,
-                    bad_w, 0, own_len, all_rows_hi, no_lo, 0, stride_k2t, stride_v2t,
+                    q, k_blk, v_blk, k_blk, v_blk, 0, ja, f_b - ja, 0, 0, m_i, l_i, acc,
+                    bad_w, 0, own_len, all_rows_hi, no_lo, 0, stride_k2t, stride_v2t, 0, 0,
                     scale_log2, softcap_inv, softcap_log2,
-                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST)
+                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, False)
                 m_i, l_i, acc, bad_w = _block_tiles(
-                    q, k_blk, v_blk, 0, f_b, jb - f_b, jb, 0, m_i, l_i, acc,
-                    bad_w, 0, own_len, all_rows_hi, no_lo, 0, stride_k2t, stride_v2t,
+                    q, k_blk, v_blk, k_blk, v_blk, 0, f_b, jb - f_b, jb, 0, m_i, l_i, acc,
+                    bad_w, 0, own_len, all_rows_hi, no_lo, 0, stride_k2t, stride_v2t, 0, 0,
                     scale_log2, softcap_inv, softcap_log2,
-                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST)
+                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, False)
     else:
         for i in range(i_begin, i_end):
             in_sink = i < n_sink
@@ -397,9 +433,15 @@ def _paged_attn_kernel(
             k_off = blk * stride_kb + row_in_blk * stride_kt  # [BLOCK_N] int64
             v_off = blk * stride_vb + row_in_blk * stride_vt
             kt = tl.load(k_head + k_off[None, :] + d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
-            if UPCAST:
+            kcol = scale_log2  # unused without KV_FP8
+            vcol = scale_log2
+            if KV_FP8:
+                kt = _fp8e4m3_decode(kt).to(q.dtype)
+                kcol = tl.load(ks_head + blk * stride_ksb + row_in_blk * stride_kst, mask=key_ok, other=0.0) * 256.0
+                vcol = tl.load(vs_head + blk * stride_vsb + row_in_blk * stride_vst, mask=key_ok, other=0.0) * 256.0
+            elif UPCAST:
                 kt = kt.to(tl.float32)
-            s = _scores(q, kt, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP)
+            s = _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, KV_FP8)
             # Interior tiles (every key visible to every row) skip the per-element mask: at
             # 128 x 64 it is ~8 integer ops per score, as many issue slots as the exp2/max/sum.
             t_end = t0 + BLOCK_N
@@ -410,9 +452,11 @@ def _paged_attn_kernel(
                 vis = vis & ((t[None, :] >= row_lo[:, None]) | (t[None, :] < sink_tokens))
                 s = tl.where(vis, s, float("-inf"))
             v = tl.load(v_head + v_off[:, None] + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
-            if UPCAST:
+            if KV_FP8:
+                v = _fp8e4m3_decode(v).to(q.dtype)
+            elif UPCAST:
                 v = v.to(tl.float32)
-            m_i, l_i, acc, bad_w = _softmax_step(s, v, m_i, l_i, acc, bad_w, GUARD_NONFINITE, not interior)
+            m_i, l_i, acc, bad_w = _softmax_step(s, v, vcol, m_i, l_i, acc, bad_w, GUARD_NONFINITE, not interior, KV_FP8)
 
     # ---- epilogue: rows that saw no key give 0 and lse = -inf
     if HAS_SINK_LOGITS and not SPLIT:
@@ -633,7 +677,7 @@ def _pick_num_splits(programs: int, max_seqlen_k: int, sm_count: int, ctas: int 
 def _attn_constexprs(cfg: dict, group: int, head_dim: int, *, causal: bool, has_kv_start: bool,
                      write_lse: bool, split: bool, upcast: bool, guard: bool, softcap: bool,
                      block_size: int, elem_bytes: int, large_ok: bool = True, own_kv: bool = False,
-                     sink_logits: bool = False) -> dict:
+                     sink_logits: bool = False, kv_fp8: bool = False) -> dict:
     """The constexpr arguments of ``_paged_attn_kernel`` (shared with ``kvarena check``).
 
     The block layout is specialized three ways: blocks of at least ``BLOCK_N`` rows
@@ -646,7 +690,7 @@ def _attn_constexprs(cfg: dict, group: int, head_dim: int, *, causal: bool, has_
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, HAS_KV_START=has_kv_start, WRITE_LSE=write_lse,
         SPLIT=split, UPCAST=upcast, GUARD_NONFINITE=guard, HAS_SOFTCAP=softcap, PAGE_SIZE=page,
-        LARGE_BLOCKS=large, OWN_KV=own_kv and large, HAS_SINK_LOGITS=sink_logits,
+        LARGE_BLOCKS=large, OWN_KV=own_kv and large, HAS_SINK_LOGITS=sink_logits, KV_FP8=kv_fp8,
     )
 
 
@@ -762,7 +806,7 @@ def plan_launch(*, head_dim: int, group: int, elem_bytes: int, num_seqs: int, nu
 
 def paged_attention_fwd(
     q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse, *,
-    spec, max_seqlen_q, max_seqlen_k, own_kv=None,
+    spec, max_seqlen_q, max_seqlen_k, own_kv=None, kv_scales=None,
 ) -> bool:
     """Launch block-table attention; writes ``out`` and (if not None) ``lse`` in place.
 
@@ -774,6 +818,11 @@ def paged_attention_fwd(
     sequence's cached ones that every query sees (a denoising step's own k/v), attended in
     the same launch and the same online softmax. Returns False, launching nothing, when
     this launch cannot take them (see :func:`plan_launch`); True otherwise.
+
+    ``kv_scales = (k_scale, v_scale)``: the caches are float8_e4m3fn, with per-key scales
+    ``[num_blocks, block_size, H_kv]`` fp32 (any strides) or 0-dim static ones; the kernel
+    decodes the bytes in registers and applies the scales to the score / probability
+    columns in fp32. The tile config is the one of q's dtype.
 
     ``spec.num_splits``: split-KV count (None = ``_pick_num_splits``; 1 = never split).
     ``spec.deterministic``: the tile config ignores ``max_seqlen_q`` and each split covers a
@@ -828,7 +877,7 @@ def paged_attention_fwd(
                             write_lse=write_lse, split=split, upcast=upcast,
                             guard=guard, softcap=bool(softcap), block_size=block_size,
                             elem_bytes=q.element_size(), large_ok=large_ok, own_kv=plan.own_kv,
-                            sink_logits=spec.sink_logits is not None)
+                            sink_logits=spec.sink_logits is not None, kv_fp8=kv_scales is not None)
     sink_arg = spec.sink_logits if spec.sink_logits is not None else seq_lens  # else never read
     # 1-D metadata is read with unit stride; .contiguous() is free when it already is.
     seq_lens, cu_seqlens_q = seq_lens.contiguous(), cu_seqlens_q.contiguous()
@@ -859,15 +908,22 @@ def paged_attention_fwd(
         l_strides = (0, lse_k.stride(0), lse_k.stride(1)) if lse_k is not None else (0, 0, 0)
 
     grid = (programs, num_splits)
+    ks, vs, sc_strides = k_cache, v_cache, (0,) * 6  # never read without KV_FP8
+    if kv_scales is not None:
+        ks, vs = kv_scales
+        if ks.dim():
+            sc_strides = (*ks.stride(), *vs.stride())
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k2, v2 = own_kv if plan.own_kv else (k_cache, v_cache)  # never read without OWN_KV
     own_strides = (*k2.stride()[-4:-1], *v2.stride()[-4:-1]) if plan.own_kv else (0,) * 6
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, o_arg, lse_arg,
         block_table, seq_lens, cu_seqlens_q, kv_start_arg,
-        k2, v2, sink_arg,
+        k2, v2, sink_arg, ks, vs,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *sc_strides,
         *own_strides,
         *o_strides, *l_strides,
         block_table.stride(0),

@@ -5,28 +5,62 @@ moves several tokens' heads at once whatever H_kv is (decode writes B x H_kv row
 elements: at B = 8, H_kv = 8, D = 128 that is 64 rows, a couple of programs). A slot < 0
 masks its row's loads and stores, so padded tokens of a CUDA-graph batch touch nothing.
 All cache offsets are int64: ``block * stride`` passes 2**31 in an arena of a few GiB.
+
+fp8 caches (``QUANT``): 1 = per-(token, kv head) scales, computed here from the row's
+amax (``max(amax * fp32(1/448), 2**-126)``, NaN for a row holding a NaN) and stored beside
+the bytes; 2 = one static scale read from a 0-dim tensor. Values are divided by the scale
+(IEEE division) and rounded by ``kernels.fp8``'s explicit helper, bit-equal to torch's
+cast of the clamped quotient.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from kvarena.kernels._common import row_tile
+from kvarena.kernels.fp8 import _fp8e4m3_bits
+
+# ----------------------------------------------------------------------------- constants
+
+# What a store does to the values (QUANT): copy them, or quantize to fp8 with per-(token,
+# kv head) scales computed here, or with one static scale. The scale rule's constants
+# (fp32(1/448), 2**-126) are kvarena.attention.reference's, so both paths store equal bytes.
+QUANT_NONE, QUANT_TOKEN, QUANT_STATIC = 0, 1, 2
 
 # ----------------------------------------------------------------------------- kernels
 
 
 @triton.jit
+def _quantize_rows(x, live, sc_ptr, sc_off, QUANT: tl.constexpr):
+    """fp8 bytes of rows ``x [BLOCK_R, HEAD_DIM_PAD]`` (padding columns hold 0)."""
+    x = x.to(tl.float32)
+    if QUANT == 1:
+        nan = x != x
+        amax = tl.max(tl.where(nan, 0.0, tl.abs(x)), 1)  # [BLOCK_R]
+        scale = tl.maximum(amax * 0.002232142857142857, 1.1754943508222875e-38)  # fp32(1/448), 2**-126
+        scale = tl.where(tl.max(nan.to(tl.int32), 1) > 0, float("nan"), scale)
+        tl.store(sc_ptr + sc_off, scale, mask=live)
+        y = tl.fdiv(x, scale[:, None], ieee_rounding=True)
+    else:
+        y = tl.fdiv(x, tl.load(sc_ptr), ieee_rounding=True)
+    return _fp8e4m3_bits(y)
+
+
+@triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ks_ptr, vs_ptr,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_cb, stride_ct, stride_ch,
     stride_db, stride_dt, stride_dh,
+    stride_sb, stride_st, stride_sh,
+    stride_wb, stride_wt, stride_wh,
     n_rows, num_heads, block_size,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     r_ok = r < n_rows
@@ -44,6 +78,10 @@ def _store_kv_kernel(
     v = tl.load(v_ptr + (tok64 * stride_vn + head * stride_vh)[:, None] + d[None, :], mask=mask)
     k_dst = blk * stride_cb + row * stride_ct + head * stride_ch  # [BLOCK_R] int64
     v_dst = blk * stride_db + row * stride_dt + head * stride_dh
+    if QUANT != 0:
+        # [BLOCK_R] offsets of the rows' K and V scales (read-only when static).
+        k = _quantize_rows(k, live, ks_ptr, blk * stride_sb + row * stride_st + head * stride_sh, QUANT)
+        v = _quantize_rows(v, live, vs_ptr, blk * stride_wb + row * stride_wt + head * stride_wh, QUANT)
     tl.store(k_cache_ptr + k_dst[:, None] + d[None, :], k, mask=mask)
     tl.store(v_cache_ptr + v_dst[:, None] + d[None, :], v, mask=mask)
 
@@ -56,21 +94,34 @@ def _pick_config(head_dim: int) -> dict:
     return row_tile(head_dim)
 
 
-def store_kv_fwd(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Write ``k, v [N, H_kv, D]`` into the caches at ``slot_mapping`` (validated by ops)."""
+def store_kv_fwd(k, v, k_cache, v_cache, slot_mapping, kv_scales=None) -> None:
+    """Write ``k, v [N, H_kv, D]`` into the caches at ``slot_mapping`` (validated by ops).
+
+    ``kv_scales = (k_scale, v_scale)`` for fp8 caches: ``[num_blocks, block_size, H_kv]``
+    fp32 (written) or 0-dim static scales (read).
+    """
     n, h_kv, head_dim = k.shape
     if n == 0 or h_kv == 0:
         return
     cfg = _pick_config(head_dim)
+    quant, ks, vs = QUANT_NONE, k_cache, v_cache  # the scale pointers are never read without QUANT
+    sk = sv = (0, 0, 0)
+    if kv_scales is not None:
+        ks, vs = kv_scales
+        quant = QUANT_TOKEN if ks.dim() else QUANT_STATIC
+        if quant == QUANT_TOKEN:
+            sk, sv = ks.stride(), vs.stride()
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     slots = slot_mapping.contiguous()  # read with unit stride; free when already contiguous
     n_rows = n * h_kv
     grid = (triton.cdiv(n_rows, cfg["BLOCK_R"]),)
     _store_kv_kernel[grid](
-        k, v, k_cache, v_cache, slots,
+        k, v, k_cache, v_cache, slots, ks, vs,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *sk, *sv,
         n_rows, h_kv, k_cache.shape[1],
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_R=cfg["BLOCK_R"],
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_R=cfg["BLOCK_R"], QUANT=quant,
         num_warps=cfg["num_warps"],
     )
