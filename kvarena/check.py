@@ -57,6 +57,10 @@ _FLAG_NAMES = ("causal", "kv_start", "lse", "softcap")
 # Slab cases also compiled as a denoising step launches them: the cached history and the
 # step's own k/v as two key sources of one launch (commit=False).
 OWN_KV_CASES = ("chunk MAGI 24q/8kv", "chunk Wan split")
+# Cases also compiled with a float8_e4m3fn cache (bytes decoded in registers, per-key fp32
+# scales on the score and probability columns): decode (paged), prefill through the guarded
+# page path, and a slab chunk on the large-block path with the step's own k/v (never fp8).
+FP8_CASES = ("decode 32q/8kv split", "prefill 32q/8kv page48", "chunk Wan split")
 # The contract's workloads for --perf (sinks 1 + window 3 for slab chunks): the launch
 # plan each gets, its grid and its wave efficiency. (name, head_dim, group, num_kv_heads,
 # num_seqs, q_len, k_len (cached keys), block_size, causal, own_len (the step's own keys,
@@ -84,7 +88,9 @@ BWD_CASES = [
     ("bwd D256 GQA2", 256, 2, "fp16", 0),
     ("bwd fp32", 128, 1, "fp32", 1),
 ]
-STORE_CASES = [("store D256", 256, "bf16"), ("store D256 fp32", 256, "fp32")]
+# (name, head_dim, input dtype, quantize to fp8 with per-token scales).
+STORE_CASES = [("store D256", 256, "bf16", False), ("store D256 fp32", 256, "fp32", False),
+               ("store D128 fp8", 128, "bf16", True)]
 MERGE_CASES = [("merge D256", 256, "bf16"), ("merge D256 fp32", 256, "fp32")]
 
 
@@ -128,6 +134,8 @@ class _Launch:
     maxnreg: int | None = None
     # Integer arguments the JIT would see as multiples of 16 (strides always are here).
     div16: tuple = ()
+    # Stride arguments that are NOT multiples of 16 (the fp8 scales' token stride is H_kv).
+    nodiv: tuple = ()
     variant: str = ""
     occupancy_key: tuple | None = None
     ref_tile: tuple | None = None  # (BLOCK_M, BLOCK_N, HEAD_DIM_PAD, warps, stages, dtype)
@@ -174,15 +182,17 @@ def _launches(only: str | None, capability: int, all_variants: bool = False) -> 
     for name, d, group, dt, q_len, block, split, det, launched in ATTENTION_CASES:
         if split:  # a split always writes its lse
             launched = (launched[0], launched[1], True, launched[3])
-        variants = {(launched, False): "as launched"}
+        variants = {(launched, False, False): "as launched"}
         if name in OWN_KV_CASES:
-            variants[(launched, True)] = "as launched"
-        variants.setdefault(((True, True, True, True), False), "all flags")
+            variants[(launched, True, False)] = "as launched"
+        if name in FP8_CASES:
+            variants[(launched, name in OWN_KV_CASES, True)] = "as launched"
+        variants.setdefault(((True, True, True, True), False, False), "all flags")
         if all_variants:  # a split always writes its lse
             for f in itertools.product((True, False), repeat=4):
                 if f[2] or not split:
-                    variants.setdefault((f, False), "variant")
-        for (flags, own), label in variants.items():
+                    variants.setdefault((f, False, False), "variant")
+        for (flags, own, fp8), label in variants.items():
             causal, has_kv_start, write_lse, softcap = flags
             guard = pa._needs_guard(q_len, causal, None)
             eb = _elem_bytes(dt)
@@ -191,11 +201,15 @@ def _launches(only: str | None, capability: int, all_variants: bool = False) -> 
             meta = pa._attn_constexprs(cfg, group, d, causal=causal, has_kv_start=has_kv_start,
                                        write_lse=write_lse, split=split, upcast=False, guard=guard,
                                        softcap=softcap, block_size=block, elem_bytes=eb, own_kv=own,
-                                       sink_logits=label == "all flags")  # the most code: with sinks
+                                       sink_logits=label == "all flags", kv_fp8=fp8,  # the most code: with sinks
+                                       capability=capability)
             meta.update(stride_qd=1, stride_od=1)  # unit strides: the JIT specializes them too
-            ptrs = {"q_ptr": dt, "k_ptr": dt, "v_ptr": dt, "o_ptr": "fp32" if split else dt, "lse_ptr": "fp32",
+            kv = ("fp8e4nv" if meta["FP8_NATIVE"] else "u8") if fp8 else dt
+            ptrs = {"q_ptr": dt, "k_ptr": kv, "v_ptr": kv, "o_ptr": "fp32" if split else dt, "lse_ptr": "fp32",
                     "block_table_ptr": "i32", "seq_lens_ptr": "i32", "cu_q_ptr": "i32", "kv_start_ptr": "i32",
-                    "k2_ptr": dt, "v2_ptr": dt, "sink_ptr": "fp32"}
+                    "k2_ptr": dt, "v2_ptr": dt, "sink_ptr": "fp32", "ks_ptr": "fp32", "vs_ptr": "fp32"}
+            if fp8:  # per-token scales [blocks, block_size, H_kv]: unit head stride, token stride H_kv
+                meta.update(stride_ksh=1, stride_vsh=1)
             desc = (f"{name}: {dt} D{d} G{group} BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} "
                     f"w{cfg['num_warps']} s{cfg['num_stages']}")
             desc += " [" + ",".join(n for n, on in zip(_FLAG_NAMES, flags) if on) + "]"
@@ -205,10 +219,13 @@ def _launches(only: str | None, capability: int, all_variants: bool = False) -> 
                 desc += " +own-k/v"
             if meta["HAS_SINK_LOGITS"]:
                 desc += " +sink-logits"
+            if fp8:
+                desc += " +fp8-kv"
             out.append(_Launch("attention", desc, pa._paged_attn_kernel, ptrs, meta, cfg["num_warps"],
                                cfg["num_stages"], i64=("stride_kb", "stride_vb"),
                                floats=("scale_log2", "softcap_inv", "softcap_log2"), maxnreg=cfg.get("maxnreg"),
                                div16=("block_size",) if block % 16 == 0 else (), variant=label,
+                               nodiv=("stride_kst", "stride_vst"),
                                occupancy_key=config_key(capability, cfg, eb),
                                ref_tile=(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["HEAD_DIM_PAD"], cfg["num_warps"],
                                          cfg["num_stages"], dt)))
@@ -239,13 +256,19 @@ def _launches(only: str | None, capability: int, all_variants: bool = False) -> 
         out.append(_Launch("split_reduce", f"{name}: {dt} BR{block_r} w{ROW_TILE_WARPS}",
                            pa._split_reduce_kernel, ptrs, meta, ROW_TILE_WARPS, 1,
                            i64=("stride_ps",)))
-    for name, d, dt in STORE_CASES:
+    for name, d, dt, fp8 in STORE_CASES:
         cfg = store._pick_config(d)
-        meta = dict(HEAD_DIM=d, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_R=cfg["BLOCK_R"])
-        ptrs = {"k_ptr": dt, "v_ptr": dt, "k_cache_ptr": dt, "v_cache_ptr": dt, "slot_ptr": "i64"}
+        meta = dict(HEAD_DIM=d, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_R=cfg["BLOCK_R"],
+                    QUANT=store.QUANT_TOKEN if fp8 else store.QUANT_NONE)
+        if fp8:
+            meta.update(stride_sh=1, stride_wh=1)
+        cache = "u8" if fp8 else dt
+        ptrs = {"k_ptr": dt, "v_ptr": dt, "k_cache_ptr": cache, "v_cache_ptr": cache, "slot_ptr": "i64",
+                "ks_ptr": "fp32", "vs_ptr": "fp32"}
         out.append(_Launch("store_kv", f"{name}: {dt} BR{cfg['BLOCK_R']} w{cfg['num_warps']}",
                            store._store_kv_kernel, ptrs, meta, cfg["num_warps"], 1,
-                           i64=("stride_cb", "stride_db"), div16=("block_size",)))
+                           i64=("stride_cb", "stride_db", "stride_sb", "stride_wb"), div16=("block_size",),
+                           nodiv=("stride_st", "stride_wt")))
     for name, d, dt in MERGE_CASES:
         cfg = merge._pick_config(d)
         meta = dict(HEAD_DIM=d, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_R=cfg["BLOCK_R"],
@@ -275,7 +298,7 @@ def _signature(launch: _Launch) -> tuple[dict, dict]:
             sig[name] = "fp32"
         else:
             sig[name] = "i64" if name in launch.i64 else "i32"
-            if name.startswith("stride_") or name in launch.div16:
+            if (name.startswith("stride_") and name not in launch.nodiv) or name in launch.div16:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, attrs
 

@@ -34,7 +34,15 @@ def test_opcheck_paged_attention(seed):
     # The schema's option arguments are generated from AttentionSpec's fields.
     for spec in (AttentionSpec(scale=0.25, backend="torch"),
                  AttentionSpec(window_left=3, sink_tokens=1, softcap=5.0, chunk_size=2, backend="torch")):
-        args = (q, kc, vc, bt, sl, cu, None, mq, mk, *spec.op_args())
+        args = (q, kc, vc, bt, sl, cu, None, None, None, mq, mk, *spec.op_args())
+        torch.library.opcheck(torch.ops.kvarena.paged_attention.default, args)
+    # fp8 caches cross the op boundary as uint8 bytes plus scales (per-token as uint8 views
+    # of fp32, or 0-dim static ones).
+    ks = torch.rand(kc.shape[:3]) + 0.01
+    k8, v8 = (kc / ks[..., None]).to(torch.float8_e4m3fn), (vc / ks[..., None]).to(torch.float8_e4m3fn)
+    spec = AttentionSpec(backend="torch")
+    for sk, sv in ((ks.view(torch.uint8), ks.clone().view(torch.uint8)), (torch.tensor(0.5), torch.tensor(0.25))):
+        args = (q, k8.view(torch.uint8), v8.view(torch.uint8), bt, sl, cu, None, sk, sv, mq, mk, *spec.op_args())
         torch.library.opcheck(torch.ops.kvarena.paged_attention.default, args)
 
 
@@ -44,6 +52,10 @@ def test_opcheck_store_and_merge(seed):
     k = torch.randn(5, 2, 8)
     slots = torch.tensor([0, -1, 7, 11, 2], dtype=torch.int64)
     torch.library.opcheck(torch.ops.kvarena.store_kv.default, (k, k.clone(), kc, vc, slots, "torch"))
+    k8 = torch.zeros(4, 3, 2, 8, dtype=torch.uint8)
+    sc = torch.ones(4, 3, 2)
+    torch.library.opcheck(torch.ops.kvarena.store_kv.default,
+                          (k, k.clone(), k8, k8.clone(), slots, "torch", sc.view(torch.uint8), sc.clone().view(torch.uint8)))
     out = torch.randn(6, 2, 8)
     lse = torch.randn(6, 2)
     torch.library.opcheck(

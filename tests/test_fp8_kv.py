@@ -240,15 +240,25 @@ def test_paged_attention_equals_attention_over_what_was_stored(backend, spec_id,
 
 
 @interpreter
-def test_large_block_path_in_the_interpreter() -> None:
-    """64-token blocks at bf16 take the contiguous large-block loop (chunk of 7 queries)."""
-    c = _paged_fp8_case([130, 71], [7, 7], dtype=torch.bfloat16, group=2, d=32, bs=64, seed=5)
+@pytest.mark.parametrize("decode", ["native", "shift"])
+@pytest.mark.parametrize(("bs", "q_len", "spec_id"), [(64, 7, "full"), (48, 5, "window-sinks-softcap")],
+                         ids=["large-block-path", "page-path-guarded"])
+def test_both_decodes_in_the_interpreter(monkeypatch, decode, bs, q_len, spec_id) -> None:
+    """sm_89+ widens float8e4nv loads in hardware; sm_80 (no fp8 type) decodes uint8 bytes by
+    shifting them into fp16 (value / 256, the 256 folded into the scales). Both decodes, on
+    the contiguous large-block loop (64-token blocks at bf16, a 7-query chunk) and on the
+    page path with the non-finite guard (NaN-poisoned scales in the same key tiles)."""
+    from kvarena.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "fp8_native", lambda cap: decode == "native")
+    spec = SPECS[spec_id]
+    c = _paged_fp8_case([130, 71], [q_len, q_len], dtype=torch.bfloat16, group=2, d=32, bs=bs, seed=5)
     kd, vd = (dequantize_fp8(c["kc"], c["ks"], torch.float64), dequantize_fp8(c["vc"], c["vs"], torch.float64))
-    spec = AttentionSpec(causal=False)
     ref = paged_attention_ref(c["q"].double(), kd, vd, c["table"], c["lens"], c["cu"], spec=spec)
-    out = paged_attention(c["q"], c["kc"], c["vc"], c["table"], c["lens"], c["cu"], causal=False,
+    out = paged_attention(c["q"], c["kc"], c["vc"], c["table"], c["lens"], c["cu"], causal=spec.causal,
+                          window_left=spec.window_left, sink_tokens=spec.sink_tokens, softcap=spec.softcap,
                           k_scale=c["ks"], v_scale=c["vs"], backend="triton")
-    assert_close(out, ref, torch.bfloat16, "fp8 large-block path")
+    assert_close(out, ref, torch.bfloat16, f"fp8 {decode} decode")
 
 
 def test_functional_errors() -> None:

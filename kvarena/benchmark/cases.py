@@ -81,6 +81,11 @@ class Case:
         Chunk cases: rows per page (0: the whole slab); must divide ``chunk``.
     model : str
         A label for the table and the plot (e.g. ``"wan1.3b"``).
+    kv_dtype : str
+        Storage dtype of kvarena's cache when it differs from ``dtype``:
+        ``"float8_e4m3fn"`` (per-token fp32 scales). The other providers read the same
+        values dequantized to ``dtype``; ``kvarena_bf16`` is kvarena on that copy (the
+        same-run baseline of what fp8 storage buys).
     skip_providers : tuple of str
         Providers of the kind that are reported as skipped on this case (to keep a set
         within its time budget, e.g. FlexAttention compiles once per shape on CUDA).
@@ -101,6 +106,7 @@ class Case:
     page_tokens: int = 0
     model: str = ""
     skip_providers: tuple[str, ...] = ()
+    kv_dtype: str = ""
 
     @property
     def kv_tokens(self) -> int:
@@ -132,6 +138,7 @@ PROVIDERS: dict[str, tuple[str, ...]] = {
         "gather_flex",
         "flash_attn",
         "flashinfer",
+        "kvarena_bf16",
     ),
     "chunk": (
         "kvarena",
@@ -142,6 +149,7 @@ PROVIDERS: dict[str, tuple[str, ...]] = {
         "flex_contiguous",
         "flash_attn",
         "flashinfer",
+        "kvarena_bf16",
     ),
     "train": ("kvarena", "sdpa_contiguous"),
     "store": ("kvarena", "copy_", "shift_left"),
@@ -158,18 +166,22 @@ BASELINE: dict[str, str] = {
 }
 
 
+_FP8 = "float8_e4m3fn"
+
+
 def _decode(batch: int, context: int, *, h_q=32, h_kv=8, head_dim=128, dtype="bfloat16",
-            block_size=16, model="decode-32q8kv", skip=()) -> Case:
+            block_size=16, model="decode-32q8kv", skip=(), kv_dtype="") -> Case:
     ctx = f"{context // 1024}k" if context >= 1024 and context % 1024 == 0 else str(context)
-    return Case("decode", f"decode-b{batch}-ctx{ctx}", h_q, h_kv, head_dim, dtype, batch=batch,
-                context=context, block_size=block_size, model=model, skip_providers=tuple(skip))
+    name = f"decode-b{batch}-ctx{ctx}" + ("-fp8" if kv_dtype else "")
+    return Case("decode", name, h_q, h_kv, head_dim, dtype, batch=batch, context=context,
+                block_size=block_size, model=model, skip_providers=tuple(skip), kv_dtype=kv_dtype)
 
 
 def _chunk(model: str, h_q: int, h_kv: int, chunk: int, window: int, *, sinks=1, head_dim=128,
-           dtype="bfloat16", kind="chunk", page=0) -> Case:
-    name = f"{kind}-{model}-w{window}" + (f"-p{page}" if page else "")
+           dtype="bfloat16", kind="chunk", page=0, kv_dtype="") -> Case:
+    name = f"{kind}-{model}-w{window}" + (f"-p{page}" if page else "") + ("-fp8" if kv_dtype else "")
     return Case(kind, name, h_q, h_kv, head_dim, dtype, chunk=chunk, window=window, sinks=sinks,
-                page_tokens=page, model=model)
+                page_tokens=page, model=model, kv_dtype=kv_dtype)
 
 
 def _gpu_set() -> list[Case]:
@@ -181,6 +193,8 @@ def _gpu_set() -> list[Case]:
     # The w8 keys through 1560-token (one-frame) pages: what a token-granular sink/window
     # costs the kernel (more blocks, a partial key tile per page), against w8 above.
     out.append(_chunk("wan1.3b", 12, 12, 4680, 8, page=1560))
+    # The w8 keys stored as fp8 (per-token scales): against kvarena on bf16 in the same run.
+    out.append(_chunk("wan1.3b", 12, 12, 4680, 8, kv_dtype=_FP8))
     out.append(_chunk("wan5b", 24, 24, 7040, 4))
     out.append(_chunk("matrixgame", 12, 12, 2640, 6))
     out.append(_chunk("magi1", 24, 8, 12150, 4))
@@ -203,6 +217,10 @@ def _gpu_set() -> list[Case]:
     ):
         skip = () if batch == 16 else ("gather_flex",)
         out += [_decode(batch, c, skip=skip) for c in contexts]
+    # fp8 KV decode (bandwidth bound: half the bytes), each against kvarena on bf16 and the
+    # gathered-SDPA baseline on the same values, same run.
+    fp8_skip = ("gather_flex", "gather_sdpa_flash", "gather_sdpa_efficient")
+    out += [_decode(b, c, skip=fp8_skip, kv_dtype=_FP8) for b, c in ((1, 128 * k), (16, 16 * k), (64, 8 * k))]
     return out
 
 
@@ -215,6 +233,8 @@ def _quick_set() -> list[Case]:
     out.append(_chunk("tiny", 4, 2, 64, 3, head_dim=64, page=16))
     out.append(_chunk("tiny", 4, 2, 64, 3, head_dim=64, kind="train"))
     out.append(_chunk("tiny", 4, 2, 64, 3, head_dim=64, kind="store"))
+    out.append(_decode(2, 256, **tiny, kv_dtype=_FP8))
+    out.append(_chunk("tiny", 4, 2, 64, 3, head_dim=64, kv_dtype=_FP8))
     return out
 
 
@@ -251,5 +271,6 @@ def cases(set_name: str = "quick", only: str | list[str] | None = None) -> list[
 
 
 def providers_for(case: Case) -> tuple[str, ...]:
-    """Providers that run on ``case``, kvarena (the reference) first."""
-    return PROVIDERS[case.kind]
+    """Providers that run on ``case``, kvarena (the reference) first (``kvarena_bf16``
+    only on cases whose kvarena cache is stored in another dtype)."""
+    return tuple(p for p in PROVIDERS[case.kind] if p != "kvarena_bf16" or case.kv_dtype)

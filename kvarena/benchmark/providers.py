@@ -86,6 +86,9 @@ class CaseData:
     block_table : int32 ``[B, pages_per_seq]`` (random page order).
     seq_lens : int32 ``[B]``; cu_seqlens_q : int32 ``[B + 1]`` or None (decode).
     new_k, new_v : ``[B * chunk, H_kv, D]`` (store cases only).
+    kv8 : ``(k_cache, v_cache, k_scale, v_scale)`` fp8 caches with per-token scales, or None
+        (cases with ``kv_dtype``; ``k_cache``/``v_cache`` then hold the same values
+        dequantized to the case's dtype, for the other providers).
     """
 
     case: Case
@@ -98,6 +101,7 @@ class CaseData:
     cu_seqlens_q: torch.Tensor | None
     new_k: torch.Tensor | None = None
     new_v: torch.Tensor | None = None
+    kv8: tuple | None = None
     _contig: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _bt_long: torch.Tensor | None = field(default=None, repr=False)
 
@@ -175,14 +179,27 @@ def make_data(case: Case, device: str | torch.device, *, seed: int = 0) -> CaseD
         torch.cuda.manual_seed(seed)
     k_cache = randn(num_pages, page, case.h_kv, d)
     v_cache = randn(num_pages, page, case.h_kv, d)
+    kv8 = None
+    if case.kv_dtype:
+        from kvarena.attention.reference import dequantize_fp8, fp8_row_scales, quantize_fp8
+
+        if case.kv_dtype != "float8_e4m3fn":
+            raise ValueError(f"case {case.name}: kv_dtype must be '' or 'float8_e4m3fn', got {case.kv_dtype!r}")
+        parts = []
+        for c in (k_cache, v_cache):
+            sc = fp8_row_scales(c)
+            parts.append((quantize_fp8(c, sc), sc))
+        kv8 = (parts[0][0], parts[1][0], parts[0][1], parts[1][1])
+        # The other providers read exactly the values kvarena stores, in the case's dtype.
+        k_cache, v_cache = (dequantize_fp8(x, sc, torch.float32).to(dtype) for x, sc in parts)
     seq_lens = torch.full((b,), case.kv_tokens, dtype=torch.int32, device=device)
     if case.kind == "decode":
         q = randn(b, case.h_q, d)
-        return CaseData(case, device, q, k_cache, v_cache, block_table, seq_lens, None)
+        return CaseData(case, device, q, k_cache, v_cache, block_table, seq_lens, None, kv8=kv8)
     cu = torch.arange(0, (b + 1) * case.chunk, case.chunk, dtype=torch.int32, device=device)
     if case.kind == "chunk":
         q = randn(b * case.chunk, case.h_q, d)
-        return CaseData(case, device, q, k_cache, v_cache, block_table, seq_lens, cu)
+        return CaseData(case, device, q, k_cache, v_cache, block_table, seq_lens, cu, kv8=kv8)
     if case.kind == "train":
         # The last page of each row stands for the step's own keys, given as new_k/new_v.
         q = randn(b * case.chunk, case.h_q, d)
@@ -204,6 +221,8 @@ def work_of(case: Case) -> dict[str, float]:
         read once and written once (store).
     """
     el = _dtype(case.dtype).itemsize
+    if case.kv_dtype:  # what kvarena reads: 1 byte per element plus a 4-byte scale per row
+        el = 1 + 4 / case.head_dim
     kv = 2 * case.batch * case.kv_tokens * case.h_kv * case.head_dim * el
     if case.kind == "decode":
         return {"kv_bytes": kv, "flops": 4.0 * case.batch * case.kv_tokens * case.h_q * case.head_dim}
@@ -219,7 +238,7 @@ def work_of(case: Case) -> dict[str, float]:
 # --- providers ---------------------------------------------------------------------------
 
 
-def _kvarena(case: Case, data: CaseData) -> Bench:
+def _kvarena(case: Case, data: CaseData, *, use_fp8: bool = True) -> Bench:
     from kvarena.attention import ops
     from kvarena.attention.spec import AttentionSpec
 
@@ -246,13 +265,28 @@ def _kvarena(case: Case, data: CaseData) -> Bench:
                                                                                 device=data.device)
     kw = dict(max_seqlen_q=data.q_len, max_seqlen_k=case.kv_tokens)
     args = (data.q, data.k_cache, data.v_cache, data.block_table, data.seq_lens)
+    note = "per-layer call (checked once)"
+    fp8 = use_fp8 and data.kv8 is not None
+    if fp8:
+        args = (data.q, data.kv8[0], data.kv8[1], data.block_table, data.seq_lens)
+        kw["k_scale"], kw["v_scale"] = data.kv8[2], data.kv8[3]
+        note += ", fp8 KV + per-token scales"
     ops.paged_attention(*args, cu, chunk_size=spec.chunk_size, **kw)
     backend = ops.resolve_backend(spec.backend, data.device, data.q.dtype, False)
+    if fp8:
+        kw["kv_scales"] = (kw.pop("k_scale"), kw.pop("v_scale"))
 
     def fn():
         return ops.attend(*args, cu, None, spec=spec, backend=backend, **kw)
 
-    return Bench(fn, note="per-layer call (checked once)")
+    return Bench(fn, note=note)
+
+
+def _kvarena_bf16(case: Case, data: CaseData) -> Bench:
+    if data.kv8 is None:
+        raise Skip("cases with an fp8 kvarena cache only")
+    b = _kvarena(case, data, use_fp8=False)
+    return Bench(b.fn, note=f"kvarena on the {case.dtype} copy of the same values")
 
 
 def _train_inputs(case: Case, data: CaseData):
@@ -482,6 +516,7 @@ def _store_shift_left(case: Case, data: CaseData) -> Bench:
 
 _BUILDERS: dict[str, Callable[[Case, CaseData], Bench]] = {
     "kvarena": _kvarena,
+    "kvarena_bf16": _kvarena_bf16,
     "gather_sdpa": lambda c, d: _sdpa(c, d, gather=True, backend=None),
     "gather_sdpa_flash": lambda c, d: _sdpa(c, d, gather=True, backend="flash"),
     "gather_sdpa_efficient": lambda c, d: _sdpa(c, d, gather=True, backend="efficient"),

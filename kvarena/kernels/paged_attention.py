@@ -96,6 +96,19 @@ def _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP: tl.
 
 
 @triton.jit
+def _fp8_to(x, dtype: tl.constexpr, NATIVE: tl.constexpr):
+    """An fp8 K or V tile in ``dtype`` (the dot's input type). ``NATIVE`` (sm_89+, and the
+    interpreter, whose fp8 loads and widening are exact): the hardware conversion, 2
+    elements per instruction, giving the value itself; else (sm_80, no fp8 type) the
+    shift decode of uint8 bytes, giving the value / 256."""
+    if NATIVE:
+        y = x.to(dtype)
+    else:
+        y = _fp8e4m3_decode(x).to(dtype)
+    return y
+
+
+@triton.jit
 def _softmax_step(s, v, vcol, m_i, l_i, acc, bad_w, GUARD: tl.constexpr, guard_now, FP8: tl.constexpr):
     """One online-softmax step over masked scores ``s`` and values ``v``.
 
@@ -138,6 +151,7 @@ def _block_tiles(
     stride_kt, stride_vt, stride_kst, stride_vst, scale_log2, softcap_inv, softcap_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     GUARD: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr,
+    FP8_NATIVE: tl.constexpr,
 ):
     """``n_tiles`` key tiles of one large block from tile ``j_lo``, at rows ``j * BLOCK_N``.
 
@@ -166,13 +180,16 @@ def _block_tiles(
         kcol = scale_log2  # unused without FP8
         vcol = scale_log2
         if FP8:
-            kt = _fp8e4m3_decode(kt).to(q.dtype)
+            kt = _fp8_to(kt, q.dtype, FP8_NATIVE)
             if MASKED:
-                kcol = tl.load(ks_blk + rel * stride_kst, mask=key_ok, other=0.0) * 256.0  # [BLOCK_N]
-                vcol = tl.load(vs_blk + rel * stride_vst, mask=key_ok, other=0.0) * 256.0
+                kcol = tl.load(ks_blk + rel * stride_kst, mask=key_ok, other=0.0)  # [BLOCK_N]
+                vcol = tl.load(vs_blk + rel * stride_vst, mask=key_ok, other=0.0)
             else:
-                kcol = tl.load(ks_blk + rel * stride_kst) * 256.0
-                vcol = tl.load(vs_blk + rel * stride_vst) * 256.0
+                kcol = tl.load(ks_blk + rel * stride_kst)
+                vcol = tl.load(vs_blk + rel * stride_vst)
+            if not FP8_NATIVE:  # the shift decode gives value / 256
+                kcol = kcol * 256.0
+                vcol = vcol * 256.0
         elif UPCAST:
             kt = kt.to(tl.float32)
         s = _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, FP8)
@@ -186,7 +203,7 @@ def _block_tiles(
         else:
             v = tl.load(v_blk + rel[:, None] * stride_vt + d[None, :], mask=d_ok[None, :], other=0.0)
         if FP8:
-            v = _fp8e4m3_decode(v).to(q.dtype)
+            v = _fp8_to(v, q.dtype, FP8_NATIVE)
         elif UPCAST:
             v = v.to(tl.float32)
         m_i, l_i, acc, bad_w = _softmax_step(s, v, vcol, m_i, l_i, acc, bad_w, GUARD and MASKED, True, FP8)
@@ -240,6 +257,7 @@ def _paged_attn_kernel(
     OWN_KV: tl.constexpr,
     HAS_SINK_LOGITS: tl.constexpr,
     KV_FP8: tl.constexpr,
+    FP8_NATIVE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split_id = tl.program_id(1)
@@ -384,12 +402,12 @@ def _paged_attn_kernel(
                         q, k_blk, v_blk, ks_blk, vs_blk, bs0, ja, (f_a - ja) + (jb - f_b), f_a, f_b - f_a, m_i,
                         l_i, acc, bad_w, r_lo, key_hi, row_hi, row_lo, sink_tokens, stride_kt, stride_vt,
                         stride_kst, stride_vst, scale_log2, softcap_inv, softcap_log2,
-                        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, KV_FP8)
+                        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, KV_FP8, FP8_NATIVE)
                     m_i, l_i, acc, bad_w = _block_tiles(
                         q, k_blk, v_blk, ks_blk, vs_blk, bs0, f_a, f_b - f_a, 0, 0, m_i, l_i, acc,
                         bad_w, r_lo, key_hi, row_hi, row_lo, sink_tokens, stride_kt, stride_vt,
                         stride_kst, stride_vst, scale_log2, softcap_inv, softcap_log2,
-                        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, KV_FP8)
+                        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, KV_FP8, FP8_NATIVE)
         if OWN_KV:
             # Same online softmax, second key source: full tiles unmasked, the last partial
             # tile masked to own_len rows (cum == tiles of the history here).
@@ -406,12 +424,12 @@ def _paged_attn_kernel(
                     q, k_blk, v_blk, k_blk, v_blk, 0, ja, f_b - ja, 0, 0, m_i, l_i, acc,
                     bad_w, 0, own_len, all_rows_hi, no_lo, 0, stride_k2t, stride_v2t, 0, 0,
                     scale_log2, softcap_inv, softcap_log2,
-                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, False)
+                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, False, False)
                 m_i, l_i, acc, bad_w = _block_tiles(
                     q, k_blk, v_blk, k_blk, v_blk, 0, f_b, jb - f_b, jb, 0, m_i, l_i, acc,
                     bad_w, 0, own_len, all_rows_hi, no_lo, 0, stride_k2t, stride_v2t, 0, 0,
                     scale_log2, softcap_inv, softcap_log2,
-                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, False)
+                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, False, False)
     else:
         for i in range(i_begin, i_end):
             in_sink = i < n_sink
@@ -436,9 +454,12 @@ def _paged_attn_kernel(
             kcol = scale_log2  # unused without KV_FP8
             vcol = scale_log2
             if KV_FP8:
-                kt = _fp8e4m3_decode(kt).to(q.dtype)
-                kcol = tl.load(ks_head + blk * stride_ksb + row_in_blk * stride_kst, mask=key_ok, other=0.0) * 256.0
-                vcol = tl.load(vs_head + blk * stride_vsb + row_in_blk * stride_vst, mask=key_ok, other=0.0) * 256.0
+                kt = _fp8_to(kt, q.dtype, FP8_NATIVE)
+                kcol = tl.load(ks_head + blk * stride_ksb + row_in_blk * stride_kst, mask=key_ok, other=0.0)
+                vcol = tl.load(vs_head + blk * stride_vsb + row_in_blk * stride_vst, mask=key_ok, other=0.0)
+                if not FP8_NATIVE:  # the shift decode gives value / 256
+                    kcol = kcol * 256.0
+                    vcol = vcol * 256.0
             elif UPCAST:
                 kt = kt.to(tl.float32)
             s = _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, KV_FP8)
@@ -453,7 +474,7 @@ def _paged_attn_kernel(
                 s = tl.where(vis, s, float("-inf"))
             v = tl.load(v_head + v_off[:, None] + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
             if KV_FP8:
-                v = _fp8e4m3_decode(v).to(q.dtype)
+                v = _fp8_to(v, q.dtype, FP8_NATIVE)
             elif UPCAST:
                 v = v.to(tl.float32)
             m_i, l_i, acc, bad_w = _softmax_step(s, v, vcol, m_i, l_i, acc, bad_w, GUARD_NONFINITE, not interior, KV_FP8)
@@ -677,7 +698,7 @@ def _pick_num_splits(programs: int, max_seqlen_k: int, sm_count: int, ctas: int 
 def _attn_constexprs(cfg: dict, group: int, head_dim: int, *, causal: bool, has_kv_start: bool,
                      write_lse: bool, split: bool, upcast: bool, guard: bool, softcap: bool,
                      block_size: int, elem_bytes: int, large_ok: bool = True, own_kv: bool = False,
-                     sink_logits: bool = False, kv_fp8: bool = False) -> dict:
+                     sink_logits: bool = False, kv_fp8: bool = False, capability: int = 90) -> dict:
     """The constexpr arguments of ``_paged_attn_kernel`` (shared with ``kvarena check``).
 
     The block layout is specialized three ways: blocks of at least ``BLOCK_N`` rows
@@ -691,7 +712,14 @@ def _attn_constexprs(cfg: dict, group: int, head_dim: int, *, causal: bool, has_
         BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, HAS_KV_START=has_kv_start, WRITE_LSE=write_lse,
         SPLIT=split, UPCAST=upcast, GUARD_NONFINITE=guard, HAS_SOFTCAP=softcap, PAGE_SIZE=page,
         LARGE_BLOCKS=large, OWN_KV=own_kv and large, HAS_SINK_LOGITS=sink_logits, KV_FP8=kv_fp8,
+        FP8_NATIVE=kv_fp8 and fp8_native(capability),
     )
+
+
+def fp8_native(capability: int) -> bool:
+    """Whether fp8 K/V are loaded as Triton's float8e4nv and widened by the hardware
+    (sm_89+; the interpreter plans as sm_90) rather than decoded from uint8 (sm_80)."""
+    return capability >= 89
 
 
 def _use_large_blocks(block_size: int, block_n: int, large_ok: bool, guard: bool, elem_bytes: int) -> bool:
@@ -877,7 +905,8 @@ def paged_attention_fwd(
                             write_lse=write_lse, split=split, upcast=upcast,
                             guard=guard, softcap=bool(softcap), block_size=block_size,
                             elem_bytes=q.element_size(), large_ok=large_ok, own_kv=plan.own_kv,
-                            sink_logits=spec.sink_logits is not None, kv_fp8=kv_scales is not None)
+                            sink_logits=spec.sink_logits is not None, kv_fp8=kv_scales is not None,
+                            capability=_capability(dev))
     sink_arg = spec.sink_logits if spec.sink_logits is not None else seq_lens  # else never read
     # 1-D metadata is read with unit stride; .contiguous() is free when it already is.
     seq_lens, cu_seqlens_q = seq_lens.contiguous(), cu_seqlens_q.contiguous()
@@ -913,7 +942,8 @@ def paged_attention_fwd(
         ks, vs = kv_scales
         if ks.dim():
             sc_strides = (*ks.stride(), *vs.stride())
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        if not meta["FP8_NATIVE"]:
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k2, v2 = own_kv if plan.own_kv else (k_cache, v_cache)  # never read without OWN_KV
     own_strides = (*k2.stride()[-4:-1], *v2.stride()[-4:-1]) if plan.own_kv else (0,) * 6
     _paged_attn_kernel[grid](
