@@ -61,6 +61,10 @@ OWN_KV_CASES = ("chunk MAGI 24q/8kv", "chunk Wan split")
 # scales on the score and probability columns): decode (paged), prefill through the guarded
 # page path, and a slab chunk on the large-block path with the step's own k/v (never fp8).
 FP8_CASES = ("decode 32q/8kv split", "prefill 32q/8kv page48", "chunk Wan split")
+# Cases also compiled with RoPE on read (queries and keys rotated by table rows as loaded,
+# per-block position shifts): decode with half-split pairs, the slab chunk (own k/v,
+# interleaved pairs as Wan's) in bf16 and in fp8.
+ROPE_CASES = ("decode 32q/8kv split", "chunk Wan split")
 # The contract's workloads for --perf (sinks 1 + window 3 for slab chunks): the launch
 # plan each gets, its grid and its wave efficiency. (name, head_dim, group, num_kv_heads,
 # num_seqs, q_len, k_len (cached keys), block_size, causal, own_len (the step's own keys,
@@ -187,27 +191,34 @@ def _launches(only: str | None, capability: int, all_variants: bool = False) -> 
             variants[(launched, True, False)] = "as launched"
         if name in FP8_CASES:
             variants[(launched, name in OWN_KV_CASES, True)] = "as launched"
+        if name in ROPE_CASES:
+            variants[(launched, name in OWN_KV_CASES, "rope")] = "as launched"
+            if name in FP8_CASES:
+                variants[(launched, name in OWN_KV_CASES, "rope+fp8")] = "as launched"
         variants.setdefault(((True, True, True, True), False, False), "all flags")
         if all_variants:  # a split always writes its lse
             for f in itertools.product((True, False), repeat=4):
                 if f[2] or not split:
                     variants.setdefault((f, False, False), "variant")
-        for (flags, own, fp8), label in variants.items():
+        for (flags, own, kv), label in variants.items():
+            fp8 = kv in (True, "rope+fp8")
+            rope = (2 if own else 1) if kv in ("rope", "rope+fp8") else 0
             causal, has_kv_start, write_lse, softcap = flags
             guard = pa._needs_guard(q_len, causal, None)
             eb = _elem_bytes(dt)
             cfg = pa._pick_config(d, group, eb, None if det else q_len, capability,
-                                  lean=not det and not guard and not softcap)
+                                  lean=not det and not guard and not softcap, rope=bool(rope))
             meta = pa._attn_constexprs(cfg, group, d, causal=causal, has_kv_start=has_kv_start,
                                        write_lse=write_lse, split=split, upcast=False, guard=guard,
                                        softcap=softcap, block_size=block, elem_bytes=eb, own_kv=own,
                                        sink_logits=label == "all flags", kv_fp8=fp8,  # the most code: with sinks
-                                       capability=capability)
+                                       capability=capability, rope=rope, rope_q_pos=True, rope_k_shift=True)
             meta.update(stride_qd=1, stride_od=1)  # unit strides: the JIT specializes them too
             kv = ("fp8e4nv" if meta["FP8_NATIVE"] else "u8") if fp8 else dt
             ptrs = {"q_ptr": dt, "k_ptr": kv, "v_ptr": kv, "o_ptr": "fp32" if split else dt, "lse_ptr": "fp32",
                     "block_table_ptr": "i32", "seq_lens_ptr": "i32", "cu_q_ptr": "i32", "kv_start_ptr": "i32",
-                    "k2_ptr": dt, "v2_ptr": dt, "sink_ptr": "fp32", "ks_ptr": "fp32", "vs_ptr": "fp32"}
+                    "k2_ptr": dt, "v2_ptr": dt, "sink_ptr": "fp32", "ks_ptr": "fp32", "vs_ptr": "fp32",
+                    "cos_ptr": "fp32", "sin_ptr": "fp32", "qpos_ptr": "i32", "kshift_ptr": "i32"}
             if fp8:  # per-token scales [blocks, block_size, H_kv]: unit head stride, token stride H_kv
                 meta.update(stride_ksh=1, stride_vsh=1)
             desc = (f"{name}: {dt} D{d} G{group} BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} "
@@ -221,6 +232,8 @@ def _launches(only: str | None, capability: int, all_variants: bool = False) -> 
                 desc += " +sink-logits"
             if fp8:
                 desc += " +fp8-kv"
+            if rope:
+                desc += " +rope-on-read" + (" (interleaved)" if rope == 2 else "")
             out.append(_Launch("attention", desc, pa._paged_attn_kernel, ptrs, meta, cfg["num_warps"],
                                cfg["num_stages"], i64=("stride_kb", "stride_vb"),
                                floats=("scale_log2", "softcap_inv", "softcap_log2"), maxnreg=cfg.get("maxnreg"),

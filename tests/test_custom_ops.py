@@ -34,15 +34,23 @@ def test_opcheck_paged_attention(seed):
     # The schema's option arguments are generated from AttentionSpec's fields.
     for spec in (AttentionSpec(scale=0.25, backend="torch"),
                  AttentionSpec(window_left=3, sink_tokens=1, softcap=5.0, chunk_size=2, backend="torch")):
-        args = (q, kc, vc, bt, sl, cu, None, None, None, mq, mk, *spec.op_args())
+        args = (q, kc, vc, bt, sl, cu, None, None, None, None, None, mq, mk, *spec.op_args())
         torch.library.opcheck(torch.ops.kvarena.paged_attention.default, args)
+    # RoPE on read: the tables are spec fields, the per-step positions op arguments.
+    cos, sin = torch.rand(64, kc.shape[-1] // 2), torch.rand(64, kc.shape[-1] // 2)
+    spec = AttentionSpec(backend="torch", rope_cos=cos, rope_sin=sin, rope_interleaved=True)
+    rq = torch.zeros(bt.shape[0], dtype=torch.int32)
+    rk = torch.ones(bt.shape, dtype=torch.int32)
+    args = (q, kc, vc, bt, sl, cu, None, None, None, rq, rk, mq, mk, *spec.op_args())
+    torch.library.opcheck(torch.ops.kvarena.paged_attention.default, args)
     # fp8 caches cross the op boundary as uint8 bytes plus scales (per-token as uint8 views
     # of fp32, or 0-dim static ones).
     ks = torch.rand(kc.shape[:3]) + 0.01
     k8, v8 = (kc / ks[..., None]).to(torch.float8_e4m3fn), (vc / ks[..., None]).to(torch.float8_e4m3fn)
     spec = AttentionSpec(backend="torch")
     for sk, sv in ((ks.view(torch.uint8), ks.clone().view(torch.uint8)), (torch.tensor(0.5), torch.tensor(0.25))):
-        args = (q, k8.view(torch.uint8), v8.view(torch.uint8), bt, sl, cu, None, sk, sv, mq, mk, *spec.op_args())
+        args = (q, k8.view(torch.uint8), v8.view(torch.uint8), bt, sl, cu, None, sk, sv, None, None, mq, mk,
+                *spec.op_args())
         torch.library.opcheck(torch.ops.kvarena.paged_attention.default, args)
 
 

@@ -87,10 +87,12 @@ def test_layout_fields_bytes_and_arena_sections() -> None:
     ({"dtype": FP8, "input_dtype": "bf16"}, TypeError, "input_dtype"),
     ({"dtype": torch.bfloat16, "scales": 1.0}, ValueError, "scales: static scales are for fp8"),
     ({"dtype": FP8, "scales": "block"}, ValueError, "scales: expected 'token'"),
-    ({"dtype": FP8, "scales": 0.0}, ValueError, "scales: expected a finite float > 0"),
+    ({"dtype": FP8, "scales": 0.0}, ValueError, "scales: expected a float > 0 that is finite"),
     ({"dtype": FP8, "scales": [1.0]}, ValueError, "scales: expected 'token', a float, or 2 entries"),
     ({"dtype": FP8, "scales": [1.0, (1.0, float("inf"))]}, ValueError, r"scales\[1\]\[1\]"),
     ({"dtype": FP8, "head_dim": 10}, ValueError, "head_dim: an fp8 layout needs a multiple of 4"),
+    ({"dtype": FP8, "scales": 1e39}, ValueError, "finite and nonzero in float32"),  # inf as fp32
+    ({"dtype": FP8, "scales": 1e-46}, ValueError, "finite and nonzero in float32"),  # 0 as fp32
     ({"dtype": torch.float8_e5m2}, ValueError, "dtype: expected float16, bfloat16, float32, float64 or float8"),
 ], ids=lambda x: None)
 def test_layout_errors(kw, exc, match) -> None:
@@ -162,6 +164,50 @@ def test_static_scales_saturate_and_are_only_read(backend) -> None:
     assert torch.equal(_bytes(kc[1, 1]), _bytes(want_k[0]))
     assert torch.equal(_bytes(vc[1, 1]), _bytes((k / 2.0).clamp(-448, 448).to(FP8)[0]))
     assert float(kc[1, 1, 0, 2].float()) == 448.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_inputs_store_signed_nan_bytes(backend) -> None:
+    """A NaN keeps its sign (0x7F / 0xFF, torch's cast) on both backends, with static scales."""
+    kc, vc, _, _ = _poisoned(1, 4, 1, 8)
+    x = torch.tensor([[[float("nan"), -float("nan"), 1.0, -2.0, 0.0, -0.0, 3.0, 448.0]]])
+    store_kv(x, x, kc, vc, torch.tensor([2]), backend=backend, k_scale=torch.tensor(1.0), v_scale=torch.tensor(1.0))
+    assert torch.equal(_bytes(kc[0, 2, 0]), _bytes(x.clamp(-448, 448).to(FP8)[0, 0]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("splits", [1, 2])
+def test_a_visible_nan_key_poisons_exactly_its_rows(backend, splits) -> None:
+    """A stored row holding an inf gets an inf scale and reads back NaN: every query row that
+    sees it is NaN with a NaN lse, split or not (a split partial with a NaN sum was once
+    reported empty and its keys dropped); rows of the other kv heads stay finite."""
+    torch.manual_seed(0)
+    k, v = torch.randn(40, 3, 40), torch.randn(40, 3, 40)
+    k[2, 2, 5] = float("inf")
+    kc, vc, ks, vs = _poisoned(4, 16, 3, 40)
+    store_kv(k, v, kc, vc, torch.arange(40), k_scale=ks, v_scale=vs)
+    assert torch.isinf(ks[0, 2, 2])
+    q = torch.randn(3, 6, 40)
+    out, lse = paged_attention(q, kc, vc, torch.tensor([[0, 1, 2, 3]], dtype=torch.int32),
+                               torch.tensor([40], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32),
+                               backend=backend, num_splits=splits, return_lse=True, k_scale=ks, v_scale=vs)
+    assert bool(out[:, 4:].isnan().all()) and bool(lse[:, 4:].isnan().all())
+    assert bool(out[:, :4].isfinite().all()) and bool(lse[:, :4].isfinite().all())
+
+
+def test_grad_on_caches_or_scales_and_aliased_scales_are_refused() -> None:
+    c = _paged_fp8_case([5], [1], dtype=torch.bfloat16, group=1, d=16, bs=4)
+    args = (c["q"], c["kc"], c["vc"], c["table"], c["lens"])
+    for name in ("kc", "ks"):
+        d = dict(c)
+        d[name] = d[name].clone().requires_grad_()
+        with pytest.raises(ValueError, match="k_cache: fp8 KV caches have no backward"):
+            paged_attention(d["q"], d["kc"], d["vc"], d["table"], d["lens"], k_scale=d["ks"], v_scale=d["vs"])
+    with pytest.raises(ValueError, match="v_scale: the same memory as k_scale"):
+        paged_attention(*args, k_scale=c["ks"], v_scale=c["ks"])
+    with pytest.raises(TypeError, match="k: fp8 caches take float16, bfloat16 or float32"):
+        store_kv(c["q"][:, :2].double(), c["q"][:, :2].double(), c["kc"], c["vc"], torch.tensor([0]),
+                 k_scale=c["ks"], v_scale=c["vs"])
 
 
 # --------------------------------------------------------------------------- functional attention
@@ -403,6 +449,8 @@ def test_slab_rollout_equals_a_float_pool_of_the_stored_values(backend, per) -> 
                 assert_close(out8, outf.double(), torch.float32, f"slab chunk {c} commit={commit} layer {layer}")
     got = p8.get("r")
     assert got and got[-1].k.dtype == torch.float32
+    last = max(p8._rollouts["r"].chunks)
+    assert torch.equal(got[-1].k[0], _slab_stored(p8, last, 0, 0)[0]), "get() returns the stored values"
     assert p8.used_bytes == pf.used_bytes * p8.layout.token_bytes // pf.layout.token_bytes
 
 
@@ -413,6 +461,18 @@ def _slab_stored(p8, chunk: int, layer: int, j: int) -> torch.Tensor:
     x = p8._region.data[ch.slot, layer, j, st - ch.n_tokens :]
     sc = p8._region.scales[ch.slot, layer, j, st - ch.n_tokens :]
     return dequantize_fp8(x, sc, torch.float32)[None]
+
+
+def test_slab_get_keeps_small_rows_in_half_precision() -> None:
+    """get() dequantizes in fp32 then casts: an fp16 scale would flush rows below ~1e-5."""
+    from kvarena.cache.slab import Slab
+
+    lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype=FP8, input_dtype=torch.float16)
+    pool = SlabKVCache(CachePolicy("slab_kv", lay.block_bytes(4) * 4), layout=lay, slab_tokens=4)
+    k = ((torch.rand(1, 4, 1, 8) + 0.5) * torch.tensor([1e-6, 1e-5, 1e-4, 1.0])[None, :, None, None]).half()
+    pool.append("n", Slab(0, k, k))
+    got = pool.get("n")[0].k.float()
+    assert bool(((got - k.float()).abs() <= k.float().abs() * 2**-4 + 1e-9).all())
 
 
 def test_slab_append_get_round_trip() -> None:

@@ -186,7 +186,7 @@ def check_sink_logits(sink: torch.Tensor | None, q: torch.Tensor) -> None:
         raise TypeError(f"sink_logits: expected {want} for {q.dtype} queries, got {sink.dtype}")
 
 
-def check_kv_scales(k_cache: torch.Tensor, k_scale, v_scale, q_dtype: torch.dtype) -> tuple | None:
+def check_kv_scales(k_cache: torch.Tensor, k_scale, v_scale, q_dtype: torch.dtype, what: str = "q") -> tuple | None:
     """The fp8 rule of a cache pair: ``(k_scale, v_scale)`` for fp8 caches, None for float ones.
 
     fp8 caches need both scales: fp32 ``[num_blocks, block_size, H_kv]`` (per token and kv
@@ -199,7 +199,7 @@ def check_kv_scales(k_cache: torch.Tensor, k_scale, v_scale, q_dtype: torch.dtyp
             raise ValueError(f"k_scale/v_scale: only fp8 caches take scales; k_cache is {k_cache.dtype}")
         return None
     if q_dtype not in KERNEL_DTYPES:
-        raise TypeError(f"q: fp8 caches take float16, bfloat16 or float32 inputs, got {q_dtype}")
+        raise TypeError(f"{what}: fp8 caches take float16, bfloat16 or float32 inputs, got {q_dtype}")
     want = tuple(k_cache.shape[:3])
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
         if t is None:
@@ -218,6 +218,8 @@ def check_kv_scales(k_cache: torch.Tensor, k_scale, v_scale, q_dtype: torch.dtyp
     if k_scale.dim():
         check_no_overlap("k_scale", k_scale)
         check_no_overlap("v_scale", v_scale)
+        if k_scale.data_ptr() == v_scale.data_ptr():
+            raise ValueError("v_scale: the same memory as k_scale; K and V need their own per-token scales")
     elif _check_values(k_scale):
         for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
             if not 0 < float(t) < float("inf"):
@@ -241,6 +243,53 @@ def _from_bytes(k_cache, v_cache, k_scale, v_scale):
     if k_scale.dtype == torch.uint8:
         k_scale, v_scale = k_scale.view(torch.float32), v_scale.view(torch.float32)
     return k_cache, v_cache, (k_scale, v_scale)
+
+
+def check_rope(spec: AttentionSpec, q: torch.Tensor, block_table: torch.Tensor, rope_q_pos, rope_k_shift):
+    """The RoPE-on-read arguments of a call; returns ``rope_pos`` (None or ``(q_pos, k_shift)``).
+
+    The tables (already 2-D fp32, see AttentionSpec) must have ``D / 2`` columns and sit
+    on q's device; ``rope_q_pos`` int32 ``[B]``, ``rope_k_shift`` int32 of block_table's
+    shape. Position values are checked by :func:`check_rope_values` (CPU, or debug).
+    """
+    if not spec.rope_mode:
+        if rope_q_pos is not None or rope_k_shift is not None:
+            raise ValueError("rope_q_pos/rope_k_shift: give rope_cos/rope_sin too (no RoPE on read without tables)")
+        return None
+    d = q.shape[-1]
+    if spec.rope_cos.shape[1] * 2 != d:
+        raise ValueError(f"rope_cos: expected D/2 = {d // 2} columns for head_dim {d}, got {spec.rope_cos.shape[1]} "
+                         "(partial rotary is not supported)")
+    if spec.rope_cos.device != q.device:
+        raise ValueError(f"rope_cos: expected q's device {q.device}, got {spec.rope_cos.device}")
+    b = block_table.shape[0]
+    if rope_q_pos is not None:
+        _require_int_tensor("rope_q_pos", rope_q_pos, (b,), q.device)
+    if rope_k_shift is not None:
+        _require_int_tensor("rope_k_shift", rope_k_shift, tuple(block_table.shape), q.device)
+    return None if rope_q_pos is None and rope_k_shift is None else (rope_q_pos, rope_k_shift)
+
+
+def check_rope_values(spec: AttentionSpec, rope_pos, seq_lens, cu_seqlens_q, block_size: int) -> None:
+    """Every visible query and key position inside the table (host read: CPU / debug only)."""
+    n_pos = spec.rope_cos.shape[0]
+    rq, rk = rope_pos if rope_pos is not None else (None, None)
+    lens = seq_lens.long().cpu()
+    cu = cu_seqlens_q.long().cpu()
+    q_lens = cu[1:] - cu[:-1]
+    q0 = rq.long().cpu() if rq is not None else lens - q_lens
+    for b in range(lens.shape[0]):
+        n_k, n_q = int(lens[b]), int(q_lens[b])
+        if n_q and (int(q0[b]) < 0 or int(q0[b]) + n_q > n_pos):
+            raise ValueError(f"rope_q_pos: sequence {b}'s query positions [{int(q0[b])}, {int(q0[b]) + n_q}) "
+                             f"leave the {n_pos}-row rotary table")
+        if n_k:
+            t = torch.arange(n_k)
+            pos = t + (rk[b].long().cpu()[t // block_size] if rk is not None else 0)
+            lo, hi = int(pos.min()), int(pos.max())
+            if lo < 0 or hi >= n_pos:
+                raise ValueError(f"rope_k_shift: sequence {b}'s key positions reach [{lo}, {hi}], outside the "
+                                 f"{n_pos}-row rotary table")
 
 
 def refuse_fp8_grad(kv_scales, *tensors) -> None:
@@ -395,6 +444,11 @@ def paged_attention(
     sink_logits: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
+    rope_interleaved: bool = False,
+    rope_q_pos: torch.Tensor | None = None,
+    rope_k_shift: torch.Tensor | None = None,
 ):
     """Block-table gather attention over a paged (or slab) KV cache.
 
@@ -425,6 +479,14 @@ def paged_attention(
         ``[num_blocks, block_size, H_kv]`` or 0-dim static scales; key ``t`` is
         ``k_cache[...] * k_scale[...]``. q (and out) are float16/bfloat16/float32.
         Inference only (a ValueError under autograd).
+    rope_cos, rope_sin, rope_interleaved
+        RoPE on read (see :class:`kvarena.AttentionSpec`): the caches hold un-rotated keys;
+        q and the keys are rotated by table rows as they are read.
+    rope_q_pos : Tensor, int32 ``[B]``, optional
+        Table row of each sequence's first query (None: its position ``L - q_len``).
+    rope_k_shift : Tensor, int32 ``[B, max_blocks]``, optional
+        Key t of sequence b takes row ``t + rope_k_shift[b, t // block_size]`` (None: t).
+        Gradients under RoPE on read are the torch path's (``backend="triton"`` refuses).
     max_seqlen_q, max_seqlen_k : int, optional
         Host bounds of the query / key lengths (None = read from the device: a sync).
     out : Tensor ``[total_q, H_q, D]``, optional
@@ -454,18 +516,23 @@ def paged_attention(
         scale=scale, causal=causal, chunk_size=chunk_size, window_left=window_left,
         sink_tokens=sink_tokens, softcap=softcap, backend=backend, num_splits=num_splits,
         deterministic=deterministic, return_lse=return_lse, sink_logits=sink_logits,
+        rope_cos=rope_cos, rope_sin=rope_sin, rope_interleaved=rope_interleaved,
     )
     cu, max_q, max_k = _validate_paged(
         q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, max_seqlen_q, max_seqlen_k
     )
     check_sink_logits(spec.sink_logits, q)
     kv_scales = check_kv_scales(k_cache, k_scale, v_scale, q.dtype)
-    refuse_fp8_grad(kv_scales, q, spec.sink_logits)
+    refuse_fp8_grad(kv_scales, q, spec.sink_logits, k_cache, v_cache, k_scale, v_scale)
+    rope_pos = check_rope(spec, q, block_table, rope_q_pos, rope_k_shift)
+    if spec.rope_mode and _check_values(q):
+        check_rope_values(spec, rope_pos, seq_lens, cu, k_cache.shape[1])
     cache_grad = _needs_grad(k_cache, v_cache, spec.sink_logits)
-    chosen = resolve_backend(spec.backend, q.device, q.dtype, cache_grad or _needs_grad(q),
-                             "k_cache/v_cache/sink_logits" if cache_grad else "q", triton_grad=not cache_grad)
+    what = "k_cache/v_cache/sink_logits" if cache_grad else ("q (RoPE on read)" if spec.rope_mode else "q")
+    chosen = resolve_backend(spec.backend, q.device, q.dtype, cache_grad or _needs_grad(q), what,
+                             triton_grad=not cache_grad and not spec.rope_mode)
     return attend(q, k_cache, v_cache, block_table, seq_lens, cu, kv_start, spec=spec, max_seqlen_q=max_q,
-                  max_seqlen_k=max_k, backend=chosen, out=out, kv_scales=kv_scales)
+                  max_seqlen_k=max_k, backend=chosen, out=out, kv_scales=kv_scales, rope_pos=rope_pos)
 
 
 def attend(
@@ -484,6 +551,7 @@ def attend(
     out: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rope_pos: tuple | None = None,
 ):
     """Block-table attention with already validated arguments (what the pools call).
 
@@ -492,7 +560,8 @@ def attend(
     caller has just stored at the rows' positions; on the differentiable path the
     attention reads them from these tensors (so gradients reach them) instead of from
     the cache. ``kv_scales``: fp8 caches (see :func:`check_kv_scales`; never with
-    gradients). Returns like :func:`paged_attention`.
+    gradients). ``rope_pos = (q_pos, k_shift)``: RoPE on read positions (either None).
+    Returns like :func:`paged_attention`.
     """
     kn, vn = new_kv if new_kv is not None else (None, None)
     if kv_scales is not None and not torch.compiler.is_compiling():
@@ -505,6 +574,9 @@ def attend(
         if k_cache.requires_grad or v_cache.requires_grad:
             raise ValueError("k_cache/v_cache: the Triton backward gives no gradient to a cache tensor; "
                              "use backend='torch' (or give the keys as new_kv / own k, v)")
+        if spec.rope_mode:
+            raise ValueError("rope_cos: the Triton backward does not rotate (RoPE on read); use backend='torch' "
+                             "for gradients")
         if _needs_grad(spec.sink_logits):
             raise ValueError("sink_logits: the Triton backward gives no gradient to sink_logits; use backend='torch'")
         result, lse = torch.ops.kvarena.attention_train(
@@ -515,7 +587,7 @@ def attend(
         # Differentiable torch path: plain torch ops that autograd (and dynamo) trace through.
         result, lse = reference.paged_attention_torch(
             q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec=spec,
-            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, new_kv=new_kv,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, new_kv=new_kv, rope_pos=rope_pos,
         )
     elif backend == "triton" and not torch.compiler.is_compiling():
         # Eager Triton: launch straight into the caller's ``out`` (no extra copy) and skip
@@ -523,22 +595,24 @@ def attend(
         result = torch.empty_like(q) if out is None else out
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if spec.return_lse else None
         _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, result, lse, spec,
-                       max_seqlen_q, max_seqlen_k, kv_scales=kv_scales)
+                       max_seqlen_q, max_seqlen_k, kv_scales=kv_scales, rope_pos=rope_pos)
         return (result, lse) if spec.return_lse else result
     else:
         # Under torch.compile: one opaque custom op with a fake impl. Eager calls the body
         # directly, skipping the ~10-20 us of custom-op dispatch per layer.
         if torch.compiler.is_compiling():
             ks, vs = kv_scales if kv_scales is not None else (None, None)
+            rq, rk = rope_pos if rope_pos is not None else (None, None)
             fp8 = kv_scales is not None
             result, lse = torch.ops.kvarena.paged_attention(
                 q, _as_bytes(k_cache) if fp8 else k_cache, _as_bytes(v_cache) if fp8 else v_cache, block_table,
-                seq_lens, cu_seqlens_q, kv_start, _as_bytes(ks), _as_bytes(vs), max_seqlen_q, max_seqlen_k,
+                seq_lens, cu_seqlens_q, kv_start, _as_bytes(ks), _as_bytes(vs), rq, rk, max_seqlen_q, max_seqlen_k,
                 *spec.replace(backend=backend).op_args(),
             )
         else:
             result, lse = _paged_attention_body(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
-                                                kv_start, spec, max_seqlen_q, max_seqlen_k, backend, kv_scales)
+                                                kv_start, spec, max_seqlen_q, max_seqlen_k, backend, kv_scales,
+                                                rope_pos)
     if out is not None:
         out.copy_(result)
         result = out
@@ -559,6 +633,7 @@ def attend_with_own_kv(
     max_seqlen_q: int,
     max_seqlen_k: int,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rope_pos: tuple | None = None,
 ):
     """History from the cache plus the step's own k/v in ONE Triton launch, or None.
 
@@ -583,7 +658,7 @@ def attend_with_own_kv(
     if kv_scales is not None:
         k_cache, v_cache, kv_scales = _from_bytes(k_cache, v_cache, *kv_scales)
     if not _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, result, lse, spec,
-                          max_seqlen_q, max_seqlen_k, own_kv=own_kv, kv_scales=kv_scales):
+                          max_seqlen_q, max_seqlen_k, own_kv=own_kv, kv_scales=kv_scales, rope_pos=rope_pos):
         return None
     return (result, lse) if spec.return_lse else result
 
@@ -608,6 +683,8 @@ def attend_history_and_own(
     own_kv_start: torch.Tensor | None = None,
     own_max_seqlen_k: int | None = None,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rope_hist: tuple | None = None,
+    rope_own: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A denoising step: the cached history plus the step's own k/v.
 
@@ -618,21 +695,28 @@ def attend_history_and_own(
     the run). Triton with whole own blocks (eager, or under autograd also while
     compiling): :func:`attend_with_own_kv`, one launch. Otherwise, or when that launch
     cannot take both sources, two partial attentions merged by LSE. ``spec_lse`` is
-    ``spec`` with ``return_lse``. Returns ``(out, lse)``, ``lse`` None unless
+    ``spec`` with ``return_lse``. RoPE on read: ``rope_hist`` / ``rope_own`` are the
+    ``(q_pos, k_shift)`` of the history and the own-key launches (the one-launch form
+    places own key r at ``q_pos + r``). Returns ``(out, lse)``, ``lse`` None unless
     ``spec.return_lse``.
     """
     paged = own_max_seqlen_k is not None
     grad = _needs_grad(q, *own_kv)
+    if grad and backend == "triton" and spec.rope_mode:
+        raise ValueError("rope_cos: the Triton backward does not rotate (RoPE on read); use backend='torch' "
+                         "for gradients")
     if not paged and backend == "triton" and (grad or not torch.compiler.is_compiling()):
         res = attend_with_own_kv(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, own_kv,
-                                 spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, kv_scales=kv_scales)
+                                 spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, kv_scales=kv_scales,
+                                 rope_pos=rope_hist)
         if res is not None:
             return res if spec.return_lse else (res, None)
     out_h, lse_h = attend(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec=spec_lse,
-                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, backend=backend, kv_scales=kv_scales)
+                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, backend=backend, kv_scales=kv_scales,
+                          rope_pos=rope_hist)
     out_c, lse_c = attend(q, own_kv[0], own_kv[1], own_table, own_lens, cu_seqlens_q, own_kv_start, spec=spec_lse,
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=own_max_seqlen_k if paged else own_kv[0].shape[1],
-                          backend=backend)
+                          backend=backend, rope_pos=rope_own)
     out, lse = merge(out_h, lse_h, out_c, lse_c, backend)
     return out, (lse if spec.return_lse else None)
 
@@ -789,7 +873,7 @@ def store_kv(
     """
     check_backend(backend)
     _validate_store(k, v, k_cache, v_cache, slot_mapping)
-    kv_scales = check_kv_scales(k_cache, k_scale, v_scale, k.dtype)
+    kv_scales = check_kv_scales(k_cache, k_scale, v_scale, k.dtype, "k")
     store(k, v, k_cache, v_cache, slot_mapping, resolve_backend(backend, k_cache.device, k.dtype, False, "k"),
           kv_scales)
 
@@ -876,52 +960,55 @@ def merge(out_a, lse_a, out_b, lse_b, backend: str) -> tuple[torch.Tensor, torch
 
 
 def _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse, spec,
-                   max_seqlen_q, max_seqlen_k, own_kv=None, kv_scales=None) -> bool:
+                   max_seqlen_q, max_seqlen_k, own_kv=None, kv_scales=None, rope_pos=None) -> bool:
     if q.device.type == "meta":
         return True  # a dry run: the caller's outputs are allocated, no kernel runs
     from kvarena.kernels.paged_attention import paged_attention_fwd
 
     return paged_attention_fwd(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse,
                                spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, own_kv=own_kv,
-                               kv_scales=kv_scales)
+                               kv_scales=kv_scales, rope_pos=rope_pos)
 
 
 def _paged_attention_body(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec,
-                          max_seqlen_q, max_seqlen_k, backend, kv_scales=None) -> tuple[torch.Tensor, torch.Tensor]:
+                          max_seqlen_q, max_seqlen_k, backend, kv_scales=None,
+                          rope_pos=None) -> tuple[torch.Tensor, torch.Tensor]:
     if backend == "triton":
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         _launch_triton(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse, spec,
-                       max_seqlen_q, max_seqlen_k, kv_scales=kv_scales)
+                       max_seqlen_q, max_seqlen_k, kv_scales=kv_scales, rope_pos=rope_pos)
         return out, lse
     # No gradient here: the SDPA route when the call has no position mask, else the batched one.
     args = (q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start)
     kw = dict(spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, kv_scales=kv_scales)
     fast = reference.paged_attention_sdpa(*args, **kw)
-    return fast if fast is not None else reference.paged_attention_torch(*args, **kw)
+    return fast if fast is not None else reference.paged_attention_torch(*args, **kw, rope_pos=rope_pos)
 
 
 _LIB = torch.library.Library("kvarena", "FRAGMENT")
 _LIB.define(
     "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
-    "Tensor cu_seqlens_q, Tensor? kv_start, Tensor? k_scale, Tensor? v_scale, SymInt max_seqlen_q, "
+    "Tensor cu_seqlens_q, Tensor? kv_start, Tensor? k_scale, Tensor? v_scale, Tensor? rope_q_pos, "
+    "Tensor? rope_k_shift, SymInt max_seqlen_q, "
     "SymInt max_seqlen_k, "
     f"{AttentionSpec.op_schema()}) -> (Tensor, Tensor)"
 )
 
 
 def _paged_attention_op_impl(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, k_scale, v_scale,
-                             max_seqlen_q, max_seqlen_k, *spec_args):
+                             rope_q_pos, rope_k_shift, max_seqlen_q, max_seqlen_k, *spec_args):
     spec = AttentionSpec.from_op_args(spec_args)
     backend = resolve_backend(spec.backend, q.device, q.dtype, False)
     k_cache, v_cache, kv_scales = _from_bytes(k_cache, v_cache, k_scale, v_scale)
+    rope_pos = None if rope_q_pos is None and rope_k_shift is None else (rope_q_pos, rope_k_shift)
     out, lse = _paged_attention_body(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, spec,
-                                     int(max_seqlen_q), int(max_seqlen_k), backend, kv_scales)
+                                     int(max_seqlen_q), int(max_seqlen_k), backend, kv_scales, rope_pos)
     return out, lse
 
 
 def _paged_attention_op_fake(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, k_scale, v_scale,
-                             max_seqlen_q, max_seqlen_k, *spec_args):
+                             rope_q_pos, rope_k_shift, max_seqlen_q, max_seqlen_k, *spec_args):
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=lse_dtype)
 

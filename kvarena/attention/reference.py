@@ -82,6 +82,23 @@ def dequantize_fp8(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return x8.to(dtype) * (sc[..., None] if sc.dim() else sc)
 
 
+def apply_rope(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               interleaved: bool) -> torch.Tensor:
+    """``x [..., D]`` rotated by table rows ``pos [...]`` (``cos``/``sin`` ``[P, D/2]``), in x's dtype.
+
+    Pairs ``(2i, 2i+1)`` when ``interleaved``, else ``(i, i + D/2)``; out-of-table rows
+    are clamped (as the kernels do; the pools validate positions). Differentiable in x.
+    """
+    p = pos.long().clamp(0, cos.shape[0] - 1)
+    c, s = cos[p].to(x.dtype), sin[p].to(x.dtype)  # [..., D/2]
+    if interleaved:
+        a, b = x[..., 0::2], x[..., 1::2]
+        return torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+
+
 def _read_kv(cache: torch.Tensor, scale: torch.Tensor | None, index, dtype: torch.dtype) -> torch.Tensor:
     """``cache[index]`` in ``dtype``, dequantized with ``scale[index]`` for an fp8 cache."""
     x = cache[index]
@@ -247,6 +264,7 @@ def paged_attention_torch(
     max_seqlen_k: int,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rope_pos: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched, sync-free block-table attention (the CPU path; differentiable).
 
@@ -255,6 +273,8 @@ def paged_attention_torch(
     ``[total_q, H_kv, D]`` are read instead of the cache at the query rows' own
     positions (``L - q_len + i``), so that gradients reach the keys a pool has just
     stored. ``kv_scales = (k_scale, v_scale)``: fp8 caches, dequantized as gathered.
+    ``spec.rope_cos``: queries and the gathered keys are rotated, at the positions
+    ``rope_pos = (q_pos, k_shift)`` give (see ``kernels.paged_attention_fwd``).
 
     Returns
     -------
@@ -306,6 +326,15 @@ def paged_attention_torch(
         pad = torch.zeros((b_count, 1, h_kv, d), dtype=acc, device=dev)
         kg = torch.cat([kg, pad], 1).index_put((b_of_r, pos), new_kv[0].to(acc))[:, :max_seqlen_k]
         vg = torch.cat([vg, pad], 1).index_put((b_of_r, pos), new_kv[1].to(acc))[:, :max_seqlen_k]
+    if spec.rope_mode:
+        rq, rk = rope_pos if rope_pos is not None else (None, None)
+        q0 = rq.long() if rq is not None else lens - q_lens  # [B]
+        kpos = tk.expand(b_count, -1)
+        if rk is not None:
+            kpos = kpos + rk.long().gather(1, (tk // block_size).clamp(max=rk.shape[1] - 1).expand(b_count, -1))
+        kg = apply_rope(kg, kpos[:, :, None], spec.rope_cos, spec.rope_sin, spec.rope_interleaved)
+        qpos = (q0[:, None] + qi[None, :])[:, :, None, None]  # [B, Mq, 1, 1]
+        qp = apply_rope(qp, qpos, spec.rope_cos, spec.rope_sin, spec.rope_interleaved)
     zero = torch.zeros((), dtype=acc, device=dev)
     kp = torch.where(k_in[..., None, None], kg, zero)
     vp = torch.where(k_in[..., None, None], vg, zero)
@@ -385,7 +414,7 @@ def paged_attention_sdpa(
     the host (free for CPU tensors), which is why fake, functional and device tensors
     are declined.
     """
-    if _SDPA_CPU is None or spec.softcap is not None or q.device.type != "cpu":
+    if _SDPA_CPU is None or spec.softcap is not None or q.device.type != "cpu" or spec.rope_mode:
         return None
     lens, cus, starts = _host_values(seq_lens), _host_values(cu_seqlens_q), _host_values(kv_start)
     if lens is None or cus is None or starts is None or not lens:

@@ -110,6 +110,21 @@ class AttentionSpec:
         (e^{sink} + sum_t e^{s_t})`` and ``lse`` includes it. float32 (float64 with fp64
         inputs). Not ``sink_tokens`` (keys kept visible by a window). A learned tensor,
         not a constant: left out of ``==`` and ``hash``.
+    rope_cos, rope_sin : Tensor ``[P, D / 2]``, optional
+        RoPE on read: the pool stores un-rotated keys and the kernels rotate queries and
+        keys as they load them, by table row = position (fp32, last dim contiguous, on
+        q's device; both or neither). A 1-D RoPE table has one row per token position;
+        Wan's 3-D RoPE is the ``[frames * H * W, D / 2]`` table whose row for token
+        ``f * H * W + r`` joins the frame frequencies of f and the height/width ones of r
+        (:func:`kvarena.attention.rope.wan_rope_table`). Left out of ``==``.
+    rope_interleaved : bool, default False
+        Rotation pairs: ``(2i, 2i + 1)`` (GPT-J, Wan's complex pairs) when True, else
+        ``(i, i + D/2)`` (GPT-NeoX, Llama's ``rotate_half``).
+    rope_positions : {"absolute", "virtual"}, default "absolute"
+        Which positions a pool gives: "absolute", the key's logical token index (and the
+        query's); "virtual" (SlabKVCache), the index in the ``[sinks | window]``
+        concatenation of the keys a chunk sees, its queries right after (LongLive 2), so
+        positions stay below ``sink_tokens + window_tokens`` however long the rollout.
 
     Raises
     ------
@@ -142,6 +157,10 @@ class AttentionSpec:
     num_splits: int | None = field(default=None, metadata=_op("int?"))
     deterministic: bool = field(default=False, metadata=_op("bool"))
     sink_logits: torch.Tensor | None = field(default=None, compare=False, repr=False, metadata=_op("Tensor?"))
+    rope_cos: torch.Tensor | None = field(default=None, compare=False, repr=False, metadata=_op("Tensor?"))
+    rope_sin: torch.Tensor | None = field(default=None, compare=False, repr=False, metadata=_op("Tensor?"))
+    rope_interleaved: bool = field(default=False, metadata=_op("bool"))
+    rope_positions: str = field(default="absolute", metadata=_op("str"))
     # Not an op argument: the op always computes the lse; the wrappers drop it.
     return_lse: bool = False
 
@@ -175,7 +194,33 @@ class AttentionSpec:
                 raise ValueError(f"sink_logits: expected a 1-D float32 tensor [H_q], got {s.dtype} of shape "
                                  f"{tuple(s.shape)}")
 
+        check_bool("rope_interleaved", self.rope_interleaved)
+        if self.rope_positions not in ("absolute", "virtual"):
+            raise ValueError(f"rope_positions: expected 'absolute' or 'virtual', got {self.rope_positions!r}")
+        c, sn = self.rope_cos, self.rope_sin
+        if (c is None) != (sn is None):
+            raise ValueError("rope_cos/rope_sin: give both tables or neither")
+        if c is not None:
+            for name, t in (("rope_cos", c), ("rope_sin", sn)):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"{name}: expected a [P, D/2] float32 tensor, got {type(t).__name__}")
+                if t.dim() != 2 or t.dtype != torch.float32 or t.shape[0] < 1 or t.shape[1] < 1:
+                    raise ValueError(f"{name}: expected a [P, D/2] float32 tensor (P >= 1), got {t.dtype} of "
+                                     f"shape {tuple(t.shape)}")
+                if t.shape[1] > 1 and t.stride(1) != 1:
+                    raise ValueError(f"{name}: the last dimension must be contiguous, got strides {t.stride()}")
+            if sn.shape != c.shape or sn.device != c.device:
+                raise ValueError(f"rope_sin: expected rope_cos's shape {tuple(c.shape)} and device {c.device}, "
+                                 f"got {tuple(sn.shape)} on {sn.device}")
+
     # ------------------------------------------------------------------ derived values
+    @property
+    def rope_mode(self) -> int:
+        """0: no RoPE on read; 1: half-split pairs; 2: interleaved pairs (the kernel's ROPE)."""
+        if self.rope_cos is None:
+            return 0
+        return 2 if self.rope_interleaved else 1
+
     def scale_for(self, head_dim: int) -> float:
         """The softmax scale at ``head_dim`` (``scale``, else ``head_dim ** -0.5``)."""
         return head_dim**-0.5 if self.scale is None else self.scale

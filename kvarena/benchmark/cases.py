@@ -84,8 +84,13 @@ class Case:
     kv_dtype : str
         Storage dtype of kvarena's cache when it differs from ``dtype``:
         ``"float8_e4m3fn"`` (per-token fp32 scales). The other providers read the same
-        values dequantized to ``dtype``; ``kvarena_bf16`` is kvarena on that copy (the
+        values dequantized to ``dtype``; ``kvarena_plain`` is kvarena on that copy (the
         same-run baseline of what fp8 storage buys).
+    rope : bool
+        Chunk cases: RoPE on read. kvarena stores un-rotated keys and rotates q and k by an
+        interleaved table (virtual positions, one row per visible key) as it reads them;
+        the other providers, ``kvarena_plain`` included, read keys and queries rotated
+        beforehand (untimed): the same attention, and the cost of rotating on read.
     skip_providers : tuple of str
         Providers of the kind that are reported as skipped on this case (to keep a set
         within its time budget, e.g. FlexAttention compiles once per shape on CUDA).
@@ -107,6 +112,7 @@ class Case:
     model: str = ""
     skip_providers: tuple[str, ...] = ()
     kv_dtype: str = ""
+    rope: bool = False
 
     @property
     def kv_tokens(self) -> int:
@@ -138,7 +144,7 @@ PROVIDERS: dict[str, tuple[str, ...]] = {
         "gather_flex",
         "flash_attn",
         "flashinfer",
-        "kvarena_bf16",
+        "kvarena_plain",
     ),
     "chunk": (
         "kvarena",
@@ -149,7 +155,7 @@ PROVIDERS: dict[str, tuple[str, ...]] = {
         "flex_contiguous",
         "flash_attn",
         "flashinfer",
-        "kvarena_bf16",
+        "kvarena_plain",
     ),
     "train": ("kvarena", "sdpa_contiguous"),
     "store": ("kvarena", "copy_", "shift_left"),
@@ -178,10 +184,11 @@ def _decode(batch: int, context: int, *, h_q=32, h_kv=8, head_dim=128, dtype="bf
 
 
 def _chunk(model: str, h_q: int, h_kv: int, chunk: int, window: int, *, sinks=1, head_dim=128,
-           dtype="bfloat16", kind="chunk", page=0, kv_dtype="") -> Case:
-    name = f"{kind}-{model}-w{window}" + (f"-p{page}" if page else "") + ("-fp8" if kv_dtype else "")
+           dtype="bfloat16", kind="chunk", page=0, kv_dtype="", rope=False) -> Case:
+    name = (f"{kind}-{model}-w{window}" + (f"-p{page}" if page else "") + ("-fp8" if kv_dtype else "")
+            + ("-rope" if rope else ""))
     return Case(kind, name, h_q, h_kv, head_dim, dtype, chunk=chunk, window=window, sinks=sinks,
-                page_tokens=page, model=model, kv_dtype=kv_dtype)
+                page_tokens=page, model=model, kv_dtype=kv_dtype, rope=rope)
 
 
 def _gpu_set() -> list[Case]:
@@ -195,6 +202,9 @@ def _gpu_set() -> list[Case]:
     out.append(_chunk("wan1.3b", 12, 12, 4680, 8, page=1560))
     # The w8 keys stored as fp8 (per-token scales): against kvarena on bf16 in the same run.
     out.append(_chunk("wan1.3b", 12, 12, 4680, 8, kv_dtype=_FP8))
+    # The w8 chunk with RoPE on read (un-rotated keys, virtual positions) against kvarena on
+    # keys rotated beforehand, same run.
+    out.append(_chunk("wan1.3b", 12, 12, 4680, 8, rope=True))
     out.append(_chunk("wan5b", 24, 24, 7040, 4))
     out.append(_chunk("matrixgame", 12, 12, 2640, 6))
     out.append(_chunk("magi1", 24, 8, 12150, 4))
@@ -235,6 +245,7 @@ def _quick_set() -> list[Case]:
     out.append(_chunk("tiny", 4, 2, 64, 3, head_dim=64, kind="store"))
     out.append(_decode(2, 256, **tiny, kv_dtype=_FP8))
     out.append(_chunk("tiny", 4, 2, 64, 3, head_dim=64, kv_dtype=_FP8))
+    out.append(_chunk("tiny", 4, 2, 64, 3, head_dim=64, rope=True))
     return out
 
 
@@ -271,6 +282,6 @@ def cases(set_name: str = "quick", only: str | list[str] | None = None) -> list[
 
 
 def providers_for(case: Case) -> tuple[str, ...]:
-    """Providers that run on ``case``, kvarena (the reference) first (``kvarena_bf16``
-    only on cases whose kvarena cache is stored in another dtype)."""
-    return tuple(p for p in PROVIDERS[case.kind] if p != "kvarena_bf16" or case.kv_dtype)
+    """Providers that run on ``case``, kvarena (the reference) first (``kvarena_plain`` only
+    on cases where kvarena reads its cache another way: fp8 storage, RoPE on read)."""
+    return tuple(p for p in PROVIDERS[case.kind] if p != "kvarena_plain" or case.kv_dtype or case.rope)

@@ -89,6 +89,8 @@ class CaseData:
     kv8 : ``(k_cache, v_cache, k_scale, v_scale)`` fp8 caches with per-token scales, or None
         (cases with ``kv_dtype``; ``k_cache``/``v_cache`` then hold the same values
         dequantized to the case's dtype, for the other providers).
+    rope : ``(q, k_cache, cos, sin)`` un-rotated q and keys and the interleaved table, or
+        None (RoPE cases; ``q``/``k_cache`` then hold them rotated, for the other providers).
     """
 
     case: Case
@@ -102,6 +104,7 @@ class CaseData:
     new_k: torch.Tensor | None = None
     new_v: torch.Tensor | None = None
     kv8: tuple | None = None
+    rope: tuple | None = None
     _contig: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _bt_long: torch.Tensor | None = field(default=None, repr=False)
 
@@ -199,7 +202,23 @@ def make_data(case: Case, device: str | torch.device, *, seed: int = 0) -> CaseD
     cu = torch.arange(0, (b + 1) * case.chunk, case.chunk, dtype=torch.int32, device=device)
     if case.kind == "chunk":
         q = randn(b * case.chunk, case.h_q, d)
-        return CaseData(case, device, q, k_cache, v_cache, block_table, seq_lens, cu, kv8=kv8)
+        rope = None
+        if case.rope:
+            from kvarena.attention.reference import apply_rope
+            from kvarena.attention.rope import rope_table
+
+            cos, sin = (x.to(device) for x in rope_table(case.kv_tokens, d))
+            rope = (q, k_cache, cos, sin)
+            # Pre-rotated copies for the others: key t of a row at table row t (its index in
+            # the row's visible keys: virtual positions), the chunk's queries at its last rows.
+            pos = torch.arange(case.kv_tokens, device=device).view(-1, page)  # [pages_per_seq, page]
+            k_rot = k_cache.clone()
+            for row in range(b):
+                ids = block_table[row].long()
+                k_rot[ids] = apply_rope(k_cache[ids].float(), pos[:, :, None], cos, sin, True).to(dtype)
+            qpos = torch.arange(case.kv_tokens - case.chunk, case.kv_tokens, device=device).repeat(b)
+            q, k_cache = apply_rope(q.float(), qpos[:, None], cos, sin, True).to(dtype), k_rot
+        return CaseData(case, device, q, k_cache, v_cache, block_table, seq_lens, cu, kv8=kv8, rope=rope)
     if case.kind == "train":
         # The last page of each row stands for the step's own keys, given as new_k/new_v.
         q = randn(b * case.chunk, case.h_q, d)
@@ -238,7 +257,7 @@ def work_of(case: Case) -> dict[str, float]:
 # --- providers ---------------------------------------------------------------------------
 
 
-def _kvarena(case: Case, data: CaseData, *, use_fp8: bool = True) -> Bench:
+def _kvarena(case: Case, data: CaseData, *, plain: bool = False) -> Bench:
     from kvarena.attention import ops
     from kvarena.attention.spec import AttentionSpec
 
@@ -260,18 +279,25 @@ def _kvarena(case: Case, data: CaseData, *, use_fp8: bool = True) -> Bench:
     if case.kind == "train":
         return _kvarena_train(case, data)
     spec = AttentionSpec(chunk_size=case.chunk if case.kind == "chunk" else None)  # block-causal chunks
+    q = data.q
+    note = "per-layer call (checked once)"
+    rope_kw = {}
+    if data.rope is not None and not plain:
+        q, k_raw, cos, sin = data.rope
+        spec = spec.replace(rope_cos=cos, rope_sin=sin, rope_interleaved=True)
+        rope_kw = dict(rope_cos=cos, rope_sin=sin, rope_interleaved=True)
+        note += ", RoPE on read (un-rotated keys)"
     b = data.block_table.shape[0]
     cu = data.cu_seqlens_q if data.cu_seqlens_q is not None else torch.arange(b + 1, dtype=torch.int32,
                                                                                 device=data.device)
     kw = dict(max_seqlen_q=data.q_len, max_seqlen_k=case.kv_tokens)
-    args = (data.q, data.k_cache, data.v_cache, data.block_table, data.seq_lens)
-    note = "per-layer call (checked once)"
-    fp8 = use_fp8 and data.kv8 is not None
+    args = (q, data.k_cache if not rope_kw else k_raw, data.v_cache, data.block_table, data.seq_lens)
+    fp8 = not plain and data.kv8 is not None
     if fp8:
-        args = (data.q, data.kv8[0], data.kv8[1], data.block_table, data.seq_lens)
+        args = (q, data.kv8[0], data.kv8[1], data.block_table, data.seq_lens)
         kw["k_scale"], kw["v_scale"] = data.kv8[2], data.kv8[3]
         note += ", fp8 KV + per-token scales"
-    ops.paged_attention(*args, cu, chunk_size=spec.chunk_size, **kw)
+    ops.paged_attention(*args, cu, chunk_size=spec.chunk_size, **kw, **rope_kw)
     backend = ops.resolve_backend(spec.backend, data.device, data.q.dtype, False)
     if fp8:
         kw["kv_scales"] = (kw.pop("k_scale"), kw.pop("v_scale"))
@@ -282,11 +308,12 @@ def _kvarena(case: Case, data: CaseData, *, use_fp8: bool = True) -> Bench:
     return Bench(fn, note=note)
 
 
-def _kvarena_bf16(case: Case, data: CaseData) -> Bench:
-    if data.kv8 is None:
-        raise Skip("cases with an fp8 kvarena cache only")
-    b = _kvarena(case, data, use_fp8=False)
-    return Bench(b.fn, note=f"kvarena on the {case.dtype} copy of the same values")
+def _kvarena_plain(case: Case, data: CaseData) -> Bench:
+    if data.kv8 is None and data.rope is None:
+        raise Skip("fp8 and RoPE-on-read cases only")
+    b = _kvarena(case, data, plain=True)
+    what = f"the {case.dtype} copy of the same values" if data.kv8 is not None else "keys rotated beforehand"
+    return Bench(b.fn, note=f"kvarena on {what}")
 
 
 def _train_inputs(case: Case, data: CaseData):
@@ -516,7 +543,7 @@ def _store_shift_left(case: Case, data: CaseData) -> Bench:
 
 _BUILDERS: dict[str, Callable[[Case, CaseData], Bench]] = {
     "kvarena": _kvarena,
-    "kvarena_bf16": _kvarena_bf16,
+    "kvarena_plain": _kvarena_plain,
     "gather_sdpa": lambda c, d: _sdpa(c, d, gather=True, backend=None),
     "gather_sdpa_flash": lambda c, d: _sdpa(c, d, gather=True, backend="flash"),
     "gather_sdpa_efficient": lambda c, d: _sdpa(c, d, gather=True, backend="efficient"),

@@ -137,10 +137,26 @@ class KVPoolBase:
             if i == 0 or spec is not specs[i - 1]:
                 self._check_spec(spec, f"attention[{i}]")
                 resolve_backend(spec.backend, device, layout.input_dtype, False, "layout.input_dtype")
+                if spec.rope_mode:
+                    self._check_rope(spec, f"attention[{i}]", layout, device)
         return specs
 
     def _check_spec(self, spec: AttentionSpec, where: str) -> None:
         """Pool-specific limits of a spec (subclasses)."""
+
+    #: The RoPE-on-read position modes the pool can give (subclasses).
+    ROPE_POSITIONS: tuple = ("absolute",)
+
+    def _check_rope(self, spec: AttentionSpec, where: str, layout: KVLayout, device: torch.device) -> None:
+        if spec.rope_cos.shape[1] * 2 != layout.head_dim:
+            raise ValueError(f"{where}.rope_cos: expected head_dim / 2 = {layout.head_dim // 2} columns, got "
+                             f"{spec.rope_cos.shape[1]} (partial rotary is not supported)")
+        if spec.rope_cos.device.type != device.type:
+            raise ValueError(f"{where}.rope_cos: expected the pool's device {device}, got {spec.rope_cos.device}")
+        if spec.rope_positions not in self.ROPE_POSITIONS:
+            raise ValueError(f"{where}.rope_positions: {type(self).__name__} gives {' or '.join(self.ROPE_POSITIONS)} "
+                             f"positions, not {spec.rope_positions!r} (in a paged pool each query row has its own "
+                             "window, so there is no one [sinks | window] layout per sequence)")
 
     # ------------------------------------------------------------------ accounting
     def _blocks(self):
@@ -214,6 +230,7 @@ class KVPoolBase:
                              "differentiable); run under torch.no_grad() or use a float layout to train")
         attn = resolve_backend(spec.backend, self.device, self.layout.input_dtype,
                                kv_grad or sink_grad or (grad_on and q.requires_grad),
-                               "sink_logits" if sink_grad else "q", triton_grad=not sink_grad)
+                               "sink_logits" if sink_grad else ("q (RoPE on read)" if spec.rope_mode else "q"),
+                               triton_grad=not sink_grad and not spec.rope_mode)
         store = resolve_backend(spec.backend, self.device, self.layout.input_dtype, False)
         return attn, store, kv_grad

@@ -181,8 +181,10 @@ class KVLayout:
             raise ValueError(f"scales: static scales are for fp8 layouts, not {self.dtype}")
 
         def one(x, where):
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < float(x) < float("inf"):
-                raise ValueError(f"scales{where}: expected a finite float > 0, got {x!r}")
+            # Checked as the fp32 the arena keeps: 1e39 would become inf there, 1e-46 zero.
+            f32 = float(torch.tensor(float(x), dtype=torch.float32)) if isinstance(x, (int, float)) else 0.0
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < f32 < float("inf"):
+                raise ValueError(f"scales{where}: expected a float > 0 that is finite and nonzero in float32, got {x!r}")
             return float(x)
 
         if isinstance(sc, (int, float)) and not isinstance(sc, bool):

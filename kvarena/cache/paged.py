@@ -766,6 +766,9 @@ class PagedKVCache(KVPoolBase):
             # The differentiable paths read each query row's own k/v at its position, which
             # for a padding row is a real older token's.
             raise ValueError("meta: a padded plan (pad_to) gives no gradient to k/v; plan the real tokens packed")
+        if spec.rope_mode and meta.max_seqlen_k > spec.rope_cos.shape[0]:
+            raise ValueError(f"rope_cos: this step reaches position {meta.max_seqlen_k - 1}, past the "
+                             f"{spec.rope_cos.shape[0]}-row rotary table of layer {layer}")
         kc, vc, scales = region.op_views(layer)
         store(k, v, kc, vc, meta.slot_mapping, store_backend, scales)
         return attend(

@@ -98,6 +98,19 @@ def _clip(intervals: list, lo: int, hi: int) -> list:
     return [(a, b) for a, b in out if b > a]
 
 
+def _page_shifts(intervals: list, g: int, base: int) -> list[int]:
+    """Per page of :func:`_pages`'s table: ``logical position - kernel position`` of its rows.
+
+    Buffer row ``x`` of an interval is logical token ``x - base``; page p of the table
+    holds kernel rows ``k * g ..``, so key t of that page has logical position ``t + shift``.
+    """
+    out: list[int] = []
+    for a, b in intervals:
+        for p in range(a // g, -(-b // g)):
+            out.append(p * g - base - len(out) * g)
+    return out
+
+
 def _pages(intervals: list, g: int, page_id) -> tuple[list, int, int]:
     """One kernel sequence over buffer ``intervals`` in pages of ``g`` rows.
 
@@ -233,6 +246,9 @@ class SlabMetadata:
     _epoch: int = field(repr=False)
     _current: tuple = field(repr=False)  # _Chunk of every planned chunk
     _history: tuple = field(repr=False)  # ((namespace, index), _Chunk) of every chunk seen before the run
+    # RoPE on read, per position mode the pool's layers use: {mode: (q_pos [n], full shift
+    # [n, w], history shift [n, w_h], own shift [n, w_o], the largest position)}.
+    rope: dict = field(default_factory=dict, repr=False)
 
     def __deepcopy__(self, memo) -> SlabMetadata:
         # The chunk records are the pool's own bookkeeping, not data of the plan: a copy
@@ -384,6 +400,8 @@ class SlabKVCache(KVPoolBase):
         arena = KVArena.single("slab_kv", layout, slab_tokens, self.policy.max_bytes, device=device)
         self._attach(arena, arena["slab_kv"], specs)
 
+    ROPE_POSITIONS = ("absolute", "virtual")
+
     def _check_spec(self, spec: AttentionSpec, where: str) -> None:
         for name, default in (("window_left", None), ("sink_tokens", 0), ("chunk_size", None), ("causal", True)):
             if getattr(spec, name) != default:
@@ -394,6 +412,7 @@ class SlabKVCache(KVPoolBase):
     def _attach(self, arena: KVArena, reg: ArenaRegion, specs: tuple) -> None:
         self._specs = specs
         self._op_pairs = tuple(_op_specs(s) for s in specs)
+        self._rope_modes = tuple(sorted({s.rope_positions for s in specs if s.rope_mode}))
         self.arena = arena
         self._region = reg
         self.layout = reg.layout
@@ -770,6 +789,7 @@ class SlabKVCache(KVPoolBase):
             if len(own) > 1:
                 g_own = math.gcd(g_own, own[0][1], own[1][0])
         per_slab = 2 * self.layout.num_layers * st // g  # pages between two slabs' starts
+        rope = self._rope_meta(rows, seqs, g, g_own, t) if self._rope_modes else {}
 
         def arena_page(records, p):
             slot = records[p * g // st].slot
@@ -856,12 +876,60 @@ class SlabKVCache(KVPoolBase):
             has_kv_start=any(s for _i, s, _l in full_t),
             hist_has_kv_start=any(s for _i, s, _l in hist_t),
             dense_has_kv_start=any(s for _i, s, _l in own_t),
+            rope=rope,
             _owner=self._cache_id,
             _versions=tuple(r.version for _ns, r, _run, _rec in rows),
             _epoch=self._epoch,
             _current=tuple(ch for _ns, _r, run, _rec in rows for ch in run),
             _history=tuple(history.items()),
         )
+
+    def _rope_meta(self, rows, seqs, g: int, g_own: int, t: int) -> dict:
+        """RoPE-on-read positions of a plan (see ``SlabMetadata.rope``), host math + one upload.
+
+        Absolute: a key's logical token index; the queries are the chunk's tokens. Virtual:
+        the key's index in the concatenation of the keys the chunk sees (its sinks, its
+        window, then its own tokens), which is the kernel's key space minus ``kv_start``;
+        the own keys of a denoising step continue after the history.
+        """
+        st = self.slab_tokens
+        out = {}
+        for mode in self._rope_modes:
+            q_pos, tabs, top = [], ([], [], []), 0
+            for row, r, _rec, pad, n_tok, full, hist, own in seqs:
+                run0 = _chunk_start(rows[row][2][0].index, r.n0, st)
+                f_ids, f_start, f_len = _pages([(a + pad, e + pad) for a, e in full], g, lambda p: 0)
+                h_ids, h_start, h_len = _pages([(a + pad, e + pad) for a, e in hist], g, lambda p: 0)
+                o_ids, o_start, o_len = _pages(own, g_own, lambda p: 0)
+                if mode == "absolute":
+                    q0 = full[-1][1] - n_tok
+                    fs = _page_shifts([(a + pad, e + pad) for a, e in full], g, pad)
+                    hs = _page_shifts([(a + pad, e + pad) for a, e in hist], g, pad)
+                    os_ = _page_shifts(own, g_own, -run0)
+                    top = max(top, full[-1][1] - 1)
+                else:
+                    q0 = f_len - f_start - n_tok
+                    fs, hs = [-f_start] * len(f_ids), [-h_start] * len(h_ids)
+                    os_ = [(h_len - h_start) - o_start] * len(o_ids)
+                    top = max(top, f_len - f_start - 1)
+                q_pos.append(q0)
+                for tab, sh in zip(tabs, (fs, hs, os_)):
+                    tab.append(sh)
+            flat = list(q_pos)
+            widths = []
+            for tab in tabs:
+                w = max(1, max(len(x) for x in tab))
+                widths.append(w)
+                for x in tab:
+                    flat += x + [0] * (w - len(x))
+            packed = upload(flat, torch.int32, self.device)
+            n = len(seqs)
+            o, parts = n, []
+            for w in widths:
+                parts.append(packed[o : o + n * w].view(n, w))
+                o += n * w
+            out[mode] = (packed[:n], *parts, top)
+        return out
 
     def _pages_of(self, layer: int, g: int):
         """Layer ``layer``'s K and V as pages of ``g`` rows (a divisor of ``slab_tokens``).
@@ -1014,6 +1082,13 @@ class SlabKVCache(KVPoolBase):
                     f"never committed at layer {layer} (run forward(..., commit=True) for it)"
                 )
         op_spec, op_spec_lse = _op_specs(spec) if options else self._op_pairs[layer]
+        rope_full = rope_hist = rope_own = None
+        if spec.rope_mode:
+            q_pos, full_sh, hist_sh, own_sh, top = meta.rope[spec.rope_positions]
+            if top >= spec.rope_cos.shape[0]:
+                raise ValueError(f"rope_cos: this step reaches {spec.rope_positions} position {top}, past the "
+                                 f"{spec.rope_cos.shape[0]}-row rotary table of layer {layer}")
+            rope_full, rope_hist, rope_own = (q_pos, full_sh), (q_pos, hist_sh), (q_pos, own_sh)
         kc, vc, store_scales = region.op_views(layer)
         kp, vp, scales = self._pages_of(layer, meta.page_tokens)
         qf = q.reshape(b * t, h_q, d)
@@ -1033,7 +1108,7 @@ class SlabKVCache(KVPoolBase):
                 qf, kp, vp, meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
                 meta.kv_start if meta.has_kv_start else None, spec=op_spec, max_seqlen_q=meta.max_seqlen_q,
                 max_seqlen_k=meta.max_seqlen_k, backend=attn_backend, new_kv=(kf, vf) if kv_grad else None,
-                kv_scales=scales,
+                kv_scales=scales, rope_pos=rope_full,
             )
             out, lse = res if spec.return_lse else (res, None)
         else:
@@ -1051,7 +1126,7 @@ class SlabKVCache(KVPoolBase):
                 qf, kp, vp, meta.hist_block_table, meta.hist_seq_lens, meta.cu_seqlens_q, hist_kv_start, (kd, vd),
                 own_table=meta.dense_block_table, own_lens=meta.dense_seq_lens, spec=op_spec, spec_lse=op_spec_lse,
                 max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.hist_max_seqlen_k, backend=attn_backend,
-                kv_scales=scales, **paged,
+                kv_scales=scales, rope_hist=rope_hist, rope_own=rope_own, **paged,
             )
         out = out.reshape(b, t, h_q, d)
         return (out, lse.reshape(b, t, h_q)) if spec.return_lse else out
@@ -1148,7 +1223,8 @@ class SlabKVCache(KVPoolBase):
                 else:
                     sc = torch.stack([region.kv_scales(i)[j] for i in range(self.layout.num_layers)])
                     sc = sc[:, None, None].expand(x.shape[:3])
-                return dequantize_fp8(x, sc, self.layout.input_dtype)
+                # In fp32, then cast: an fp16 scale would underflow for rows below ~1e-5.
+                return dequantize_fp8(x, sc, torch.float32).to(self.layout.input_dtype)
 
             return [Slab(i, read(ch, 0), read(ch, 1)) for i, ch in r.chunks.items() if all(ch.committed)]
 

@@ -47,7 +47,7 @@ def _fp8e4m3_bits(y):
     sub = i + up.to(tl.int32)
     bits = tl.where(a >= 0.015625, normal, sub)
     sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
-    bits = tl.where(nan, 0x7F, bits | (sign << 7))
+    bits = tl.where(nan, 0x7F, bits) | (sign << 7)  # NaN keeps its sign: 0x7F / 0xFF, as torch's cast
     return bits.to(tl.uint8)
 
 

@@ -40,7 +40,7 @@ def _merge_states_kernel(
     wa = tl.exp2((la - m_safe) * 1.4426950408889634)  # [BLOCK_R]
     wb = tl.exp2((lb - m_safe) * 1.4426950408889634)
     tot = wa + wb
-    has_key = tot > 0.0
+    has_key = tot != 0.0  # NaN (a part that saw a NaN) stays NaN
     inv = tl.where(has_key, 1.0 / tl.where(has_key, tot, 1.0), 0.0)
     d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = (d < HEAD_DIM)[None, :]

@@ -97,15 +97,46 @@ def _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP: tl.
 
 @triton.jit
 def _fp8_to(x, dtype: tl.constexpr, NATIVE: tl.constexpr):
-    """An fp8 K or V tile in ``dtype`` (the dot's input type). ``NATIVE`` (sm_89+, and the
-    interpreter, whose fp8 loads and widening are exact): the hardware conversion, 2
-    elements per instruction, giving the value itself; else (sm_80, no fp8 type) the
-    shift decode of uint8 bytes, giving the value / 256."""
+    """An fp8 K or V tile in ``dtype`` (the dot's input type). ``NATIVE`` (sm_89+): the
+    hardware conversion, 2 elements per instruction, giving the value itself; else (sm_80,
+    which has no fp8 type, and the interpreter) the shift decode of uint8 bytes, giving the
+    value / 256."""
     if NATIVE:
         y = x.to(dtype)
     else:
         y = _fp8e4m3_decode(x).to(dtype)
     return y
+
+
+@triton.jit
+def _rope_index(d, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr):
+    """Per head-dim index d: its rotation partner, frequency index and the partner term's sign.
+
+    ROPE 1 (halves, GPT-NeoX / Llama): pairs (i, i + D/2); ROPE 2 (interleaved, GPT-J /
+    Wan's complex pairs): pairs (2i, 2i + 1). ``rot(x)[d] = x[d] cos f(d) + sign(d)
+    x[partner(d)] sin f(d)``, the standard rotation of each pair.
+    """
+    if ROPE == 1:
+        lo = d < HEAD_DIM // 2
+        pd = tl.where(lo, d + HEAD_DIM // 2, d - HEAD_DIM // 2)
+        fi = tl.where(lo, d, d - HEAD_DIM // 2)
+        sg = tl.where(lo, -1.0, 1.0)
+    else:
+        pd = d ^ 1
+        fi = d // 2
+        sg = tl.where((d % 2) == 0, -1.0, 1.0)
+    return pd, fi, sg
+
+
+@triton.jit
+def _rotate(x, xp, pos, fi, sg, ok, cos_ptr, sin_ptr, stride_rp, n_pos):
+    """fp32 rotation of tile ``x`` (partner values ``xp``) at table rows ``pos``; the index
+    tiles broadcast over the tile. Rows are clamped into the table (the hosts validate
+    positions; the clamp keeps a bad one from reading outside it)."""
+    row = tl.minimum(tl.maximum(pos, 0), n_pos - 1).to(tl.int64) * stride_rp
+    c = tl.load(cos_ptr + row + fi, mask=ok, other=0.0)
+    sn = tl.load(sin_ptr + row + fi, mask=ok, other=0.0)
+    return x.to(tl.float32) * c + sg * xp.to(tl.float32) * sn
 
 
 @triton.jit
@@ -151,7 +182,7 @@ def _block_tiles(
     stride_kt, stride_vt, stride_kst, stride_vst, scale_log2, softcap_inv, softcap_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     GUARD: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr,
-    FP8_NATIVE: tl.constexpr,
+    FP8_NATIVE: tl.constexpr, cos_ptr, sin_ptr, stride_rp, n_pos, rshift, ROPE: tl.constexpr,
 ):
     """``n_tiles`` key tiles of one large block from tile ``j_lo``, at rows ``j * BLOCK_N``.
 
@@ -159,11 +190,14 @@ def _block_tiles(
     divide). ``MASKED=False`` is the interior loop: every key of every tile is visible
     to every row, so there is no mask code at all; ``MASKED=True`` handles the block's
     few boundary tiles, both ends in one loop: tiles from ``gap_at`` on skip ahead by
-    ``gap_len`` (over the interior run).
+    ``gap_len`` (over the interior run). ``ROPE``: keys are rotated as loaded, key at
+    block row ``r`` by table row ``blk_start + r + rshift``.
     """
     d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = d < HEAD_DIM
     n_off = tl.arange(0, BLOCK_N)
+    if ROPE != 0:
+        pd, fi, sg = _rope_index(d, HEAD_DIM, ROPE)
     for jj in range(0, n_tiles):
         j = j_lo + jj
         if MASKED:
@@ -179,8 +213,17 @@ def _block_tiles(
             kt = tl.load(k_blk + rel[None, :] * stride_kt + d[:, None], mask=d_ok[:, None], other=0.0)
         kcol = scale_log2  # unused without FP8
         vcol = scale_log2
+        if ROPE != 0:
+            # The partner rows of the same keys (an L1 hit), then the rotation in fp32.
+            k_ok = d_ok[:, None] & (key_ok[None, :] if MASKED else (n_off >= 0)[None, :])
+            kp = tl.load(k_blk + rel[None, :] * stride_kt + pd[:, None], mask=k_ok, other=0.0)
+            if FP8:
+                kt, kp = _fp8_to(kt, tl.float32, FP8_NATIVE), _fp8_to(kp, tl.float32, FP8_NATIVE)
+            kt = _rotate(kt, kp, (t + rshift)[None, :], fi[:, None], sg[:, None], k_ok, cos_ptr, sin_ptr,
+                         stride_rp, n_pos).to(q.dtype)
         if FP8:
-            kt = _fp8_to(kt, q.dtype, FP8_NATIVE)
+            if ROPE == 0:
+                kt = _fp8_to(kt, q.dtype, FP8_NATIVE)
             if MASKED:
                 kcol = tl.load(ks_blk + rel * stride_kst, mask=key_ok, other=0.0)  # [BLOCK_N]
                 vcol = tl.load(vs_blk + rel * stride_vst, mask=key_ok, other=0.0)
@@ -190,7 +233,7 @@ def _block_tiles(
             if not FP8_NATIVE:  # the shift decode gives value / 256
                 kcol = kcol * 256.0
                 vcol = vcol * 256.0
-        elif UPCAST:
+        elif UPCAST and ROPE == 0:
             kt = kt.to(tl.float32)
         s = _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, FP8)
         if MASKED:
@@ -226,7 +269,7 @@ def _range_tiles(a, b, block_size, BLOCK_N: tl.constexpr):
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     block_table_ptr, seq_lens_ptr, cu_q_ptr, kv_start_ptr,
-    k2_ptr, v2_ptr, sink_ptr, ks_ptr, vs_ptr,
+    k2_ptr, v2_ptr, sink_ptr, ks_ptr, vs_ptr, cos_ptr, sin_ptr, qpos_ptr, kshift_ptr,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -236,10 +279,10 @@ def _paged_attn_kernel(
     stride_v2b, stride_v2t, stride_v2h,
     stride_os, stride_ot, stride_oh, stride_od,
     stride_ls, stride_lt, stride_lh,
-    stride_bt,
+    stride_bt, stride_rp, stride_rb,
     scale_log2, softcap_inv, softcap_log2,
     block_size, chunk_size, window_left, sink_tokens, own_len,
-    num_kv_heads, num_q_tiles, tiles_per_split,
+    num_kv_heads, num_q_tiles, tiles_per_split, n_pos,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -258,6 +301,9 @@ def _paged_attn_kernel(
     HAS_SINK_LOGITS: tl.constexpr,
     KV_FP8: tl.constexpr,
     FP8_NATIVE: tl.constexpr,
+    ROPE: tl.constexpr,
+    ROPE_Q_POS: tl.constexpr,
+    ROPE_K_SHIFT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split_id = tl.program_id(1)
@@ -346,8 +392,25 @@ def _paged_attn_kernel(
     q_base = q_ptr + tok0 * stride_qt + head0 * stride_qh
     q_off = local[:, None] * stride_qt + head_in[:, None] * stride_qh + d[None, :] * stride_qd
     q = tl.load(q_base + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
-    if UPCAST:
+    rope_q0 = seq_len  # rotary position of the sequence's first query (ROPE)
+    if ROPE != 0:
+        # Queries rotate once per program: row position = the first query's table row +
+        # its index. Default: the bottom-right position (seq_len - q_len), or, in a launch
+        # with own k/v, right after the history (the own keys are the queries' tokens).
+        if ROPE_Q_POS:
+            rope_q0 = tl.load(qpos_ptr + b)
+        elif not OWN_KV:
+            rope_q0 = seq_len - q_len
+        pd, fi, sg = _rope_index(d, HEAD_DIM, ROPE)
+        q_ok = row_ok[:, None] & d_ok[None, :]
+        qp = tl.load(q_base + local[:, None] * stride_qt + head_in[:, None] * stride_qh + pd[None, :] * stride_qd,
+                     mask=q_ok, other=0.0)
+        q = _rotate(q, qp, (rope_q0 + pos_idx)[:, None], fi[None, :], sg[None, :], q_ok, cos_ptr, sin_ptr,
+                    stride_rp, n_pos)
+        q = q.to(tl.float32 if UPCAST else q_ptr.dtype.element_ty)
+    elif UPCAST:
         q = q.to(tl.float32)
+    kshift_row = kshift_ptr + b.to(tl.int64) * stride_rb
 
     bt_row = block_table_ptr + b.to(tl.int64) * stride_bt
     k_head = k_ptr + kvh.to(tl.int64) * stride_kh
@@ -391,6 +454,9 @@ def _paged_attn_kernel(
                     v_blk = v_head + bid * stride_vb
                     ks_blk = ks_head + bid * stride_ksb
                     vs_blk = vs_head + bid * stride_vsb
+                    rshift = 0
+                    if ROPE_K_SHIFT:
+                        rshift = tl.load(kshift_row + blk)
                     # Interior tiles: [fast_lo, min(fast_hi, block end)) in whole tiles.
                     f_lo = tl.cdiv(tl.maximum(fast_lo - bs0, 0), BLOCK_N)
                     f_hi = tl.maximum(tl.minimum(fast_hi, bs0 + block_size) - bs0, 0) // BLOCK_N
@@ -402,12 +468,14 @@ def _paged_attn_kernel(
                         q, k_blk, v_blk, ks_blk, vs_blk, bs0, ja, (f_a - ja) + (jb - f_b), f_a, f_b - f_a, m_i,
                         l_i, acc, bad_w, r_lo, key_hi, row_hi, row_lo, sink_tokens, stride_kt, stride_vt,
                         stride_kst, stride_vst, scale_log2, softcap_inv, softcap_log2,
-                        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, KV_FP8, FP8_NATIVE)
+                        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, KV_FP8, FP8_NATIVE,
+                        cos_ptr, sin_ptr, stride_rp, n_pos, rshift, ROPE)
                     m_i, l_i, acc, bad_w = _block_tiles(
                         q, k_blk, v_blk, ks_blk, vs_blk, bs0, f_a, f_b - f_a, 0, 0, m_i, l_i, acc,
                         bad_w, r_lo, key_hi, row_hi, row_lo, sink_tokens, stride_kt, stride_vt,
                         stride_kst, stride_vst, scale_log2, softcap_inv, softcap_log2,
-                        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, KV_FP8, FP8_NATIVE)
+                        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, KV_FP8, FP8_NATIVE,
+                        cos_ptr, sin_ptr, stride_rp, n_pos, rshift, ROPE)
         if OWN_KV:
             # Same online softmax, second key source: full tiles unmasked, the last partial
             # tile masked to own_len rows (cum == tiles of the history here).
@@ -424,12 +492,14 @@ def _paged_attn_kernel(
                     q, k_blk, v_blk, k_blk, v_blk, 0, ja, f_b - ja, 0, 0, m_i, l_i, acc,
                     bad_w, 0, own_len, all_rows_hi, no_lo, 0, stride_k2t, stride_v2t, 0, 0,
                     scale_log2, softcap_inv, softcap_log2,
-                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, False, False)
+                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, False, False,
+                    cos_ptr, sin_ptr, stride_rp, n_pos, rope_q0, ROPE)
                 m_i, l_i, acc, bad_w = _block_tiles(
                     q, k_blk, v_blk, k_blk, v_blk, 0, f_b, jb - f_b, jb, 0, m_i, l_i, acc,
                     bad_w, 0, own_len, all_rows_hi, no_lo, 0, stride_k2t, stride_v2t, 0, 0,
                     scale_log2, softcap_inv, softcap_log2,
-                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, False, False)
+                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, False, False,
+                    cos_ptr, sin_ptr, stride_rp, n_pos, rope_q0, ROPE)
     else:
         for i in range(i_begin, i_end):
             in_sink = i < n_sink
@@ -453,14 +523,25 @@ def _paged_attn_kernel(
             kt = tl.load(k_head + k_off[None, :] + d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
             kcol = scale_log2  # unused without KV_FP8
             vcol = scale_log2
+            if ROPE != 0:
+                k_ok = key_ok[None, :] & d_ok[:, None]
+                kp = tl.load(k_head + k_off[None, :] + pd[:, None], mask=k_ok, other=0.0)
+                if KV_FP8:
+                    kt, kp = _fp8_to(kt, tl.float32, FP8_NATIVE), _fp8_to(kp, tl.float32, FP8_NATIVE)
+                kpos = t
+                if ROPE_K_SHIFT:
+                    kpos = t + tl.load(kshift_row + blk_idx, mask=key_ok, other=0)
+                kt = _rotate(kt, kp, kpos[None, :], fi[:, None], sg[:, None], k_ok, cos_ptr, sin_ptr,
+                             stride_rp, n_pos).to(q.dtype)
             if KV_FP8:
-                kt = _fp8_to(kt, q.dtype, FP8_NATIVE)
+                if ROPE == 0:
+                    kt = _fp8_to(kt, q.dtype, FP8_NATIVE)
                 kcol = tl.load(ks_head + blk * stride_ksb + row_in_blk * stride_kst, mask=key_ok, other=0.0)
                 vcol = tl.load(vs_head + blk * stride_vsb + row_in_blk * stride_vst, mask=key_ok, other=0.0)
                 if not FP8_NATIVE:  # the shift decode gives value / 256
                     kcol = kcol * 256.0
                     vcol = vcol * 256.0
-            elif UPCAST:
+            elif UPCAST and ROPE == 0:
                 kt = kt.to(tl.float32)
             s = _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, KV_FP8)
             # Interior tiles (every key visible to every row) skip the per-element mask: at
@@ -489,7 +570,9 @@ def _paged_attn_kernel(
         l_i = l_i * alpha + tl.exp2(sink - m_new)
         acc = acc * alpha[:, None]
         m_i = m_new
-    has_key = l_i > 0.0
+    # l_i != 0 (not > 0): a visible NaN score makes l_i NaN, and the row must come out NaN
+    # with a NaN lse (a split partial that reported lse = -inf would be dropped as empty).
+    has_key = l_i != 0.0
     inv_l = tl.where(has_key, 1.0 / tl.where(has_key, l_i, 1.0), 0.0)
     o = acc * inv_l[:, None]  # [BLOCK_M, HEAD_DIM_PAD]
     if GUARD_NONFINITE:
@@ -560,7 +643,7 @@ def _split_reduce_kernel(
         part_p += stride_ps
     if HAS_SINK_LOGITS:
         tot += tl.exp2(sink - m_safe)
-    has_key = tot > 0.0
+    has_key = tot != 0.0  # NaN (a partial that saw a NaN) stays NaN, as in the unsplit epilogue
     inv = tl.where(has_key, 1.0 / tl.where(has_key, tot, 1.0), 0.0)
     o = acc * inv[:, None]
     # int64 head_dim offsets: out may be a permuted view whose head_dim stride times D
@@ -576,7 +659,7 @@ def _split_reduce_kernel(
 
 
 def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | None,
-                 capability: int = 90, *, lean: bool = False) -> dict:
+                 capability: int = 90, *, lean: bool = False, rope: bool = False) -> dict:
     """Tile sizes, warps and stages of one attention launch: a pure function of its args.
 
     ``q_len_max=None`` means "any": the deterministic mode pins one config per
@@ -593,6 +676,8 @@ def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | No
     sm_90a's wgmma reads it from shared memory. Shared memory: K and V tiles per stage
     plus the q tile, <= 100 KiB everywhere here (163 KiB on sm_80, 227 KiB on sm_90a).
     """
+    if rope:
+        return _rope_config(_pick_config(head_dim, group, elem_bytes, q_len_max, capability, lean=lean))
     d_pad = head_dim_pad(head_dim)
     rows = None if q_len_max is None else max(1, q_len_max) * group
     decode = rows is not None and rows <= 16
@@ -644,6 +729,14 @@ def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | No
     # Short chunks (<= 64 rows) and the deterministic pin on sm_80: 64 x 64, 8 warps,
     # ~175-235 registers (4 warps spill 16-24 bytes there).
     return cfg(64, 64, 8, 2)
+
+
+def _rope_config(cfg: dict) -> dict:
+    """RoPE on read: each key tile also gathers its partner rows and two fp32 table tiles
+    ``[D, BLOCK_N]``; pipelined over the plain config's stages those fill shared memory
+    (245 KiB for decode at 5 stages, 256 KiB for chunks at 3). Two stages keep one tile's
+    gathers in flight while the previous one computes."""
+    return dict(cfg, num_stages=2)
 
 
 @functools.lru_cache(maxsize=16)
@@ -698,7 +791,8 @@ def _pick_num_splits(programs: int, max_seqlen_k: int, sm_count: int, ctas: int 
 def _attn_constexprs(cfg: dict, group: int, head_dim: int, *, causal: bool, has_kv_start: bool,
                      write_lse: bool, split: bool, upcast: bool, guard: bool, softcap: bool,
                      block_size: int, elem_bytes: int, large_ok: bool = True, own_kv: bool = False,
-                     sink_logits: bool = False, kv_fp8: bool = False, capability: int = 90) -> dict:
+                     sink_logits: bool = False, kv_fp8: bool = False, capability: int = 90, rope: int = 0,
+                     rope_q_pos: bool = False, rope_k_shift: bool = False) -> dict:
     """The constexpr arguments of ``_paged_attn_kernel`` (shared with ``kvarena check``).
 
     The block layout is specialized three ways: blocks of at least ``BLOCK_N`` rows
@@ -712,14 +806,17 @@ def _attn_constexprs(cfg: dict, group: int, head_dim: int, *, causal: bool, has_
         BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, HAS_KV_START=has_kv_start, WRITE_LSE=write_lse,
         SPLIT=split, UPCAST=upcast, GUARD_NONFINITE=guard, HAS_SOFTCAP=softcap, PAGE_SIZE=page,
         LARGE_BLOCKS=large, OWN_KV=own_kv and large, HAS_SINK_LOGITS=sink_logits, KV_FP8=kv_fp8,
-        FP8_NATIVE=kv_fp8 and fp8_native(capability),
+        FP8_NATIVE=kv_fp8 and fp8_native(capability), ROPE=rope, ROPE_Q_POS=rope_q_pos and rope != 0,
+        ROPE_K_SHIFT=rope_k_shift and rope != 0,
     )
 
 
 def fp8_native(capability: int) -> bool:
-    """Whether fp8 K/V are loaded as Triton's float8e4nv and widened by the hardware
-    (sm_89+; the interpreter plans as sm_90) rather than decoded from uint8 (sm_80)."""
-    return capability >= 89
+    """Whether fp8 K/V are loaded as Triton's float8e4nv and widened by the hardware (sm_89+)
+    rather than decoded from uint8 (sm_80). The interpreter takes the decode too: its own
+    widening reads the NaN byte 0x7F as 480, where the GPU's conversion and the decode give
+    NaN (the native path runs there in tests that monkeypatch this, on finite data)."""
+    return capability >= 89 and not interpreting()
 
 
 def _use_large_blocks(block_size: int, block_n: int, large_ok: bool, guard: bool, elem_bytes: int) -> bool:
@@ -785,7 +882,8 @@ class LaunchPlan:
 def plan_launch(*, head_dim: int, group: int, elem_bytes: int, num_seqs: int, num_kv_heads: int,
                 max_seqlen_q: int, max_seqlen_k: int, block_size: int, causal: bool, window_left, sink_tokens: int,
                 softcap: bool, num_splits, deterministic: bool, capability: int = 90,
-                sm_count: int = _DEFAULT_SM_COUNT, large_ok: bool = True, own_len: int = 0) -> LaunchPlan:
+                sm_count: int = _DEFAULT_SM_COUNT, large_ok: bool = True, own_len: int = 0,
+                rope: bool = False) -> LaunchPlan:
     """The launch a call gets, from host values only (no tensor, no compile, no device read).
 
     The launcher runs it for every call; ``kvarena check --perf`` runs it for the
@@ -803,7 +901,8 @@ def plan_launch(*, head_dim: int, group: int, elem_bytes: int, num_seqs: int, nu
     # a launch off the large-block path, whose tiles start at block starts): page path only.
     lean = not deterministic and not guard and not softcap
     large_ok = large_ok and not deterministic
-    cfg = _pick_config(head_dim, group, elem_bytes, None if deterministic else max_seqlen_q, capability, lean=lean)
+    cfg = _pick_config(head_dim, group, elem_bytes, None if deterministic else max_seqlen_q, capability, lean=lean,
+                       rope=rope)
     block_n = cfg["BLOCK_N"]
     num_q_tiles = triton.cdiv(max_seqlen_q * group, cfg["BLOCK_M"])
     programs = num_q_tiles * num_seqs * num_kv_heads
@@ -834,7 +933,7 @@ def plan_launch(*, head_dim: int, group: int, elem_bytes: int, num_seqs: int, nu
 
 def paged_attention_fwd(
     q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse, *,
-    spec, max_seqlen_q, max_seqlen_k, own_kv=None, kv_scales=None,
+    spec, max_seqlen_q, max_seqlen_k, own_kv=None, kv_scales=None, rope_pos=None,
 ) -> bool:
     """Launch block-table attention; writes ``out`` and (if not None) ``lse`` in place.
 
@@ -852,6 +951,12 @@ def paged_attention_fwd(
     decodes the bytes in registers and applies the scales to the score / probability
     columns in fp32. The tile config is the one of q's dtype.
 
+    RoPE on read (``spec.rope_cos`` / ``rope_sin`` ``[P, D/2]`` fp32): queries and keys are
+    rotated as loaded. ``rope_pos = (q_pos, k_shift)``, each optional: query i of sequence
+    b takes table row ``q_pos[b] + i`` (None: ``seq_len - q_len + i``, or ``seq_len + i``
+    with own k/v); cached key t takes row ``t + k_shift[b, t // block_size]`` (None: t);
+    own key r takes row ``q_pos[b] + r``.
+
     ``spec.num_splits``: split-KV count (None = ``_pick_num_splits``; 1 = never split).
     ``spec.deterministic``: the tile config ignores ``max_seqlen_q`` and each split covers a
     fixed 4096 keys, so a sequence's output is bitwise the same in any batch; only
@@ -866,6 +971,7 @@ def paged_attention_fwd(
     if total_q == 0 or b_count == 0 or max_seqlen_q == 0:
         return True  # no query row exists
     num_splits, deterministic = spec.num_splits, spec.deterministic
+    rq, rk = rope_pos if rope_pos is not None and spec.rope_mode else (None, None)
     scale = spec.scale_for(head_dim)
     causal, chunk_size, window_left = spec.causal, spec.chunk_size, spec.window_left
     sink_tokens, softcap = spec.sink_tokens, spec.softcap
@@ -883,7 +989,7 @@ def paged_attention_fwd(
         causal=causal, window_left=window_left, sink_tokens=sink_tokens, softcap=bool(softcap),
         num_splits=num_splits, deterministic=deterministic, capability=_capability(dev), sm_count=_sm_count(dev),
         large_ok=block_size * max(k_cache.stride(1), v_cache.stride(1)) < I32_MAX,
-        own_len=0 if own_kv is None else own_kv[0].shape[1],
+        own_len=0 if own_kv is None else own_kv[0].shape[1], rope=bool(spec.rope_mode),
     )
     if own_kv is not None and not plan.own_kv:
         return False
@@ -906,7 +1012,8 @@ def paged_attention_fwd(
                             guard=guard, softcap=bool(softcap), block_size=block_size,
                             elem_bytes=q.element_size(), large_ok=large_ok, own_kv=plan.own_kv,
                             sink_logits=spec.sink_logits is not None, kv_fp8=kv_scales is not None,
-                            capability=_capability(dev))
+                            capability=_capability(dev), rope=spec.rope_mode, rope_q_pos=rq is not None,
+                            rope_k_shift=rk is not None)
     sink_arg = spec.sink_logits if spec.sink_logits is not None else seq_lens  # else never read
     # 1-D metadata is read with unit stride; .contiguous() is free when it already is.
     seq_lens, cu_seqlens_q = seq_lens.contiguous(), cu_seqlens_q.contiguous()
@@ -945,21 +1052,29 @@ def paged_attention_fwd(
         if not meta["FP8_NATIVE"]:
             k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k2, v2 = own_kv if plan.own_kv else (k_cache, v_cache)  # never read without OWN_KV
+    cos, sin = (spec.rope_cos, spec.rope_sin) if spec.rope_mode else (seq_lens, seq_lens)  # else never read
+    rope_strides = (cos.stride(0) if spec.rope_mode else 0, rk.stride(0) if rk is not None else 0)
+    n_pos = cos.shape[0] if spec.rope_mode else 1
+    rq_arg = rq.contiguous() if rq is not None else seq_lens
+    rk_arg = rk if rk is not None else seq_lens
+    if rk is not None and rk.shape[1] > 1 and rk.stride(1) != 1:
+        rk_arg = rk.contiguous()
+        rope_strides = (rope_strides[0], rk_arg.stride(0))
     own_strides = (*k2.stride()[-4:-1], *v2.stride()[-4:-1]) if plan.own_kv else (0,) * 6
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, o_arg, lse_arg,
         block_table, seq_lens, cu_seqlens_q, kv_start_arg,
-        k2, v2, sink_arg, ks, vs,
+        k2, v2, sink_arg, ks, vs, cos, sin, rq_arg, rk_arg,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *sc_strides,
         *own_strides,
         *o_strides, *l_strides,
-        block_table.stride(0),
+        block_table.stride(0), *rope_strides,
         scale * LOG2E, softcap_inv, softcap_log2,
         k_cache.shape[1], causal_chunk, window, sinks, k2.shape[1] if plan.own_kv else 0,
-        h_kv, num_q_tiles, tiles_per_split,
+        h_kv, num_q_tiles, tiles_per_split, n_pos,
         **meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg["maxnreg"],
     )
     if not split:
