@@ -221,18 +221,21 @@ def _visible(e: int, S: int, W: int) -> torch.Tensor:  # noqa: N803
     return t[(t < S) | (t >= e - W)]
 
 
+@pytest.mark.parametrize("table", ["1d", "wan3d"])
 @pytest.mark.parametrize("positions", ["absolute", "virtual"])
 @pytest.mark.parametrize(("per", "S", "W"), [({"sinks": 1, "window": 2}, ST, 2 * ST),
                                              ({"sink_tokens": 2, "window_tokens": 8}, 2, 8)],
                          ids=["chunk-window", "token-window"])
-def test_slab_rollout_positions(positions, per, S, W) -> None:  # noqa: N803
+def test_slab_rollout_positions(table, positions, per, S, W) -> None:  # noqa: N803
     """24 chunks past recycling, each a denoising step (commit=False, own k/v given) and a
     clean pass (commit=True), against explicit rotation at the rule's positions. Virtual
-    positions stay below sinks + window + chunk: a table of that size serves the rollout."""
+    positions stay below sinks + window + chunk: a table of that size serves the rollout.
+    ``wan3d``: Wan's table with 2-token frames (H = 1, W = 2): the frame index moves, the
+    width channels repeat every frame."""
     torch.manual_seed(4)
     d, h_q, h_kv = 16, 4, 2
     n_pos = 1000 if positions == "absolute" else S + W + ST
-    cos, sin = rope_table(n_pos, d)
+    cos, sin = rope_table(n_pos, d) if table == "1d" else wan_rope_table(n_pos // 2, 1, 2, d)
     spec = AttentionSpec(rope_cos=cos, rope_sin=sin, rope_interleaved=True, rope_positions=positions)
     pool = _slab(per, spec)
     keys, vals = torch.zeros(0, h_kv, d, dtype=torch.float64), torch.zeros(0, h_kv, d, dtype=torch.float64)
