@@ -153,6 +153,15 @@ def test_functional_errors_and_gradients() -> None:
         paged_attention(q, kc, vc, table, sl, rope_q_pos=torch.tensor([0], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"backend: 'triton' has no backward for this call's gradient \(w.r.t. q \(RoPE"):
         paged_attention(q.clone().requires_grad_(), kc, vc, table, sl, rope_cos=cos, rope_sin=sin, backend="triton")
+    with pytest.raises(ValueError, match="rope_sin: expected rope_cos's shape .*strides"):
+        paged_attention(q, kc, vc, table, sl, rope_cos=cos, rope_sin=torch.cat([sin, sin], 1)[:, :8])
+    # A seq_len-0 padding row (a CUDA-graph batch) sees nothing: its default query position
+    # (-1) is not checked; keys hidden by kv_start may lie outside the table.
+    two = torch.tensor([[0, 1, 2, 3], [0, 0, 0, 0]], dtype=torch.int32)
+    out = paged_attention(torch.randn(2, 2, 16), kc, vc, two, torch.tensor([9, 0], dtype=torch.int32),
+                          rope_cos=cos, rope_sin=sin, kv_start=torch.tensor([4, 0], dtype=torch.int32),
+                          rope_k_shift=torch.tensor([[-4, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.int32))
+    assert bool((out[1] == 0).all()) and bool(out[0].isfinite().all())
     # The torch path differentiates through the rotation: gradients equal explicit RoPE's.
     qg = q.clone().double().requires_grad_()
     out = paged_attention(qg, kc.double(), vc.double(), table, sl, rope_cos=cos, rope_sin=sin, backend="torch")

@@ -270,21 +270,30 @@ def check_rope(spec: AttentionSpec, q: torch.Tensor, block_table: torch.Tensor, 
     return None if rope_q_pos is None and rope_k_shift is None else (rope_q_pos, rope_k_shift)
 
 
-def check_rope_values(spec: AttentionSpec, rope_pos, seq_lens, cu_seqlens_q, block_size: int) -> None:
-    """Every visible query and key position inside the table (host read: CPU / debug only)."""
+def check_rope_values(spec: AttentionSpec, rope_pos, seq_lens, cu_seqlens_q, block_size: int,
+                      kv_start=None) -> None:
+    """Query and key positions inside the table (host read: CPU / debug only).
+
+    Rows of sequences with keys, and keys in ``[kv_start, L)``: a ``seq_len = 0`` padding
+    row sees nothing, and keys before ``kv_start`` are never read (the kernels clamp rows
+    into the table anyway).
+    """
     n_pos = spec.rope_cos.shape[0]
     rq, rk = rope_pos if rope_pos is not None else (None, None)
     lens = seq_lens.long().cpu()
     cu = cu_seqlens_q.long().cpu()
     q_lens = cu[1:] - cu[:-1]
     q0 = rq.long().cpu() if rq is not None else lens - q_lens
+    starts = kv_start.long().cpu() if kv_start is not None else torch.zeros_like(lens)
     for b in range(lens.shape[0]):
-        n_k, n_q = int(lens[b]), int(q_lens[b])
+        n_k, n_q, k0 = int(lens[b]), int(q_lens[b]), int(starts[b])
+        if n_k == 0 or k0 >= n_k:
+            continue  # sees no key: nothing is rotated into its output
         if n_q and (int(q0[b]) < 0 or int(q0[b]) + n_q > n_pos):
             raise ValueError(f"rope_q_pos: sequence {b}'s query positions [{int(q0[b])}, {int(q0[b]) + n_q}) "
                              f"leave the {n_pos}-row rotary table")
         if n_k:
-            t = torch.arange(n_k)
+            t = torch.arange(k0, n_k)
             pos = t + (rk[b].long().cpu()[t // block_size] if rk is not None else 0)
             lo, hi = int(pos.min()), int(pos.max())
             if lo < 0 or hi >= n_pos:
@@ -526,7 +535,7 @@ def paged_attention(
     refuse_fp8_grad(kv_scales, q, spec.sink_logits, k_cache, v_cache, k_scale, v_scale)
     rope_pos = check_rope(spec, q, block_table, rope_q_pos, rope_k_shift)
     if spec.rope_mode and _check_values(q):
-        check_rope_values(spec, rope_pos, seq_lens, cu, k_cache.shape[1])
+        check_rope_values(spec, rope_pos, seq_lens, cu, k_cache.shape[1], kv_start)
     cache_grad = _needs_grad(k_cache, v_cache, spec.sink_logits)
     what = "k_cache/v_cache/sink_logits" if cache_grad else ("q (RoPE on read)" if spec.rope_mode else "q")
     chosen = resolve_backend(spec.backend, q.device, q.dtype, cache_grad or _needs_grad(q), what,

@@ -209,9 +209,10 @@ class AttentionSpec:
                                      f"shape {tuple(t.shape)}")
                 if t.shape[1] > 1 and t.stride(1) != 1:
                     raise ValueError(f"{name}: the last dimension must be contiguous, got strides {t.stride()}")
-            if sn.shape != c.shape or sn.device != c.device:
-                raise ValueError(f"rope_sin: expected rope_cos's shape {tuple(c.shape)} and device {c.device}, "
-                                 f"got {tuple(sn.shape)} on {sn.device}")
+            if sn.shape != c.shape or sn.device != c.device or sn.stride() != c.stride():
+                raise ValueError(f"rope_sin: expected rope_cos's shape {tuple(c.shape)}, strides {c.stride()} and "
+                                 f"device {c.device} (the kernels index both with one row stride), got "
+                                 f"{tuple(sn.shape)}, {sn.stride()} on {sn.device}")
 
     # ------------------------------------------------------------------ derived values
     @property
