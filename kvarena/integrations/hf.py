@@ -258,6 +258,8 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
     block_size : int, default 16
     dtype, device : optional
         Default: the first update's K/V dtype and device (the model's).
+        ``dtype=torch.float8_e4m3fn`` stores fp8 K/V with per-(token, kv head) scales
+        (52% of bf16's bytes); the model's own dtype stays the input dtype (inference).
     """
 
     def __new__(cls, *args, **kwargs):
@@ -324,7 +326,11 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
 
         dtype = self._dtype or key.dtype
         device = torch.device(self._device) if self._device is not None else key.device
-        layout = KVLayout(num_layers=self.num_layers, num_kv_heads=key.shape[1], head_dim=key.shape[3], dtype=dtype)
+        inp = None
+        if dtype == torch.float8_e4m3fn:  # fp8 storage; the model's dtype in and out
+            inp = key.dtype if key.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
+        layout = KVLayout(num_layers=self.num_layers, num_kv_heads=key.shape[1], head_dim=key.shape[3], dtype=dtype,
+                          input_dtype=inp)
         if self._max_bytes is not None:
             max_bytes = self._max_bytes
         else:
@@ -417,7 +423,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
                     softcap=softcap, backend=backend)
         if s_aux is not None:
             opts["sink_logits"] = _sink_logits(s_aux, query.dtype)
-        dtype = self.pool.layout.dtype
+        dtype = self.pool.layout.input_dtype
         out = self.pool.forward(qf.to(dtype), kf.to(dtype), vf.to(dtype), self._meta, layer, **opts).to(query.dtype)
         if not self._packed:
             return out.view(b, s, h_q, d), None
