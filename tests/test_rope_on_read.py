@@ -230,12 +230,16 @@ def _visible(e: int, S: int, W: int) -> torch.Tensor:  # noqa: N803
     return t[(t < S) | (t >= e - W)]
 
 
-@pytest.mark.parametrize("table", ["1d", "wan3d"])
-@pytest.mark.parametrize("positions", ["absolute", "virtual"])
-@pytest.mark.parametrize(("per", "S", "W"), [({"sinks": 1, "window": 2}, ST, 2 * ST),
-                                             ({"sink_tokens": 2, "window_tokens": 8}, 2, 8)],
-                         ids=["chunk-window", "token-window"])
-def test_slab_rollout_positions(table, positions, per, S, W) -> None:  # noqa: N803
+_TOKEN_WINDOW = ({"sink_tokens": 2, "window_tokens": 8}, 2, 8)
+
+
+@pytest.mark.parametrize(("table", "positions", "per", "S", "W", "backend"), [
+    (table, positions, *win, "torch")
+    for table in ("1d", "wan3d") for positions in ("absolute", "virtual")
+    for win in (({"sinks": 1, "window": 2}, ST, 2 * ST), _TOKEN_WINDOW)
+] + [pytest.param("wan3d", "virtual", *_TOKEN_WINDOW, "triton", marks=interpreter)],
+    ids=lambda x: x if isinstance(x, str) else None)
+def test_slab_rollout_positions(table, positions, per, S, W, backend) -> None:  # noqa: N803
     """24 chunks past recycling, each a denoising step (commit=False, own k/v given) and a
     clean pass (commit=True), against explicit rotation at the rule's positions. Virtual
     positions stay below sinks + window + chunk: a table of that size serves the rollout.
@@ -245,10 +249,12 @@ def test_slab_rollout_positions(table, positions, per, S, W) -> None:  # noqa: N
     d, h_q, h_kv = 16, 4, 2
     n_pos = 1000 if positions == "absolute" else S + W + ST
     cos, sin = rope_table(n_pos, d) if table == "1d" else wan_rope_table(n_pos // 2, 1, 2, d)
-    spec = AttentionSpec(rope_cos=cos, rope_sin=sin, rope_interleaved=True, rope_positions=positions)
-    pool = _slab(per, spec)
+    spec = AttentionSpec(rope_cos=cos, rope_sin=sin, rope_interleaved=True, rope_positions=positions,
+                         backend=backend)
+    dt = torch.float64 if backend == "torch" else torch.float32  # the interpreter: fp32, small slabs
+    pool = _slab(per, spec, dtype=dt)
     keys, vals = torch.zeros(0, h_kv, d, dtype=torch.float64), torch.zeros(0, h_kv, d, dtype=torch.float64)
-    for c in range(24):
+    for c in range(24 if backend == "torch" else 21):
         s0, e = c * ST, (c + 1) * ST
         q = torch.randn(1, ST, h_q, d, dtype=torch.float64)
         k, v = torch.randn(1, ST, h_kv, d, dtype=torch.float64), torch.randn(1, ST, h_kv, d, dtype=torch.float64)
@@ -262,8 +268,8 @@ def test_slab_rollout_positions(table, positions, per, S, W) -> None:  # noqa: N
         want = _dense(_rot(q[0], qpos, cos, sin, True), _rot(kk[vis], kpos, cos, sin, True), vv[vis])
         for commit in (False, True):
             meta = pool.plan({"r": c})
-            out = pool.forward(q, k, v, meta, 0, commit=commit)
-            assert_close(out[0], want, torch.float64, f"chunk {c} commit={commit} ({positions})")
+            out = pool.forward(q.to(dt), k.to(dt), v.to(dt), meta, 0, commit=commit)
+            assert_close(out[0], want, dt, f"chunk {c} commit={commit} ({positions}, {backend})")
         keys, vals = kk, vv
     if positions == "absolute":
         small = _slab(per, spec.replace(rope_cos=cos[:20], rope_sin=sin[:20]))
