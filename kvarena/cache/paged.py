@@ -7,6 +7,12 @@ entries that changed (one ``index_put_``), gathers the batch's rows and returns
 :class:`PagedMetadata`; ``forward`` then stores each layer's new K/V and runs causal
 (bottom-right aligned) block-table attention with it, with no host-device sync.
 
+With ``free_out_of_window=True`` (every layer slides), a block whose tokens no future
+query of its sequence can see (all older than the window, none a sink token) goes back
+to the allocator at plan time; its list entry becomes ``-1`` and its table entry 0,
+which no kernel dereferences (the kernels only read blocks overlapping a row's visible
+range).
+
 Forks share blocks by reference count. A shared block that a namespace is about to
 write into (the partial last block after a fork, or a full one after a ``truncate``)
 is copied first (copy-on-write at plan time: a new block gets the whole
@@ -31,6 +37,8 @@ __all__ = ["PagedKVCache", "PagedMetadata"]
 _FROM_META = "set by the pool from the plan's metadata; do not pass it to forward()"
 _DEFAULT_MAX_SEQS = 256
 _DEFAULT_MAX_BLOCKS = 512
+#: A released (out-of-window) block in a sequence's block list.
+FREED = -1
 
 
 @dataclass(frozen=True, eq=False)
@@ -127,6 +135,19 @@ class PagedKVCache(KVPoolBase):
         once: one spec for every layer, a list with one per layer, or a mapping
         ``{layer or iterable of layers: spec}`` (unnamed layers take the default
         ``AttentionSpec()``). Default: ``AttentionSpec()`` everywhere.
+    free_out_of_window : bool, default False
+        Every layer slides (``window_left`` set): at each :meth:`plan`, the blocks of a
+        sequence that no future query can see (every token older than ``p -
+        window_left`` for the step's first query ``p``, no token ``< sink_tokens``; the
+        largest window and sinks over the layers) return to the allocator, so a long
+        generation holds at most ``ceil(sinks / bs) + ceil((window + 1) / bs) + 1``
+        blocks per sequence. ``block_ids`` shows them as ``-1``; ``truncate`` back past one
+        is a ValueError; ``forward`` refuses a per-call ``window_left`` / ``sink_tokens``
+        that would see more.
+    rollback_tokens : int, default 0
+        With ``free_out_of_window``: blocks are kept until they are out of the window of
+        a query ``rollback_tokens`` positions earlier too, so ``truncate`` back by up to
+        that many tokens (speculative decoding's rejected drafts) always works.
 
     Attributes
     ----------
@@ -154,8 +175,12 @@ class PagedKVCache(KVPoolBase):
         max_blocks_per_seq: int | None = None,
         graph_capacity: tuple | None = None,
         attention=None,
+        free_out_of_window: bool = False,
+        rollback_tokens: int = 0,
     ) -> None:
         self._init_pool(policy, attention)
+        check_bool("free_out_of_window", free_out_of_window)
+        self._rollback = _check_int("rollback_tokens", rollback_tokens, 0)
         device = as_device(device)
         if block_size is not None:
             _check_int("block_size", block_size, 1)
@@ -227,7 +252,20 @@ class PagedKVCache(KVPoolBase):
         self._graph_gen = 0
         if graph_capacity is not None:
             self._graph = self._make_graph_buffers(graph_capacity)
+        self._release_window = self._window_of(free_out_of_window)
 
+    def _window_of(self, free: bool) -> tuple[int, int] | None:
+        """``(window_left, sink_tokens)`` blocks are released by (the widest over layers), or None."""
+        if not free:
+            return None
+        if not self._specs:
+            raise ValueError("free_out_of_window: needs a layout (the layers' attention specs)")
+        bad = [i for i, sp in enumerate(self._specs) if sp.window_left is None]
+        if bad:
+            raise ValueError(f"free_out_of_window: every layer must slide (window_left set); layer {bad[0]} "
+                             "sees the whole history")
+        # The window a release keeps: the widest layer's, plus the rollback margin.
+        return max(sp.window_left for sp in self._specs) + self._rollback, max(sp.sink_tokens for sp in self._specs)
     # ------------------------------------------------------------------ accounting
     def _blocks(self):
         return self.allocator, self.block_bytes
@@ -251,7 +289,8 @@ class PagedKVCache(KVPoolBase):
             return list(self._seqs)
 
     def block_ids(self, namespace: Hashable) -> list[int]:
-        """A copy of ``namespace``'s block ids in logical order (``KeyError`` if unknown)."""
+        """A copy of ``namespace``'s block ids in logical order (``KeyError`` if unknown);
+        ``-1`` for a block released out of the window (``free_out_of_window``)."""
         with self._lock:
             return list(self._get(namespace).blocks)
 
@@ -294,7 +333,7 @@ class PagedKVCache(KVPoolBase):
 
     def _set_entries(self, seq: _Seq, start: int) -> None:
         for j in range(start, len(seq.blocks)):
-            self._pending[(seq.row, j)] = seq.blocks[j]
+            self._pending[(seq.row, j)] = max(seq.blocks[j], 0)  # a released block: entry 0, never read
 
     def _flush(self) -> None:
         if not self._pending:
@@ -309,8 +348,9 @@ class PagedKVCache(KVPoolBase):
         self._table.index_put_((packed[0], packed[1]), packed[2].to(torch.int32))
 
     def _release(self, seq: _Seq) -> None:
-        if seq.blocks:
-            self.allocator.decref(seq.blocks)
+        live = [b for b in seq.blocks if b != FREED]
+        if live:
+            self.allocator.decref(live)
         seq.blocks = []
         self._free_rows.append(seq.row)
 
@@ -379,7 +419,7 @@ class PagedKVCache(KVPoolBase):
                 raise ValueError(f"dst: namespace {dst!r} already exists")
             shared = s.blocks[: _cdiv(s.seq_len, self.block_size)]
             d = self._new_seq()
-            self.allocator.incref(shared)
+            self.allocator.incref([b for b in shared if b != FREED])
             d.blocks = list(shared)
             d.seq_len = s.seq_len
             self._seqs[dst] = d
@@ -412,11 +452,39 @@ class PagedKVCache(KVPoolBase):
                     f"n_tokens: expected 0 <= n_tokens <= seq_len ({seq.seq_len}), got {n_tokens}"
                 )
             keep = _cdiv(n_tokens, self.block_size)
+            if self._release_window is not None and n_tokens:
+                # The next query (position n_tokens) needs its window and the sinks back.
+                w, sinks = self._release_window
+                lo = max(0, n_tokens - (w - self._rollback)) // self.block_size
+                need = [j for j in range(keep) if j >= lo or j * self.block_size < sinks]
+                gone = [j for j in need if seq.blocks[j] == FREED]
+                if gone:
+                    raise ValueError(
+                        f"n_tokens: rolling back to {n_tokens} tokens needs block {gone[0]} (tokens "
+                        f"{gone[0] * self.block_size}..), released out of the window at an earlier plan; "
+                        f"the earliest reachable length is {self._min_len(seq)}")
             if len(seq.blocks) > keep:
-                self.allocator.decref(seq.blocks[keep:])
+                dropped = [b for b in seq.blocks[keep:] if b != FREED]
+                if dropped:
+                    self.allocator.decref(dropped)
                 del seq.blocks[keep:]
             seq.seq_len = n_tokens
             seq.version = self._stamp()
+
+    def _min_len(self, seq: _Seq) -> int:
+        """The shortest length ``truncate`` can still reach (released blocks end before it)."""
+        last = max((j for j, b in enumerate(seq.blocks) if b == FREED), default=-1)
+        if last < 0:
+            return 0
+        w, _sinks = self._release_window
+        return min(seq.seq_len, (last + 1) * self.block_size + w - self._rollback)
+
+    def _dead_blocks(self, seq: _Seq) -> list[int]:
+        """Indices of ``seq``'s live blocks no query at a position >= seq_len can see."""
+        w, sinks = self._release_window
+        bs = self.block_size
+        end = max(0, seq.seq_len - w) // bs  # blocks j < end hold only tokens < seq_len - w
+        return [j for j in range(_cdiv(sinks, bs), min(end, len(seq.blocks))) if seq.blocks[j] != FREED]
 
     # ------------------------------------------------------------------ plan
     def _make_graph_buffers(self, capacity) -> dict:
@@ -504,6 +572,12 @@ class PagedKVCache(KVPoolBase):
             need = 0
             pending_drop: dict[int, int] = {}
             max_blocks = 0
+            dead: dict = {}  # namespace -> block indices out of every layer's window (free_out_of_window)
+            if self._release_window is not None:
+                for ns, _n in items:
+                    seq = self._seqs.get(ns)
+                    if seq is not None and seq.seq_len:
+                        dead[ns] = self._dead_blocks(seq)
             for ns, n in items:
                 seq = self._seqs.get(ns)
                 old, blocks = (seq.seq_len, seq.blocks) if seq is not None else (0, [])
@@ -519,10 +593,20 @@ class PagedKVCache(KVPoolBase):
                 raise ValueError(
                     f"batch: a sequence needs {max_blocks} blocks, over graph_capacity max_blocks {g['max_blocks']}"
                 )
-            if need > self.allocator.num_free:
+            # Dead blocks that only this sequence holds come back before the step takes any.
+            returning = sum(1 for ns, js in dead.items() for j in js if self.allocator.refcount(self._seqs[ns].blocks[j]) == 1)
+            if need > self.allocator.num_free + returning:
                 raise CacheFullError(
-                    f"plan needs {need} blocks, only {self.allocator.num_free} of {self.total_blocks} are free"
+                    f"plan needs {need} blocks, only {self.allocator.num_free + returning} of {self.total_blocks} are free"
                 )
+            for ns, js in dead.items():  # released even if a shared allocator refuses below: they stay dead
+                seq = self._seqs[ns]
+                if js:
+                    self.allocator.decref([seq.blocks[j] for j in js])
+                    for j in js:
+                        seq.blocks[j] = FREED
+                        self._pending[(seq.row, j)] = 0
+                    seq.version = self._stamp()
             # 2. Apply: new namespaces, copy-on-write, new blocks. Every block is taken in
             # ONE allocator call before anything changes: the allocator may be shared with
             # another pool on the same arena region (its own lock, not ours), so blocks
@@ -758,6 +842,12 @@ class PagedKVCache(KVPoolBase):
             self.check_metadata(meta)  # raises unless still current (host data: no sync)
         layer = self._check_layer(layer)
         spec = self._call_spec(layer, options)
+        if options and self._release_window is not None:
+            w, sinks = self._release_window
+            w -= self._rollback
+            if spec.window_left is None or spec.window_left > w or spec.sink_tokens > sinks:
+                raise ValueError(f"window_left/sink_tokens: this pool releases blocks outside window_left={w}, "
+                                 f"sink_tokens={sinks} (free_out_of_window); a call cannot see more")
         self._check_qkv(q, k, v, (meta.total_q,), "[total_q, H, D]")
         if spec.sink_logits is not None:
             check_sink_logits(spec.sink_logits, q)

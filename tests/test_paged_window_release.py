@@ -1,0 +1,178 @@
+"""Out-of-window blocks released at plan time (issue 15, part 1: every layer slides).
+
+The reference is the window rule on a flat fp64 copy of every token a sequence stored: a
+query at position p sees t <= p with t >= p - window_left or t < sink_tokens. Released
+blocks are NaN-poisoned in the arena (they are free, so anything may be written there):
+an output that read one would not be finite.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from _helpers import assert_close, one_torch_thread  # noqa: F401 - autouse fixture
+
+from kvarena import AttentionSpec, CacheFullError, CachePolicy, KVLayout, PagedKVCache
+
+interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+BS, W, S = 4, 9, 2  # block size, window_left, sink tokens
+H_Q, H_KV, D = 4, 2, 16
+
+
+def _pool(blocks: int = 64, *, dtype=torch.float64, graph=None, free=True, rollback=0, **kw) -> PagedKVCache:
+    lay = KVLayout(num_layers=2, num_kv_heads=H_KV, head_dim=D, dtype=dtype)
+    spec = AttentionSpec(window_left=W, sink_tokens=S)
+    pool = PagedKVCache(CachePolicy("paged_kv", lay.block_bytes(BS) * blocks), layout=lay, block_size=BS,
+                        attention={0: spec, 1: spec.replace(window_left=W - 3)}, free_out_of_window=free,
+                        graph_capacity=graph, rollback_tokens=rollback, **kw)
+    pool._region.data.fill_(float("nan"))
+    return pool
+
+
+def _want(q, keys, vals, p0: int, layer_w: int):
+    """fp64 attention of queries at positions p0.. over the flat history by the window rule."""
+    outs = []
+    g = q.shape[1] // keys.shape[1]
+    for i in range(q.shape[0]):
+        p = p0 + i
+        t = torch.arange(p + 1)
+        vis = (t >= p - layer_w) | (t < S)
+        k, v = keys[: p + 1][vis].repeat_interleave(g, 1), vals[: p + 1][vis].repeat_interleave(g, 1)
+        s = torch.einsum("hd,khd->hk", q[i].double(), k.double()) * D**-0.5
+        outs.append(torch.einsum("hk,khd->hd", torch.softmax(s, -1), v.double()))
+    return torch.stack(outs)
+
+
+def _poison_free(pool: PagedKVCache) -> None:
+    """NaN into every block nobody holds (released ones included)."""
+    alloc = pool.allocator
+    free = [b for b in range(pool.total_blocks) if alloc.refcount(b) == 0]
+    pool._region.data[torch.tensor(free, dtype=torch.long)] = float("nan")
+
+
+class History:
+    def __init__(self) -> None:
+        self.k = [torch.zeros(0, H_KV, D, dtype=torch.float64) for _ in range(2)]
+        self.v = [torch.zeros(0, H_KV, D, dtype=torch.float64) for _ in range(2)]
+
+
+def _step(pool, hist: dict, batch: dict, backend: str = "torch", graph: bool = False, dtype=torch.float64):
+    meta = pool.plan(batch, graph=graph)
+    _poison_free(pool)
+    n = sum(batch.values())
+    rows = meta.total_q
+    for layer, lw in ((0, W), (1, W - 3)):
+        q = torch.randn(rows, H_Q, D, dtype=torch.float64)
+        k, v = torch.randn(rows, H_KV, D, dtype=torch.float64), torch.randn(rows, H_KV, D, dtype=torch.float64)
+        out = pool.forward(q.to(dtype), k.to(dtype), v.to(dtype), meta, layer, backend=backend)
+        at = 0
+        for ns, cnt in batch.items():
+            h = hist[ns]
+            p0 = h.k[layer].shape[0]
+            h.k[layer] = torch.cat([h.k[layer], k[at : at + cnt].to(dtype).double()])
+            h.v[layer] = torch.cat([h.v[layer], v[at : at + cnt].to(dtype).double()])
+            want = _want(q[at : at + cnt].to(dtype), h.k[layer], h.v[layer], p0, lw)
+            assert_close(out[at : at + cnt], want, dtype, f"{ns} layer {layer} at {p0}")
+            at += cnt
+    return n
+
+
+def _held(pool, ns) -> int:
+    return sum(b != -1 for b in pool.block_ids(ns))
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=interpreter)])
+def test_long_generation_holds_a_bounded_window(backend) -> None:
+    """Prefill then decode to 10x the window: every step equal to the window rule, with
+    released (NaN-poisoned) blocks never read; blocks held <= sinks + window + 1 block."""
+    torch.manual_seed(0)
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    pool = _pool(dtype=dtype)
+    hist = {"a": History(), "b": History()}
+    bound = -(-S // BS) + -(-(W + 1) // BS) + 1
+    _step(pool, hist, {"a": 7, "b": 13}, backend, dtype=dtype)
+    steps = 10 * W if backend == "torch" else 2 * W
+    for _ in range(steps):
+        _step(pool, hist, {"a": 1, "b": 1}, backend, dtype=dtype)
+        for ns in ("a", "b"):
+            assert _held(pool, ns) <= bound, (ns, pool.block_ids(ns))
+    assert pool.used_bytes == pool.block_bytes * sum(_held(pool, ns) for ns in ("a", "b"))
+    assert -1 in pool.block_ids("a")
+    # A chunked-prefill step longer than the window, then decode again.
+    _step(pool, hist, {"a": 2 * W}, backend, dtype=dtype)
+    _step(pool, hist, {"a": 1, "b": 1}, backend, dtype=dtype)
+
+
+def test_fork_across_the_window_edge_and_truncate() -> None:
+    torch.manual_seed(1)
+    pool = _pool(rollback=3)  # speculative rollback of up to 3 tokens
+    hist = {"a": History()}
+    _step(pool, hist, {"a": 11})
+    for _ in range(6):
+        _step(pool, hist, {"a": 1})
+    pool.fork("a", "b")  # shares live blocks, some about to leave the window
+    hist["b"] = History()
+    for layer in range(2):
+        hist["b"].k[layer], hist["b"].v[layer] = hist["a"].k[layer].clone(), hist["a"].v[layer].clone()
+    for _ in range(2 * W):
+        _step(pool, hist, {"a": 1, "b": 1})
+    # Each branch releases its own references; a block dies when both have released it.
+    held = set(b for ns in ("a", "b") for b in pool.block_ids(ns) if b != -1)
+    assert pool.allocator.num_used == len(held)
+    # Truncate within the window (speculative rollback): allowed, and decoding goes on.
+    n = pool.seq_len("b")
+    pool.truncate("b", n - 3)
+    for layer in range(2):
+        hist["b"].k[layer], hist["b"].v[layer] = hist["b"].k[layer][: n - 3], hist["b"].v[layer][: n - 3]
+    _step(pool, hist, {"b": 1})
+    # Past a released block: a ValueError naming n_tokens, nothing changed.
+    before = (pool.block_ids("a"), pool.seq_len("a"), pool.allocator.num_free)
+    with pytest.raises(ValueError, match="n_tokens: rolling back to 5 tokens needs block .* earliest reachable") as err:
+        pool.truncate("a", 5)
+    assert (pool.block_ids("a"), pool.seq_len("a"), pool.allocator.num_free) == before
+    # The boundary it names is exact by the rule: one token earlier, the next query's window
+    # (t >= p - W) would reach into the last released block; at it, decoding reads only held
+    # blocks (the released ones are NaN-poisoned).
+    m = int(str(err.value).rsplit(" ", 1)[1])
+    last = max(j for j, b in enumerate(pool.block_ids("a")) if b == -1)
+    assert (m - 1) - W <= (last + 1) * BS - 1 < m - W
+    with pytest.raises(ValueError, match="n_tokens"):
+        pool.truncate("a", m - 1)
+    pool.truncate("a", m)
+    for layer in range(2):
+        hist["a"].k[layer], hist["a"].v[layer] = hist["a"].k[layer][:m], hist["a"].v[layer][:m]
+    _step(pool, hist, {"a": 1})
+
+
+def test_released_blocks_make_room_and_graph_plans_work() -> None:
+    """A pool of 8 blocks serves a 60-token generation (released blocks are reused), also
+    through CUDA-graph persistent buffers."""
+    torch.manual_seed(2)
+    pool = _pool(blocks=8, graph=(2, 20))
+    hist = {"a": History()}
+    _step(pool, hist, {"a": 1}, graph=True)
+    for _ in range(59):
+        _step(pool, hist, {"a": 1}, graph=True)
+    assert pool.seq_len("a") == 60
+    keep = _pool(blocks=8, free=False)
+    keep.plan({"a": 30})
+    with pytest.raises(CacheFullError):
+        keep.plan({"a": 3})
+
+
+def test_errors() -> None:
+    lay = KVLayout(num_layers=2, num_kv_heads=H_KV, head_dim=D, dtype=torch.float64)
+    with pytest.raises(ValueError, match="free_out_of_window: every layer must slide .* layer 1"):
+        PagedKVCache(CachePolicy("paged_kv", 1 << 16), layout=lay, block_size=BS,
+                     attention={0: AttentionSpec(window_left=3)}, free_out_of_window=True)
+    with pytest.raises(TypeError, match="free_out_of_window"):
+        PagedKVCache(CachePolicy("paged_kv", 1 << 16), layout=lay, block_size=BS, free_out_of_window=1)
+    pool = _pool()
+    meta = pool.plan({"a": 3})
+    q, k = torch.randn(3, H_Q, D, dtype=torch.float64), torch.randn(3, H_KV, D, dtype=torch.float64)
+    for bad in (dict(window_left=None), dict(window_left=W + 1), dict(sink_tokens=S + 1)):
+        with pytest.raises(ValueError, match="window_left/sink_tokens: this pool releases blocks"):
+            pool.forward(q, k, k, meta, 0, **bad)
+    pool.forward(q, k, k, meta, 1, window_left=W - 5)  # a narrower window is fine
