@@ -129,13 +129,13 @@ def test_fork_across_the_window_edge_and_truncate() -> None:
     _step(pool, hist, {"b": 1})
     # Past a released block: a ValueError naming n_tokens, nothing changed.
     before = (pool.block_ids("a"), pool.seq_len("a"), pool.allocator.num_free)
-    with pytest.raises(ValueError, match="n_tokens: rolling back to 5 tokens needs block .* earliest reachable") as err:
+    with pytest.raises(ValueError, match="n_tokens: rolling back to 5 tokens needs block .* reachable lengths: ") as err:
         pool.truncate("a", 5)
     assert (pool.block_ids("a"), pool.seq_len("a"), pool.allocator.num_free) == before
     # The boundary it names is exact by the rule: one token earlier, the next query's window
     # (t >= p - W) would reach into the last released block; at it, decoding reads only held
     # blocks (the released ones are NaN-poisoned).
-    m = int(str(err.value).rsplit(" ", 1)[1])
+    m = int(str(err.value).split("reachable lengths: ")[1].split(" ")[0])
     last = max(j for j, b in enumerate(pool.block_ids("a")) if b == -1)
     assert (m - 1) - W <= (last + 1) * BS - 1 < m - W
     with pytest.raises(ValueError, match="n_tokens"):
@@ -176,3 +176,50 @@ def test_errors() -> None:
         with pytest.raises(ValueError, match="window_left/sink_tokens: this pool releases blocks"):
             pool.forward(q, k, k, meta, 0, **bad)
     pool.forward(q, k, k, meta, 1, window_left=W - 5)  # a narrower window is fine
+
+
+def test_releases_shared_by_forks_are_counted_before_the_step() -> None:
+    """Forks hold the same dead blocks: the plan that releases every reference counts them
+    as returning (a 3-block arena serves the step), and a copy-on-write whose other
+    reference this plan releases is not counted (no block leaks)."""
+    lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float64)
+    spec = AttentionSpec(window_left=1)
+    pool = PagedKVCache(CachePolicy("paged_kv", lay.block_bytes(4) * 3), layout=lay, block_size=4, attention=spec,
+                        free_out_of_window=True)
+    pool.plan({"a": 12})
+    pool.fork("a", "b")
+    pool.plan({"a": 1, "b": 1})  # blocks 0, 1 dead for both: 2 come back, 2 are taken
+    assert pool.allocator.num_used == len({b for ns in "ab" for b in pool.block_ids(ns) if b != -1})
+    big = PagedKVCache(CachePolicy("paged_kv", lay.block_bytes(4) * 8), layout=lay, block_size=4, attention=spec,
+                       free_out_of_window=True)
+    big.plan({"a": 8})
+    big.fork("a", "b")
+    big.truncate("b", 5)  # b's partial block 1 is shared with a
+    big.plan({"a": 1})  # a releases block 1 out of its window
+    big.plan({"a": 1, "b": 1})  # b writes block 1 in place: nobody else holds it now
+    live = {b for ns in "ab" for b in big.block_ids(ns) if b != -1}
+    assert big.allocator.num_used == len(live) and big.used_bytes == len(live) * big.block_bytes
+    big.free_namespace("a")
+    big.free_namespace("b")
+    assert big.allocator.num_used == 0
+
+
+def test_torch_gradients_never_touch_released_blocks() -> None:
+    """Under autograd on the torch path, keys no query sees (released blocks, NaN here)
+    are zeroed before the score product: dq is finite and equals the Triton-free rule."""
+    torch.manual_seed(5)
+    pool = _pool()
+    hist = {"a": History()}
+    _step(pool, hist, {"a": 12})
+    for _ in range(8):
+        _step(pool, hist, {"a": 1})
+    assert -1 in pool.block_ids("a")
+    meta = pool.plan({"a": 1})
+    _poison_free(pool)
+    q = torch.randn(1, H_Q, D, dtype=torch.float64, requires_grad=True)
+    k, v = torch.randn(1, H_KV, D, dtype=torch.float64), torch.randn(1, H_KV, D, dtype=torch.float64)
+    pool.forward(q, k, v, meta, 0, backend="torch").square().sum().backward()
+    qr = q.detach().clone().requires_grad_()
+    keys, vals = torch.cat([hist["a"].k[0], k]), torch.cat([hist["a"].v[0], v])
+    _want(qr, keys, vals, keys.shape[0] - 1, W).square().sum().backward()
+    assert_close(q.grad, qr.grad, torch.float64, "dq after releases")

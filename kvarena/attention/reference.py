@@ -335,14 +335,18 @@ def paged_attention_torch(
         kg = apply_rope(kg, kpos[:, :, None], spec.rope_cos, spec.rope_sin, spec.rope_interleaved)
         qpos = (q0[:, None] + qi[None, :])[:, :, None, None]  # [B, Mq, 1, 1]
         qp = apply_rope(qp, qpos, spec.rope_cos, spec.rope_sin, spec.rope_interleaved)
-    zero = torch.zeros((), dtype=acc, device=dev)
-    kp = torch.where(k_in[..., None, None], kg, zero)
-    vp = torch.where(k_in[..., None, None], vg, zero)
-
-    s = _scores(qp, kp, "bmhgd,bkhd->bhgmk", spec.scale_for(d), spec.softcap)  # [B, H_kv, G, Mq, Mk]
     q_pos = (lens - q_lens)[:, None] + qi[None, :]  # [B, Mq]
     vis = visibility_mask(q_pos, tk.expand(b_count, -1), spec)  # [B, Mq, Mk]
     vis = vis & k_in[:, None, :] & q_valid[:, :, None]
+    # Keys no query row of the sequence sees are zeroed too (a window's old keys, whose
+    # blocks a pool may have released and reused): the backward's dS @ K would otherwise
+    # meet 0 * NaN there.
+    seen = vis.any(1)  # [B, Mk]
+    zero = torch.zeros((), dtype=acc, device=dev)
+    kp = torch.where(seen[..., None, None], kg, zero)
+    vp = torch.where(seen[..., None, None], vg, zero)
+
+    s = _scores(qp, kp, "bmhgd,bkhd->bhgmk", spec.scale_for(d), spec.softcap)  # [B, H_kv, G, Mq, Mk]
     o, lse = _masked_softmax_attend(s, vis[:, None, None], vp, "bhgmk,bkhd->bmhgd")  # o [B, Mq, H_kv, G, D]
 
     # Back to the packed layout.

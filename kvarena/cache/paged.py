@@ -84,13 +84,16 @@ class PagedMetadata:
 
 
 class _Seq:
-    __slots__ = ("blocks", "seq_len", "row", "version")
+    __slots__ = ("blocks", "seq_len", "row", "version", "released")
 
     def __init__(self, row: int) -> None:
         self.blocks: list[int] = []
         self.seq_len = 0
         self.row = row
         self.version = next_version()
+        # free_out_of_window: blocks [sink blocks, released) are FREED (one run, since
+        # releases only ever extend it), so each plan scans only the newly dead blocks.
+        self.released = 0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -181,6 +184,8 @@ class PagedKVCache(KVPoolBase):
         self._init_pool(policy, attention)
         check_bool("free_out_of_window", free_out_of_window)
         self._rollback = _check_int("rollback_tokens", rollback_tokens, 0)
+        if self._rollback and not free_out_of_window:
+            raise ValueError("rollback_tokens: only meaningful with free_out_of_window=True")
         device = as_device(device)
         if block_size is not None:
             _check_int("block_size", block_size, 1)
@@ -422,6 +427,7 @@ class PagedKVCache(KVPoolBase):
             self.allocator.incref([b for b in shared if b != FREED])
             d.blocks = list(shared)
             d.seq_len = s.seq_len
+            d.released = min(s.released, len(shared))
             self._seqs[dst] = d
             self._set_entries(d, 0)
             # src's outstanding metadata goes stale: its tokens not stored yet sit in blocks
@@ -453,38 +459,42 @@ class PagedKVCache(KVPoolBase):
                 )
             keep = _cdiv(n_tokens, self.block_size)
             if self._release_window is not None and n_tokens:
-                # The next query (position n_tokens) needs its window and the sinks back.
+                # The next query (position n_tokens) needs its window and the sinks back; the
+                # sink blocks are never released, the others were in one run.
                 w, sinks = self._release_window
                 lo = max(0, n_tokens - (w - self._rollback)) // self.block_size
-                need = [j for j in range(keep) if j >= lo or j * self.block_size < sinks]
-                gone = [j for j in need if seq.blocks[j] == FREED]
-                if gone:
+                first = max(lo, _cdiv(sinks, self.block_size))
+                if first < min(keep, seq.released):
                     raise ValueError(
-                        f"n_tokens: rolling back to {n_tokens} tokens needs block {gone[0]} (tokens "
-                        f"{gone[0] * self.block_size}..), released out of the window at an earlier plan; "
-                        f"the earliest reachable length is {self._min_len(seq)}")
+                        f"n_tokens: rolling back to {n_tokens} tokens needs block {first} (tokens "
+                        f"{first * self.block_size}..), released out of the window at an earlier plan; "
+                        f"reachable lengths: {self._min_len(seq)} and on, or one whose window holds only "
+                        "sink blocks")
             if len(seq.blocks) > keep:
                 dropped = [b for b in seq.blocks[keep:] if b != FREED]
                 if dropped:
                     self.allocator.decref(dropped)
                 del seq.blocks[keep:]
+                seq.released = min(seq.released, keep)
             seq.seq_len = n_tokens
             seq.version = self._stamp()
 
     def _min_len(self, seq: _Seq) -> int:
-        """The shortest length ``truncate`` can still reach (released blocks end before it)."""
-        last = max((j for j, b in enumerate(seq.blocks) if b == FREED), default=-1)
-        if last < 0:
+        """The shortest length past the released run that ``truncate`` can reach."""
+        w, sinks = self._release_window
+        if seq.released <= _cdiv(sinks, self.block_size):
             return 0
-        w, _sinks = self._release_window
-        return min(seq.seq_len, (last + 1) * self.block_size + w - self._rollback)
+        return min(seq.seq_len, seq.released * self.block_size + w - self._rollback)
 
-    def _dead_blocks(self, seq: _Seq) -> list[int]:
-        """Indices of ``seq``'s live blocks no query at a position >= seq_len can see."""
+    def _dead_blocks(self, seq: _Seq) -> tuple[list[int], int]:
+        """``(indices, end)``: ``seq``'s live blocks no query at a position >= seq_len can
+        see, among those not released yet (O(blocks that died since the last plan)), and
+        the end of the released run once they are."""
         w, sinks = self._release_window
         bs = self.block_size
-        end = max(0, seq.seq_len - w) // bs  # blocks j < end hold only tokens < seq_len - w
-        return [j for j in range(_cdiv(sinks, bs), min(end, len(seq.blocks))) if seq.blocks[j] != FREED]
+        end = min(max(0, seq.seq_len - w) // bs, len(seq.blocks))  # blocks j < end: tokens < seq_len - w
+        start = max(_cdiv(sinks, bs), seq.released)
+        return [j for j in range(start, end) if seq.blocks[j] != FREED], max(seq.released, end)
 
     # ------------------------------------------------------------------ plan
     def _make_graph_buffers(self, capacity) -> dict:
@@ -573,11 +583,14 @@ class PagedKVCache(KVPoolBase):
             pending_drop: dict[int, int] = {}
             max_blocks = 0
             dead: dict = {}  # namespace -> block indices out of every layer's window (free_out_of_window)
+            drops: dict[int, int] = {}  # block id -> references those releases drop
             if self._release_window is not None:
                 for ns, _n in items:
                     seq = self._seqs.get(ns)
                     if seq is not None and seq.seq_len:
                         dead[ns] = self._dead_blocks(seq)
+                        for j in dead[ns][0]:
+                            drops[seq.blocks[j]] = drops.get(seq.blocks[j], 0) + 1
             for ns, n in items:
                 seq = self._seqs.get(ns)
                 old, blocks = (seq.seq_len, seq.blocks) if seq is not None else (0, [])
@@ -586,20 +599,22 @@ class PagedKVCache(KVPoolBase):
                 need += max(0, n_blocks - len(blocks))
                 for j in range(old // bs, min(len(blocks), n_blocks)):
                     b = blocks[j]
-                    if self.allocator.refcount(b) - pending_drop.get(b, 0) > 1:
+                    # References after this plan's releases (a fork's dead copy of the block).
+                    if self.allocator.refcount(b) - drops.get(b, 0) - pending_drop.get(b, 0) > 1:
                         need += 1
                         pending_drop[b] = pending_drop.get(b, 0) + 1
             if graph and max_blocks > g["max_blocks"]:
                 raise ValueError(
                     f"batch: a sequence needs {max_blocks} blocks, over graph_capacity max_blocks {g['max_blocks']}"
                 )
-            # Dead blocks that only this sequence holds come back before the step takes any.
-            returning = sum(1 for ns, js in dead.items() for j in js if self.allocator.refcount(self._seqs[ns].blocks[j]) == 1)
+            # Dead blocks whose every reference this plan releases come back before the step
+            # takes any (the releases are applied first, below).
+            returning = sum(1 for b, c in drops.items() if self.allocator.refcount(b) == c)
             if need > self.allocator.num_free + returning:
                 raise CacheFullError(
                     f"plan needs {need} blocks, only {self.allocator.num_free + returning} of {self.total_blocks} are free"
                 )
-            for ns, js in dead.items():  # released even if a shared allocator refuses below: they stay dead
+            for ns, (js, end) in dead.items():  # released even if a shared allocator refuses below: they stay dead
                 seq = self._seqs[ns]
                 if js:
                     self.allocator.decref([seq.blocks[j] for j in js])
@@ -607,6 +622,7 @@ class PagedKVCache(KVPoolBase):
                         seq.blocks[j] = FREED
                         self._pending[(seq.row, j)] = 0
                     seq.version = self._stamp()
+                seq.released = end
             # 2. Apply: new namespaces, copy-on-write, new blocks. Every block is taken in
             # ONE allocator call before anything changes: the allocator may be shared with
             # another pool on the same arena region (its own lock, not ours), so blocks
