@@ -235,6 +235,24 @@ def test_fp8_kvarena_cache_within_the_fp8_bound() -> None:
     assert caches["fp8"].used_bytes * 4 * d == caches["fp32"].used_bytes * (d + 4)
 
 
+def test_sliding_models_release_out_of_window_blocks() -> None:
+    """Every Mistral layer slides: KVArenaCache releases blocks older than the window, a
+    long generation keeps about a window per row and still equals eager. Models with full
+    layers keep every block (explicitly asking is a ValueError)."""
+    model = _model("mistral-window")
+    ids, mask = _prompts(True)
+    arena = hf.KVArenaCache(model.config, block_size=4, rollback_tokens=0)
+    _compare(model, ids, mask, "mistral release", max_new_tokens=30, arena=arena)
+    for name in arena._names:
+        held = [b for b in arena.pool.block_ids(name) if b != -1]
+        assert -1 in arena.pool.block_ids(name) and len(held) <= -(-WINDOW // 4) + 2, arena.pool.block_ids(name)
+    assert arena.used_bytes < sum(-(-arena.pool.seq_len(n) // 4) for n in arena._names) * arena.pool.block_bytes
+    gemma = _model("gemma2-window-softcap")
+    assert hf.KVArenaCache(gemma.config)._release is None
+    with pytest.raises(ValueError, match="free_out_of_window: the model has full-attention layers"):
+        hf.KVArenaCache(gemma.config, free_out_of_window=True)
+
+
 def test_second_generate_continues_the_same_kvarena_cache() -> None:
     """Multi-turn: a second generate on the full sequence with the same cache feeds only
     the unseen tokens (the cache must not look recurrent to transformers)."""

@@ -260,6 +260,14 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         Default: the first update's K/V dtype and device (the model's).
         ``dtype=torch.float8_e4m3fn`` stores fp8 K/V with per-(token, kv head) scales
         (52% of bf16's bytes); the model's own dtype stays the input dtype (inference).
+    free_out_of_window : bool, optional
+        Release blocks older than the sliding window (``PagedKVCache(free_out_of_window=
+        True)``). None: on when every layer slides (``config.sliding_window`` set and
+        ``config.layer_types`` absent or all ``"sliding_attention"``: Mistral-style), so a
+        long generation holds about a window per row. Models that mix sliding and full
+        layers (Gemma 2/3, gpt-oss) keep every block until layer groups land.
+    rollback_tokens : int, default 64
+        With the release on: how far ``crop`` (assisted decoding) can always go back.
     """
 
     def __new__(cls, *args, **kwargs):
@@ -269,7 +277,9 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         return object.__new__(cls)
 
     def __init__(self, config, *, max_tokens: int | None = None, max_bytes: int | None = None,
-                 block_size: int = 16, dtype=None, device=None) -> None:
+                 block_size: int = 16, dtype=None, device=None, free_out_of_window: bool | None = None,
+                 rollback_tokens: int = 64) -> None:
+        from kvarena.attention.spec import check_bool
         from kvarena.cache.arena import _check_int
 
         _cache_base().__init__(self, layers=[])
@@ -279,6 +289,16 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         self._max_bytes = None if max_bytes is None else _check_int("max_bytes", max_bytes, 1)
         self.block_size = _check_int("block_size", block_size, 1)
         self._dtype, self._device = dtype, device
+        window = getattr(config, "sliding_window", None)
+        types = getattr(config, "layer_types", None)
+        all_sliding = window is not None and (types is None or all(t == "sliding_attention" for t in types))
+        if free_out_of_window is None:
+            free_out_of_window = all_sliding
+        check_bool("free_out_of_window", free_out_of_window)
+        if free_out_of_window and not all_sliding:
+            raise ValueError("free_out_of_window: the model has full-attention layers (config.layer_types) or no "
+                             "config.sliding_window; only models whose every layer slides release blocks")
+        self._release = (int(window) - 1, _check_int("rollback_tokens", rollback_tokens, 0)) if free_out_of_window else None
         self.pool = None
         self._names: list = []  # namespace of each batch row
         self._next_name = 0
@@ -341,8 +361,14 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
                 tokens = batch * per_row
             blocks = -(-tokens // self.block_size) + batch  # a partly filled block per row
             max_bytes = blocks * layout.block_bytes(self.block_size)
+        release = {}
+        if self._release is not None:  # every layer slides: the pool keeps a window (+ rollback) per row
+            from kvarena.attention.spec import AttentionSpec
+
+            release = dict(attention=AttentionSpec(window_left=self._release[0]), free_out_of_window=True,
+                           rollback_tokens=self._release[1])
         self.pool = PagedKVCache(CachePolicy("paged_kv", max_bytes), layout=layout, block_size=self.block_size,
-                                 device=device)
+                                 device=device, **release)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Hand the new K/V to the attention function (stored there, where the padding is known)."""
