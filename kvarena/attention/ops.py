@@ -227,9 +227,14 @@ def check_kv_scales(k_cache: torch.Tensor, k_scale, v_scale, q_dtype: torch.dtyp
     return k_scale, v_scale
 
 
-def _as_bytes(t: torch.Tensor | None) -> torch.Tensor | None:
-    """fp8 caches and per-token scales as uint8 views at a custom op's boundary (see
-    ``kvarena.cache.arena.as_bytes``); the ops view them back with :func:`_from_bytes`."""
+def as_bytes(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` as a uint8 view (None and 0-dim tensors, static fp8 scales, as they are).
+
+    An arena's fp8 bytes and fp32 scales are views of one uint8 buffer; torch.compile's
+    aot_autograd refuses mutated graph inputs that are views of one base in two dtypes,
+    while uint8 views of the uint8 buffer are plain. The pools hand the ops such views
+    (``ArenaRegion.op_views``) and the ops view them back with :func:`_from_bytes`.
+    """
     return t if t is None or t.dim() == 0 or t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
@@ -299,6 +304,12 @@ def check_rope_values(spec: AttentionSpec, rope_pos, seq_lens, cu_seqlens_q, blo
             if lo < 0 or hi >= n_pos:
                 raise ValueError(f"rope_k_shift: sequence {b}'s key positions reach [{lo}, {hi}], outside the "
                                  f"{n_pos}-row rotary table")
+
+
+def _refuse_rope_triton_grad(spec: AttentionSpec) -> None:
+    if spec.rope_mode:
+        raise ValueError("rope_cos: the Triton backward does not rotate (RoPE on read); use backend='torch' "
+                         "for gradients")
 
 
 def refuse_fp8_grad(kv_scales, *tensors) -> None:
@@ -583,9 +594,7 @@ def attend(
         if k_cache.requires_grad or v_cache.requires_grad:
             raise ValueError("k_cache/v_cache: the Triton backward gives no gradient to a cache tensor; "
                              "use backend='torch' (or give the keys as new_kv / own k, v)")
-        if spec.rope_mode:
-            raise ValueError("rope_cos: the Triton backward does not rotate (RoPE on read); use backend='torch' "
-                             "for gradients")
+        _refuse_rope_triton_grad(spec)
         if _needs_grad(spec.sink_logits):
             raise ValueError("sink_logits: the Triton backward gives no gradient to sink_logits; use backend='torch'")
         result, lse = torch.ops.kvarena.attention_train(
@@ -614,8 +623,8 @@ def attend(
             rq, rk = rope_pos if rope_pos is not None else (None, None)
             fp8 = kv_scales is not None
             result, lse = torch.ops.kvarena.paged_attention(
-                q, _as_bytes(k_cache) if fp8 else k_cache, _as_bytes(v_cache) if fp8 else v_cache, block_table,
-                seq_lens, cu_seqlens_q, kv_start, _as_bytes(ks), _as_bytes(vs), rq, rk, max_seqlen_q, max_seqlen_k,
+                q, as_bytes(k_cache) if fp8 else k_cache, as_bytes(v_cache) if fp8 else v_cache, block_table,
+                seq_lens, cu_seqlens_q, kv_start, as_bytes(ks), as_bytes(vs), rq, rk, max_seqlen_q, max_seqlen_k,
                 *spec.replace(backend=backend).op_args(),
             )
         else:
@@ -711,9 +720,8 @@ def attend_history_and_own(
     """
     paged = own_max_seqlen_k is not None
     grad = _needs_grad(q, *own_kv)
-    if grad and backend == "triton" and spec.rope_mode:
-        raise ValueError("rope_cos: the Triton backward does not rotate (RoPE on read); use backend='torch' "
-                         "for gradients")
+    if grad and backend == "triton":
+        _refuse_rope_triton_grad(spec)  # the one-launch form's backward would not rotate either
     if not paged and backend == "triton" and (grad or not torch.compiler.is_compiling()):
         res = attend_with_own_kv(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, own_kv,
                                  spec=spec, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, kv_scales=kv_scales,
@@ -820,13 +828,14 @@ def _validate_store(k, v, k_cache, v_cache, slot_mapping) -> None:
         raise ValueError(f"v_cache: expected k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     if tuple(k.shape[1:]) != tuple(k_cache.shape[2:]):
         raise ValueError(f"k: expected [N, {k_cache.shape[2]}, {k_cache.shape[3]}] to match the cache, got {tuple(k.shape)}")
-    fp8 = k_cache.dtype in FP8_CACHE_DTYPES
     if v_cache.dtype != k_cache.dtype:
         raise TypeError(f"v_cache: expected k_cache's dtype {k_cache.dtype}, got {v_cache.dtype}")
+    # fp8 caches take k/v of one input dtype (checked by check_kv_scales); float ones their own.
+    want, what = (k.dtype, "k's dtype") if k_cache.dtype in FP8_CACHE_DTYPES else (k_cache.dtype, "the cache dtype")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != want:
+            raise TypeError(f"{name}: expected {what} {want}, got {t.dtype}")
     for name, t in (("k", k), ("v", v), ("v_cache", v_cache)):
-        if name != "v_cache" and t.dtype != (k.dtype if fp8 else k_cache.dtype):
-            want = "k's dtype" if fp8 else "the cache dtype"
-            raise TypeError(f"{name}: expected {want} {k.dtype if fp8 else k_cache.dtype}, got {t.dtype}")
         if t.device != k_cache.device:
             raise ValueError(f"{name}: expected the cache device {k_cache.device}, got {t.device}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
@@ -892,7 +901,7 @@ def store(k, v, k_cache, v_cache, slot_mapping, backend: str, kv_scales=None) ->
     ks, vs = kv_scales if kv_scales is not None else (None, None)
     if torch.compiler.is_compiling():
         if kv_scales is not None:
-            k_cache, v_cache, ks, vs = _as_bytes(k_cache), _as_bytes(v_cache), _as_bytes(ks), _as_bytes(vs)
+            k_cache, v_cache, ks, vs = as_bytes(k_cache), as_bytes(v_cache), as_bytes(ks), as_bytes(vs)
         torch.ops.kvarena.store_kv(k.detach(), v.detach(), k_cache, v_cache, slot_mapping, backend, ks, vs)
     else:
         _store_kv_impl(k.detach(), v.detach(), k_cache, v_cache, slot_mapping, backend, ks, vs)

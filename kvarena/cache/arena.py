@@ -38,6 +38,11 @@ from dataclasses import dataclass
 
 import torch
 
+# The dtype rules of the ops the arena feeds: fp8 storage, and what fp8 layouts take in.
+from kvarena.attention.ops import FP8_CACHE_DTYPES as FP8_DTYPES
+from kvarena.attention.ops import KERNEL_DTYPES as _FP8_INPUT_DTYPES
+from kvarena.attention.ops import as_bytes
+
 __all__ = [
     "ALIGN_BYTES",
     "FP8_DTYPES",
@@ -53,24 +58,10 @@ __all__ = [
 ALIGN_BYTES = 256
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-#: Storage dtypes that hold quantized K/V (dequantized in the attention kernels).
-FP8_DTYPES = (torch.float8_e4m3fn,)
-#: Input (q/k/v/out) dtypes of a layout whose storage is fp8.
-_FP8_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: Bytes of one fp32 scale.
 _SCALE_BYTES = 4
 # torch sizes are int64; keep room for the alignment padding of a few regions.
 _MAX_ARENA_BYTES = 2**62
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a uint8 view (0-dim tensors, static fp8 scales, as they are).
-
-    An arena's fp8 bytes and fp32 scales are views of one uint8 buffer; torch.compile's
-    aot_autograd refuses mutated graph inputs that are views of one base in two dtypes,
-    while uint8 views of the uint8 buffer are plain.
-    """
-    return t if t.dim() == 0 or t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
 class CacheFullError(RuntimeError):
@@ -241,12 +232,6 @@ class KVLayout:
         """
         _check_pos_int("block_tokens", block_tokens)
         return block_tokens * self.token_bytes
-
-    def check_input(self, name: str, t: torch.Tensor) -> None:
-        """TypeError naming ``name`` unless ``t`` has the layout's ``input_dtype``."""
-        if t.dtype != self.input_dtype:
-            what = "input dtype" if self.is_fp8 else "dtype"
-            raise TypeError(f"{name}: expected the layout's {what} {self.input_dtype}, got {t.dtype}")
 
     @classmethod
     def from_kv(cls, k: torch.Tensor) -> KVLayout:

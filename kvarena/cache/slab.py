@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from kvarena.attention.ops import attend, attend_history_and_own, resolve_backend, store
+from kvarena.attention.ops import as_bytes, attend, attend_history_and_own, resolve_backend, store
 from kvarena.attention.reference import dequantize_fp8, fp8_row_scales, quantize_fp8
 from kvarena.attention.spec import INT_LIMIT, AttentionSpec, check_bool
 from kvarena.cache._meta import (
@@ -48,7 +48,7 @@ from kvarena.cache._meta import (
     upload,
 )
 from kvarena.cache._pool import KVPoolBase
-from kvarena.cache.arena import ArenaRegion, CacheFullError, KVArena, KVLayout, _check_int, as_bytes
+from kvarena.cache.arena import ArenaRegion, CacheFullError, KVArena, KVLayout, _check_int
 
 __all__ = ["Slab", "SlabKVCache", "SlabMetadata", "SlabSnapshot"]
 
@@ -789,7 +789,6 @@ class SlabKVCache(KVPoolBase):
             if len(own) > 1:
                 g_own = math.gcd(g_own, own[0][1], own[1][0])
         per_slab = 2 * self.layout.num_layers * st // g  # pages between two slabs' starts
-        rope = self._rope_meta(rows, seqs, g, g_own, t) if self._rope_modes else {}
 
         def arena_page(records, p):
             slot = records[p * g // st].slot
@@ -802,6 +801,7 @@ class SlabKVCache(KVPoolBase):
             shifted = [(a + pad, e + pad) for a, e in hist]
             hist_t.append(_pages(shifted, g, lambda p, rec=records: arena_page(rec, p)))
             own_t.append(_pages(own, g_own, lambda p, row=row: row * (t // g_own) + p))
+        rope = self._rope_meta(rows, seqs, g, g_own, full_t, hist_t, own_t) if self._rope_modes else {}
         n_seq = len(seqs)
         flat: list[int] = []
         widths = []
@@ -884,7 +884,7 @@ class SlabKVCache(KVPoolBase):
             _history=tuple(history.items()),
         )
 
-    def _rope_meta(self, rows, seqs, g: int, g_own: int, t: int) -> dict:
+    def _rope_meta(self, rows, seqs, g: int, g_own: int, full_t, hist_t, own_t) -> dict:
         """RoPE-on-read positions of a plan (see ``SlabMetadata.rope``), host math + one upload.
 
         Absolute: a key's logical token index; the queries are the chunk's tokens. Virtual:
@@ -896,11 +896,9 @@ class SlabKVCache(KVPoolBase):
         out = {}
         for mode in self._rope_modes:
             q_pos, tabs, top = [], ([], [], []), 0
-            for row, r, _rec, pad, n_tok, full, hist, own in seqs:
+            for (row, r, _rec, pad, n_tok, full, hist, own), ft, ht, ot in zip(seqs, full_t, hist_t, own_t):
                 run0 = _chunk_start(rows[row][2][0].index, r.n0, st)
-                f_ids, f_start, f_len = _pages([(a + pad, e + pad) for a, e in full], g, lambda p: 0)
-                h_ids, h_start, h_len = _pages([(a + pad, e + pad) for a, e in hist], g, lambda p: 0)
-                o_ids, o_start, o_len = _pages(own, g_own, lambda p: 0)
+                (f_ids, f_start, f_len), (h_ids, h_start, h_len), (o_ids, o_start, _o_len) = ft, ht, ot
                 if mode == "absolute":
                     q0 = full[-1][1] - n_tok
                     fs = _page_shifts([(a + pad, e + pad) for a, e in full], g, pad)
