@@ -85,8 +85,8 @@ def _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP: tl.
     # [BLOCK_M, BLOCK_N] fp32 scores in the exp2 domain (fp32 inputs: full IEEE dots).
     s = tl.dot(q, kt, input_precision="ieee")
     if FP8:
-        # fp8 keys: the dot ran on the decoded bytes (value / 256, exact in q's dtype); the
-        # per-key scale (times 256) multiplies the fp32 score column, not the key tile.
+        # fp8 keys: the dot ran on the widened bytes (exact in q's dtype; value / 256 after the
+        # shift decode); the per-key scale (times 256 there) multiplies the fp32 score column.
         s = s * kcol[None, :]
     if HAS_SOFTCAP:
         s = softcap_log2 * _tanh(s * softcap_inv)
@@ -167,8 +167,8 @@ def _softmax_step(s, v, vcol, m_i, l_i, acc, bad_w, GUARD: tl.constexpr, guard_n
         bad_w += tl.sum(pr * key_bad[None, :], 1)
         v = tl.where(v_ok, v, 0.0)
     if FP8:
-        # fp8 values: the per-key V scale (times 256) goes on P's columns, in fp32, before P
-        # is rounded to the dot's input dtype (as P alone is without fp8).
+        # fp8 values: the per-key V scale (times 256 after the shift decode) goes on P's
+        # columns, in fp32, before P is rounded to the dot's input dtype (as P alone is).
         acc = acc * alpha[:, None] + tl.dot((pr * vcol[None, :]).to(v.dtype), v, input_precision="ieee")
     else:
         acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
