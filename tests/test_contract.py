@@ -45,7 +45,7 @@ def pool_state(pool) -> tuple:
     buf = pool.arena.buffer.clone()  # compared bytewise: NaN-safe
     if isinstance(pool, PagedKVCache):
         a = pool.allocator
-        recs = {ns: (list(s.blocks), s.seq_len, s.version) for ns, s in pool._seqs.items()}
+        recs = {ns: ([list(b) for b in s.blocks], s.seq_len, s.version) for ns, s in pool._seqs.items()}
     else:
         a = pool._region.allocator
         recs = {ns: (r.last, r.version, {i: (c.slot, c.n_tokens, tuple(c.committed)) for i, c in r.chunks.items()})

@@ -202,14 +202,14 @@ def test_metadata_contents_and_incremental_table(seed) -> None:
         assert not cache._pending  # changed entries flushed at plan
     assert cache._table.data_ptr() == table_ptr, "the persistent block table was re-allocated"
     row = cache._seqs["a"].row
-    assert cache._table[row, : len(cache.block_ids("a"))].tolist() == cache.block_ids("a")
+    assert cache._table[0, row, : len(cache.block_ids("a"))].tolist() == cache.block_ids("a")
 
 
 def test_table_grows_by_doubling(seed) -> None:
     cache = _cache(blocks=40, max_seqs=1, max_blocks_per_seq=1)
     hist = History(2)
     run_step(cache, hist, {"a": 9, "b": 5, "c": 1}, torch.float32, "grown")
-    assert cache._table.shape[0] >= 3 and cache._table.shape[1] >= 3
+    assert cache._table.shape[1] >= 3 and cache._table.shape[2] >= 3
     run_step(cache, hist, {"c": 1, "b": 1, "a": 1}, torch.float32, "after growth")
 
 

@@ -164,7 +164,7 @@ def test_released_blocks_make_room_and_graph_plans_work() -> None:
 
 def test_errors() -> None:
     lay = KVLayout(num_layers=2, num_kv_heads=H_KV, head_dim=D, dtype=torch.float64)
-    with pytest.raises(ValueError, match="free_out_of_window: every layer must slide .* layer 1"):
+    with pytest.raises(ValueError, match=r"free_out_of_window: layer 1 sees the whole history .*group_layers"):
         PagedKVCache(CachePolicy("paged_kv", 1 << 16), layout=lay, block_size=BS,
                      attention={0: AttentionSpec(window_left=3)}, free_out_of_window=True)
     with pytest.raises(TypeError, match="free_out_of_window"):
@@ -173,7 +173,7 @@ def test_errors() -> None:
     meta = pool.plan({"a": 3})
     q, k = torch.randn(3, H_Q, D, dtype=torch.float64), torch.randn(3, H_KV, D, dtype=torch.float64)
     for bad in (dict(window_left=None), dict(window_left=W + 1), dict(sink_tokens=S + 1)):
-        with pytest.raises(ValueError, match="window_left/sink_tokens: this pool releases blocks"):
+        with pytest.raises(ValueError, match="window_left/sink_tokens: this pool releases layer 0's blocks"):
             pool.forward(q, k, k, meta, 0, **bad)
     pool.forward(q, k, k, meta, 1, window_left=W - 5)  # a narrower window is fine
 

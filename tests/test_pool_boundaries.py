@@ -42,7 +42,7 @@ def _slab(slots=6, window=2, sinks=0, training=False) -> SlabKVCache:
 def _paged_state(p: PagedKVCache) -> tuple:
     a = p.allocator
     return (
-        {ns: (list(s.blocks), s.seq_len, s.row, s.version) for ns, s in p._seqs.items()},
+        {ns: ([list(b) for b in s.blocks], list(s.released), s.seq_len, s.row, s.version) for ns, s in p._seqs.items()},
         list(a._free), dict(a._ref), a._fresh, p._table.clone(), dict(p._pending), list(p._free_rows),
         p._graph_gen, p.arena.buffer.clone(),  # bytes: NaN-safe
     )
@@ -127,7 +127,7 @@ def test_paged_plan_is_all_or_nothing_when_a_pool_on_the_same_region_allocates(m
         assert a.seq_len("x") == 3 and b.namespaces() == []
     refs = [0] * 4
     for s in (*a._seqs.values(), *b._seqs.values()):
-        for blk in s.blocks:
+        for blk in s.blocks[0]:
             refs[blk] += 1
     assert refs == [a.allocator.refcount(i) for i in range(4)]
 

@@ -131,14 +131,15 @@ class KVPoolBase:
 
     def _bind_layout(self, layout: KVLayout, device: torch.device) -> tuple[AttentionSpec, ...]:
         """Check the layout against the ops and resolve the per-layer specs (no state change)."""
-        check_head_dim("layout.head_dim", layout.head_dim)
+        for grp in layout.layer_groups:
+            check_head_dim("layout.head_dim", grp.head_dim)
         specs = layer_specs(self._attention, layout.num_layers)
         for i, spec in enumerate(specs):
-            if i == 0 or spec is not specs[i - 1]:
+            if i == 0 or spec is not specs[i - 1] or layout.groups is not None:
                 self._check_spec(spec, f"attention[{i}]")
                 resolve_backend(spec.backend, device, layout.input_dtype, False, "layout.input_dtype")
                 if spec.rope_mode:
-                    self._check_rope(spec, f"attention[{i}]", layout, device)
+                    self._check_rope(spec, f"attention[{i}]", layout.layer_shape(i)[1], device)
         return specs
 
     def _check_spec(self, spec: AttentionSpec, where: str) -> None:
@@ -147,9 +148,9 @@ class KVPoolBase:
     #: The RoPE-on-read position modes the pool can give (subclasses).
     ROPE_POSITIONS: tuple = ("absolute",)
 
-    def _check_rope(self, spec: AttentionSpec, where: str, layout: KVLayout, device: torch.device) -> None:
-        if spec.rope_cos.shape[1] * 2 != layout.head_dim:
-            raise ValueError(f"{where}.rope_cos: expected head_dim / 2 = {layout.head_dim // 2} columns, got "
+    def _check_rope(self, spec: AttentionSpec, where: str, head_dim: int, device: torch.device) -> None:
+        if spec.rope_cos.shape[1] * 2 != head_dim:
+            raise ValueError(f"{where}.rope_cos: expected head_dim / 2 = {head_dim // 2} columns, got "
                              f"{spec.rope_cos.shape[1]} (partial rotary is not supported)")
         if spec.rope_cos.device.type != device.type:
             raise ValueError(f"{where}.rope_cos: expected the pool's device {device}, got {spec.rope_cos.device}")
@@ -203,15 +204,16 @@ class KVPoolBase:
         self._check_spec(spec, "forward")
         return spec
 
-    def _check_qkv(self, q, k, v, lead: tuple[int, ...], what: str) -> int:
-        """q ``[*lead, H_q, D]``, k/v ``[*lead, H_kv, D]`` of the layout; returns ``H_q``."""
+    def _check_qkv(self, q, k, v, lead: tuple[int, ...], what: str, layer: int = 0) -> int:
+        """q ``[*lead, H_q, D]``, k/v ``[*lead, H_kv, D]`` of ``layer`` in the layout; returns ``H_q``."""
         lay = self.layout
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if q.dim() != len(lead) + 2:
             raise ValueError(f"q: expected a {what} tensor, got shape {tuple(q.shape)}")
-        h_q, h_kv, d = q.shape[-2], lay.num_kv_heads, lay.head_dim
+        h_q = q.shape[-2]
+        h_kv, d = lay.layer_shape(layer)
         if h_q == 0 or h_q % h_kv:
             raise ValueError(f"q: H_q ({h_q}) must be a positive multiple of the layout's H_kv ({h_kv})")
         for name, t, heads in (("q", q, h_q), ("k", k, h_kv), ("v", v, h_kv)):

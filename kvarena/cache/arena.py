@@ -32,8 +32,9 @@ blocks only; the remainder of the budget is not allocated).
 
 from __future__ import annotations
 
+import math
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +52,9 @@ __all__ = [
     "CacheFullError",
     "KVArena",
     "KVLayout",
+    "LayerGroup",
     "RegionSpec",
+    "group_layers",
 ]
 
 #: Byte alignment of every region's offset inside the arena.
@@ -85,6 +88,84 @@ def _check_pos_int(name: str, value, minimum: int = 1) -> int:
 
 
 @dataclass(frozen=True)
+class LayerGroup:
+    """Layers of a :class:`KVLayout` that share blocks: one block of the group holds K/V of
+    every layer in it, and a paged pool keeps one block list (and block table) per group.
+
+    Parameters
+    ----------
+    layers : sequence of int
+        Layer indices (sorted on construction; each layer in exactly one group).
+    num_kv_heads, head_dim : int, optional
+        This group's K/V shape; None: the layout's.
+    """
+
+    layers: tuple
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        layers = self.layers
+        if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+            raise TypeError(f"layers: expected a sequence of layer indices, got {layers!r}")
+        layers = tuple(layers)
+        for x in layers:
+            if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+                raise ValueError(f"layers: expected layer indices >= 0, got {x!r} in {layers!r}")
+        if not layers or len(set(layers)) != len(layers):
+            raise ValueError(f"layers: expected at least one layer and none twice, got {layers!r}")
+        object.__setattr__(self, "layers", tuple(sorted(layers)))
+        for name in ("num_kv_heads", "head_dim"):
+            if getattr(self, name) is not None:
+                _check_pos_int(name, getattr(self, name))
+
+
+def group_layers(kinds: Sequence[Hashable], *, group_size: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """Split layers into groups of equal size, each of one kind (for ``KVLayout(groups=)``).
+
+    Every block of a grouped layout has the bytes of its largest group, so groups of equal
+    layer counts (and equal heads / head_dim) waste nothing. Layers of a kind go, in layer
+    order, into groups of ``group_size`` layers.
+
+    Parameters
+    ----------
+    kinds : sequence of hashable
+        One entry per layer (a window, ``"sliding_attention"`` / ``"full_attention"``, ...).
+    group_size : int, optional
+        Layers per group. None: the greatest common divisor of the kinds' layer counts
+        (no waste: Gemma-3's 5 sliding : 1 full over 6 layers gives 6 groups of 1, gpt-oss's
+        12 : 12 gives 2 groups of 12). A size that does not divide a kind's count leaves
+        that kind a smaller last group, whose blocks carry unused bytes (vLLM's padding):
+        fewer groups, so less host work per plan, at that memory cost.
+
+    Returns
+    -------
+    tuple of tuple of int
+        The groups' layers, ordered by their first layer.
+
+    Examples
+    --------
+    >>> from kvarena.cache.arena import group_layers
+    >>> group_layers(["sliding"] * 5 + ["full"])
+    ((0,), (1,), (2,), (3,), (4,), (5,))
+    >>> group_layers(["s", "f", "s", "f"])
+    ((0, 2), (1, 3))
+    """
+    kinds = list(kinds)
+    if not kinds:
+        raise ValueError("kinds: expected one entry per layer, got none")
+    by_kind: dict = {}
+    for i, kind in enumerate(kinds):
+        by_kind.setdefault(kind, []).append(i)
+    if group_size is None:
+        size = math.gcd(*(len(v) for v in by_kind.values()))
+    else:
+        size = _check_pos_int("group_size", group_size)
+    groups = [tuple(v[i : i + size]) for v in by_kind.values() for i in range(0, len(v), size)]
+    return tuple(sorted(groups))
+
+
+@dataclass(frozen=True)
 class KVLayout:
     """Shape of the K/V one model writes per token.
 
@@ -112,6 +193,14 @@ class KVLayout:
         user: one float for every layer's K and V, or one per layer (a float, or a
         ``(k_scale, v_scale)`` pair); values beyond +-448 scales saturate. Normalized to
         a tuple of ``(k_scale, v_scale)`` pairs, one per layer.
+    groups : sequence of LayerGroup (or of layer-index sequences), optional
+        Layers that share blocks (see :class:`LayerGroup` and :func:`group_layers`): a
+        paged pool keeps a block list per group, so a sliding-window group returns its
+        old blocks while a full-attention group keeps its history (Gemma 2/3, gpt-oss).
+        A group may have its own ``num_kv_heads`` / ``head_dim``; ``num_kv_heads`` and
+        ``head_dim`` above are the default. The groups must cover every layer once.
+        A block has the bytes of the largest group's block (:meth:`block_bytes`);
+        :meth:`group_block_bytes` is what a group's block holds. None: one group.
 
     Raises
     ------
@@ -135,6 +224,7 @@ class KVLayout:
     dtype: torch.dtype
     input_dtype: torch.dtype | None = None
     scales: str | float | tuple = "token"
+    groups: tuple | None = None
 
     def __post_init__(self) -> None:
         _check_pos_int("num_layers", self.num_layers)
@@ -159,8 +249,41 @@ class KVLayout:
                              f"converts), got {inp}")
         object.__setattr__(self, "input_dtype", inp)
         object.__setattr__(self, "scales", self._norm_scales(fp8))
-        if fp8 and self.head_dim % 4:
-            raise ValueError(f"head_dim: an fp8 layout needs a multiple of 4 (fp32 scale alignment), got {self.head_dim}")
+        self._norm_groups(fp8)
+
+    def _norm_groups(self, fp8: bool) -> None:
+        groups = self.groups
+        if groups is None:
+            resolved = (LayerGroup(tuple(range(self.num_layers)), self.num_kv_heads, self.head_dim),)
+        else:
+            if isinstance(groups, (str, bytes, LayerGroup)) or not isinstance(groups, Iterable):
+                raise TypeError(f"groups: expected a sequence of LayerGroup or of layer-index sequences, got {groups!r}")
+            resolved = []
+            for i, grp in enumerate(groups):
+                if not isinstance(grp, LayerGroup):
+                    try:
+                        grp = LayerGroup(grp)
+                    except (TypeError, ValueError) as exc:
+                        raise type(exc)(f"groups[{i}]: {exc}") from None
+                resolved.append(LayerGroup(grp.layers, grp.num_kv_heads or self.num_kv_heads,
+                                           grp.head_dim or self.head_dim))
+            resolved = tuple(resolved)
+            seen = sorted(x for grp in resolved for x in grp.layers)
+            if seen != list(range(self.num_layers)):
+                raise ValueError(f"groups: must cover layers 0..{self.num_layers - 1} once each, got "
+                                 f"{[grp.layers for grp in resolved]}")
+            object.__setattr__(self, "groups", resolved)
+        for grp in resolved:
+            if fp8 and grp.head_dim % 4:
+                raise ValueError(f"head_dim: an fp8 layout needs a multiple of 4 (fp32 scale alignment), got "
+                                 f"{grp.head_dim}")
+        where = [None] * self.num_layers
+        for g, grp in enumerate(resolved):
+            for slot, layer in enumerate(grp.layers):
+                where[layer] = (g, slot)
+        # Not fields (eq / hash / repr come from the fields): derived lookups.
+        object.__setattr__(self, "_groups", resolved)
+        object.__setattr__(self, "_where", tuple(where))
 
     def _norm_scales(self, fp8: bool):
         sc = self.scales
@@ -211,11 +334,37 @@ class KVLayout:
         return torch.empty((), dtype=self.dtype).element_size()
 
     @property
+    def layer_groups(self) -> tuple[LayerGroup, ...]:
+        """tuple of LayerGroup: the groups with their heads / head_dim resolved (one group of
+        every layer for an ungrouped layout)."""
+        return self._groups
+
+    def group_of(self, layer: int) -> tuple[int, int]:
+        """``(group, slot)``: the group holding ``layer`` and its index inside the group."""
+        return self._where[layer]
+
+    def layer_shape(self, layer: int) -> tuple[int, int]:
+        """``(num_kv_heads, head_dim)`` of ``layer``."""
+        grp = self._groups[self._where[layer][0]]
+        return grp.num_kv_heads, grp.head_dim
+
+    def _section_bytes(self, grp: LayerGroup) -> tuple[int, int]:
+        """Per token: ``(K/V bytes, scale bytes)`` of one group."""
+        rows = len(grp.layers) * 2 * grp.num_kv_heads
+        return rows * grp.head_dim * self.element_size, rows * _SCALE_BYTES if self.token_scales else 0
+
+    @property
     def token_bytes(self) -> int:
         """int: bytes of K and V of one token over all layers (``L * 2 * H_kv * D * elsize``,
-        plus ``L * 2 * H_kv * 4`` of scales for per-token fp8 scales)."""
-        per_row = self.head_dim * self.element_size + (_SCALE_BYTES if self.token_scales else 0)
-        return self.num_layers * 2 * self.num_kv_heads * per_row
+        plus ``L * 2 * H_kv * 4`` of scales for per-token fp8 scales). Grouped: the largest
+        group's K/V bytes plus its largest scale bytes (what one block slot costs per token)."""
+        sections = [self._section_bytes(grp) for grp in self._groups]
+        return max(d for d, _s in sections) + max(s for _d, s in sections)
+
+    def group_block_bytes(self, group: int, block_tokens: int) -> int:
+        """Bytes group ``group`` stores in one block of ``block_tokens`` tokens (<= :meth:`block_bytes`)."""
+        _check_pos_int("block_tokens", block_tokens)
+        return block_tokens * sum(self._section_bytes(self._groups[group]))
 
     def block_bytes(self, block_tokens: int) -> int:
         """Bytes of one block of ``block_tokens`` tokens (all layers, K and V).
@@ -440,11 +589,15 @@ class ArenaRegion:
     block_bytes : int
     offset : int
         Byte offset inside the arena buffer (multiple of 256).
-    data : torch.Tensor
-        ``[num_blocks, num_layers, 2, block_tokens, H_kv, D]`` view of the arena.
+    data : torch.Tensor or None
+        ``[num_blocks, num_layers, 2, block_tokens, H_kv, D]`` view of the arena (None for
+        a grouped layout: see ``group_data``).
     scales : torch.Tensor or None
         fp8 with per-token scales: ``[num_blocks, num_layers, 2, block_tokens, H_kv]`` fp32
         view of the region's scale section (after all blocks' K/V); else None.
+    group_data, group_scales : list of torch.Tensor
+        Per layer group (one for an ungrouped layout: ``data`` / ``scales``):
+        ``[num_blocks, group_layers, 2, block_tokens, H_kv, D]`` (and its scales).
     allocator : BlockAllocator
     """
 
@@ -457,23 +610,39 @@ class ArenaRegion:
         self.offset = offset
         self.nbytes = self.num_blocks * self.block_bytes
         lay = spec.layout
-        nb, st, h = self.num_blocks, self.block_tokens, lay.num_kv_heads
-        # fp8 with per-token scales: the region is [all blocks' K/V | all blocks' scales], so
-        # the K/V section keeps the float layout's contiguous block shape (slab page views,
-        # block strides) and the scales are a second array indexed by the same block id.
-        data_bytes = nb * lay.num_layers * 2 * st * h * lay.head_dim * lay.element_size
-        raw = buffer[offset : offset + data_bytes]
-        self.data = raw.view(lay.dtype).view(nb, lay.num_layers, 2, st, h, lay.head_dim)
+        nb, st = self.num_blocks, self.block_tokens
+        # The region is [all blocks' K/V | all blocks' fp32 scales] (scales: fp8 with
+        # per-token scales only), so the K/V section keeps the float layout's contiguous
+        # block shape (slab page views, block strides) and the scales are a second array
+        # indexed by the same block id. A block of a grouped layout is a row of the largest
+        # group's bytes; each group views the front of the row in its own shape.
+        sections = [lay._section_bytes(grp) for grp in lay.layer_groups]
+        data_row = st * max(d for d, _s in sections)
+        scale_row = st * max(s for _d, s in sections)
+        self._raw = buffer[offset : offset + nb * data_row].view(nb, data_row)  # uint8 [nb, block K/V bytes]
+        self._raw_scales = None
+        if scale_row:
+            sbase = offset + nb * data_row
+            self._raw_scales = buffer[sbase : sbase + nb * scale_row].view(nb, scale_row)
+        self.group_data = []  # per group: [num_blocks, group layers, 2, block_tokens, H_kv, D]
+        self.group_scales = []  # per group: [num_blocks, group layers, 2, block_tokens, H_kv] fp32, or None
+        for grp, (d_bytes, s_bytes) in zip(lay.layer_groups, sections):
+            shape = (nb, len(grp.layers), 2, st, grp.num_kv_heads)
+            self.group_data.append(self._raw[:, : st * d_bytes].view(lay.dtype).view(*shape, grp.head_dim))
+            self.group_scales.append(
+                self._raw_scales[:, : st * s_bytes].view(torch.float32).view(shape) if s_bytes else None)
+        grouped = lay.groups is not None
+        #: Ungrouped layouts: ``[num_blocks, num_layers, 2, block_tokens, H_kv, D]`` (None when grouped).
+        self.data = None if grouped else self.group_data[0]
+        self.scales = None if grouped else self.group_scales[0]
         # Per-layer views are made once: forward() runs per layer and should not re-slice.
-        self._k = [self.data[:, layer, 0] for layer in range(lay.num_layers)]
-        self._v = [self.data[:, layer, 1] for layer in range(lay.num_layers)]
-        self.scales = None
+        where = [lay.group_of(layer) for layer in range(lay.num_layers)]
+        self._k = [self.group_data[g][:, i, 0] for g, i in where]
+        self._v = [self.group_data[g][:, i, 1] for g, i in where]
         self._ks = self._vs = [None] * lay.num_layers
         if lay.token_scales:
-            sraw = buffer[offset + data_bytes : offset + self.nbytes]
-            self.scales = sraw.view(torch.float32).view(nb, lay.num_layers, 2, st, h)
-            self._ks = [self.scales[:, layer, 0] for layer in range(lay.num_layers)]
-            self._vs = [self.scales[:, layer, 1] for layer in range(lay.num_layers)]
+            self._ks = [self.group_scales[g][:, i, 0] for g, i in where]
+            self._vs = [self.group_scales[g][:, i, 1] for g, i in where]
         elif lay.is_fp8:
             # Static scales: a [L, 2] fp32 device tensor beside the arena (not per block).
             static = torch.tensor(lay.scales, dtype=torch.float32, device=buffer.device)
@@ -525,10 +694,10 @@ class ArenaRegion:
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole blocks ``src[i] -> dst[i]`` (int64 device tensors): K/V and scales."""
-        data = self.data.view(torch.uint8) if self.layout.is_fp8 else self.data  # no fp8 index_copy_ on CPU
-        data.index_copy_(0, dst, data.index_select(0, src))
-        if self.scales is not None:
-            self.scales.index_copy_(0, dst, self.scales.index_select(0, src))
+        # As bytes: every group's layout at once, and no fp8 index_copy_ on CPU.
+        self._raw.index_copy_(0, dst, self._raw.index_select(0, src))
+        if self._raw_scales is not None:
+            self._raw_scales.index_copy_(0, dst, self._raw_scales.index_select(0, src))
 
     @property
     def reserved_bytes(self) -> int:

@@ -7,11 +7,15 @@ entries that changed (one ``index_put_``), gathers the batch's rows and returns
 :class:`PagedMetadata`; ``forward`` then stores each layer's new K/V and runs causal
 (bottom-right aligned) block-table attention with it, with no host-device sync.
 
-With ``free_out_of_window=True`` (every layer slides), a block whose tokens no future
-query of its sequence can see (all older than the window, none a sink token) goes back
-to the allocator at plan time; its list entry becomes ``-1`` and its table entry 0,
-which no kernel dereferences (the kernels only read blocks overlapping a row's visible
-range).
+A layout with layer groups (``KVLayout(groups=...)``: Gemma 2/3's and gpt-oss's sliding
+and full layers, or layers of other shapes) gets a block list and a table row per group
+and namespace, all from the one allocator: a group's block holds that group's layers.
+
+With ``free_out_of_window=True``, a group whose layers all slide returns each block whose
+tokens no future query of its sequence can see (all older than the group's window, none
+a sink token) to the allocator at plan time; its list entry becomes ``-1`` and its table
+entry 0, which no kernel dereferences (the kernels only read blocks overlapping a row's
+visible range). Full-attention groups keep their history.
 
 Forks share blocks by reference count. A shared block that a namespace is about to
 write into (the partial last block after a fork, or a full one after a ``truncate``)
@@ -48,10 +52,14 @@ class PagedMetadata:
     Attributes
     ----------
     slot_mapping : Tensor, int32 (int64 past 2**31 slots) ``[total_q]``
-        Cache slot of each new token (``block * block_size + row``; ``-1`` = padding).
+        Cache slot of each new token (``block * block_size + row``; ``-1`` = padding), in
+        layer group 0.
     block_table : Tensor, int32 ``[num_seqs, max_blocks]``
         Blocks of each sequence in logical order (entries past a sequence's blocks are
-        padding and never read).
+        padding and never read), in layer group 0.
+    slot_mappings, block_tables : tuple of Tensor
+        The same per layer group (views of one ``[G, ...]`` tensor each; one entry for an
+        ungrouped layout, ``slot_mapping`` / ``block_table`` themselves).
     seq_lens : Tensor, int32 ``[num_seqs]``
         Tokens of each sequence after this step (0 for padding rows).
     cu_seqlens_q : Tensor, int32 ``[num_seqs + 1]``
@@ -68,6 +76,8 @@ class PagedMetadata:
 
     slot_mapping: torch.Tensor
     block_table: torch.Tensor
+    slot_mappings: tuple
+    block_tables: tuple
     seq_lens: torch.Tensor
     cu_seqlens_q: torch.Tensor
     max_seqlen_q: int
@@ -86,14 +96,14 @@ class PagedMetadata:
 class _Seq:
     __slots__ = ("blocks", "seq_len", "row", "version", "released")
 
-    def __init__(self, row: int) -> None:
-        self.blocks: list[int] = []
+    def __init__(self, row: int, groups: int) -> None:
+        self.blocks: list[list[int]] = [[] for _ in range(groups)]  # per layer group
         self.seq_len = 0
-        self.row = row
+        self.row = row  # the same row of every group's table
         self.version = next_version()
-        # free_out_of_window: blocks [sink blocks, released) are FREED (one run, since
-        # releases only ever extend it), so each plan scans only the newly dead blocks.
-        self.released = 0
+        # free_out_of_window, per group: blocks [sink blocks, released) are FREED (one run,
+        # since releases only ever extend it), so each plan scans only the newly dead blocks.
+        self.released = [0] * groups
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -139,14 +149,16 @@ class PagedKVCache(KVPoolBase):
         ``{layer or iterable of layers: spec}`` (unnamed layers take the default
         ``AttentionSpec()``). Default: ``AttentionSpec()`` everywhere.
     free_out_of_window : bool, default False
-        Every layer slides (``window_left`` set): at each :meth:`plan`, the blocks of a
-        sequence that no future query can see (every token older than ``p -
-        window_left`` for the step's first query ``p``, no token ``< sink_tokens``; the
-        largest window and sinks over the layers) return to the allocator, so a long
-        generation holds at most ``ceil(sinks / bs) + ceil((window + 1) / bs) + 1``
-        blocks per sequence. ``block_ids`` shows them as ``-1``; ``truncate`` back past one
-        is a ValueError; ``forward`` refuses a per-call ``window_left`` / ``sink_tokens``
-        that would see more.
+        Every layer group whose layers all slide (``window_left`` set) releases: at each
+        :meth:`plan`, the group's blocks of a sequence that no future query can see (every
+        token older than ``p - window_left`` for the step's first query ``p``, no token
+        ``< sink_tokens``; the largest window and sinks over the group's layers) return to
+        the allocator, so a long generation holds at most ``ceil(sinks / bs) + ceil((window
+        + 1) / bs) + 1`` blocks per sequence in that group. Groups with a full-attention
+        layer keep their history; at least one group must slide (an ungrouped layout: every
+        layer). ``block_ids`` shows released blocks as ``-1``; ``truncate`` back past one is
+        a ValueError; ``forward`` refuses a per-call ``window_left`` / ``sink_tokens`` that
+        would see more.
     rollback_tokens : int, default 0
         With ``free_out_of_window``: blocks are kept until they are out of the window of
         a query ``rollback_tokens`` positions earlier too, so ``truncate`` back by up to
@@ -160,6 +172,8 @@ class PagedKVCache(KVPoolBase):
     used_bytes, free_bytes : int
     hits, misses : int
         Kept for the seed's interface; always 0.
+    group_used_blocks, group_used_bytes : tuple of int
+        Blocks (and their bytes) this pool holds per layer group (one entry when ungrouped).
     allocator : BlockAllocator
     arena : KVArena or None
     layout : KVLayout or None
@@ -249,28 +263,42 @@ class PagedKVCache(KVPoolBase):
         )
         rows = rows or max(1, min(total, _DEFAULT_MAX_SEQS))
         cols = cols or max(1, min(total, _DEFAULT_MAX_BLOCKS))
-        self._table = torch.zeros(rows, cols, dtype=torch.int32, device=self.device)
+        # Layer groups: a block list per (namespace, group), a table [G, rows, cols].
+        self._ngroups = 1 if layout is None else len(layout.layer_groups)
+        self._layer_group = () if layout is None else tuple(layout.group_of(i)[0] for i in range(layout.num_layers))
+        self._group_used = [0] * self._ngroups
+        self._table = torch.zeros(self._ngroups, rows, cols, dtype=torch.int32, device=self.device)
         self._free_rows = list(range(rows - 1, -1, -1))
-        self._pending: dict[tuple[int, int], int] = {}
+        self._pending: dict[tuple[int, int, int], int] = {}  # (group, row, col) -> block
         self._seqs: dict[Hashable, _Seq] = {}
         self._graph = None
         self._graph_gen = 0
         if graph_capacity is not None:
             self._graph = self._make_graph_buffers(graph_capacity)
-        self._release_window = self._window_of(free_out_of_window)
+        self._limits = self._windows_of(free_out_of_window)
+        # What a release keeps per group: (window + rollback margin, sink tokens), or None.
+        self._keep = [None if lim is None else (lim[0] + self._rollback, lim[1]) for lim in self._limits]
+        self._releases = any(k is not None for k in self._keep)
 
-    def _window_of(self, free: bool) -> tuple[int, int] | None:
-        """``(window_left, sink_tokens)`` blocks are released by (the widest over layers), or None."""
+    def _windows_of(self, free: bool) -> list:
+        """Per group: ``(window_left, sink_tokens)`` its blocks are released by (the widest
+        over its layers), or None (it keeps every block)."""
         if not free:
-            return None
+            return [None] * self._ngroups
         if not self._specs:
             raise ValueError("free_out_of_window: needs a layout (the layers' attention specs)")
-        bad = [i for i, sp in enumerate(self._specs) if sp.window_left is None]
-        if bad:
-            raise ValueError(f"free_out_of_window: every layer must slide (window_left set); layer {bad[0]} "
-                             "sees the whole history")
-        # The window a release keeps: the widest layer's, plus the rollback margin.
-        return max(sp.window_left for sp in self._specs) + self._rollback, max(sp.sink_tokens for sp in self._specs)
+        out = []
+        for grp in self.layout.layer_groups:
+            specs = [self._specs[i] for i in grp.layers]
+            full = [i for i, sp in zip(grp.layers, specs) if sp.window_left is None]
+            out.append(None if full else (max(sp.window_left for sp in specs), max(sp.sink_tokens for sp in specs)))
+        if all(lim is None for lim in out):
+            full = next(i for i, sp in enumerate(self._specs) if sp.window_left is None)
+            hint = ("no group of layout.groups has only sliding layers" if self.layout.groups is not None else
+                    "group the layers (KVLayout(groups=kvarena.group_layers(...))) so the sliding ones release "
+                    "on their own")
+            raise ValueError(f"free_out_of_window: layer {full} sees the whole history (window_left None); {hint}")
+        return out
     # ------------------------------------------------------------------ accounting
     def _blocks(self):
         return self.allocator, self.block_bytes
@@ -285,6 +313,43 @@ class PagedKVCache(KVPoolBase):
         """int: free blocks."""
         return self.allocator.num_free
 
+    @property
+    def group_used_blocks(self) -> tuple[int, ...]:
+        """tuple of int: blocks this pool holds per layer group."""
+        return tuple(self._group_used)
+
+    @property
+    def group_used_bytes(self) -> tuple[int, ...]:
+        """tuple of int: arena bytes of those blocks (``block_bytes`` each: a block of a
+        smaller group still takes a whole block)."""
+        return tuple(n * self.block_bytes for n in self._group_used)
+
+    def stats(self) -> dict:
+        """Accounting: ``used_bytes``, ``free_bytes``, ``max_bytes``, ``blocks_used``,
+        ``blocks_total``, ``namespaces`` and per layer group ``groups`` (``layers``,
+        ``window_left`` released by or None, ``blocks``, ``used_bytes``)."""
+        with self._lock:
+            layers = [tuple(range(len(self._specs)))] if self.layout is None else [
+                g.layers for g in self.layout.layer_groups]
+            return {
+                "used_bytes": self.used_bytes, "free_bytes": self.free_bytes, "max_bytes": int(self.policy.max_bytes),
+                "blocks_used": self.allocator.num_used, "blocks_total": self.total_blocks,
+                "namespaces": len(self._seqs),
+                "groups": [{"layers": lay, "window_left": None if lim is None else lim[0], "blocks": n,
+                            "used_bytes": n * self.block_bytes}
+                           for lay, lim, n in zip(layers, self._limits, self._group_used)],
+            }
+
+    # The pool's own block traffic, counted per group (the allocator may be shared).
+    def _take(self, group: int, n: int) -> list[int]:
+        got = self.allocator.alloc(n)
+        self._group_used[group] += n
+        return got
+
+    def _drop(self, group: int, blocks: list[int]) -> None:
+        if blocks:
+            self._group_used[group] -= len(self.allocator.decref(blocks))
+
     def __contains__(self, namespace: object) -> bool:
         return namespace in self._seqs
 
@@ -293,11 +358,14 @@ class PagedKVCache(KVPoolBase):
         with self._lock:
             return list(self._seqs)
 
-    def block_ids(self, namespace: Hashable) -> list[int]:
-        """A copy of ``namespace``'s block ids in logical order (``KeyError`` if unknown);
-        ``-1`` for a block released out of the window (``free_out_of_window``)."""
+    def block_ids(self, namespace: Hashable, group: int = 0) -> list[int]:
+        """A copy of ``namespace``'s block ids of layer group ``group`` in logical order
+        (``KeyError`` if unknown); ``-1`` for a block released out of the window
+        (``free_out_of_window``)."""
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < self._ngroups:
+            raise ValueError(f"group: expected an int in [0, {self._ngroups}), got {group!r}")
         with self._lock:
-            return list(self._get(namespace).blocks)
+            return list(self._get(namespace).blocks[group])
 
     def seq_len(self, namespace: Hashable) -> int:
         """Tokens held by ``namespace``.
@@ -320,48 +388,46 @@ class PagedKVCache(KVPoolBase):
     def _new_seq(self) -> _Seq:
         if not self._free_rows:
             old = self._table
-            rows = old.shape[0]
-            self._table = torch.zeros(2 * rows, old.shape[1], dtype=torch.int32, device=self.device)
-            self._table[:rows] = old
+            g, rows, cols = old.shape
+            self._table = torch.zeros(g, 2 * rows, cols, dtype=torch.int32, device=self.device)
+            self._table[:, :rows] = old
             self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
-        return _Seq(self._free_rows.pop())
+        return _Seq(self._free_rows.pop(), self._ngroups)
 
     def _ensure_cols(self, n_blocks: int) -> None:
-        cols = self._table.shape[1]
+        cols = self._table.shape[2]
         if n_blocks <= cols:
             return
         while cols < n_blocks:
             cols *= 2
         old = self._table
-        self._table = torch.zeros(old.shape[0], cols, dtype=torch.int32, device=self.device)
-        self._table[:, : old.shape[1]] = old
+        self._table = torch.zeros(*old.shape[:2], cols, dtype=torch.int32, device=self.device)
+        self._table[:, :, : old.shape[2]] = old
 
-    def _set_entries(self, seq: _Seq, start: int) -> None:
-        for j in range(start, len(seq.blocks)):
-            self._pending[(seq.row, j)] = max(seq.blocks[j], 0)  # a released block: entry 0, never read
+    def _set_entries(self, seq: _Seq, group: int, start: int) -> None:
+        blocks = seq.blocks[group]
+        for j in range(start, len(blocks)):
+            self._pending[(group, seq.row, j)] = max(blocks[j], 0)  # a released block: entry 0, never read
 
     def _flush(self) -> None:
         if not self._pending:
             return
         keys = list(self._pending.items())
         self._pending.clear()
-        packed = upload(
-            [[r for (r, _c), _b in keys], [c for (_r, c), _b in keys], [b for _k, b in keys]],
-            torch.int64,
-            self.device,
-        )
-        self._table.index_put_((packed[0], packed[1]), packed[2].to(torch.int32))
+        packed = upload([[k[i] for k, _b in keys] for i in range(3)] + [[b for _k, b in keys]], torch.int64,
+                        self.device)
+        self._table.index_put_((packed[0], packed[1], packed[2]), packed[3].to(torch.int32))
 
     def _release(self, seq: _Seq) -> None:
-        live = [b for b in seq.blocks if b != FREED]
-        if live:
-            self.allocator.decref(live)
-        seq.blocks = []
+        for g, blocks in enumerate(seq.blocks):
+            self._drop(g, [b for b in blocks if b != FREED])
+        seq.blocks = [[] for _ in range(self._ngroups)]
         self._free_rows.append(seq.row)
 
     # ------------------------------------------------------------------ seed API
     def allocate(self, namespace: Hashable, n_blocks: int) -> bool:
-        """Reserve ``n_blocks`` more blocks for ``namespace`` (created if new).
+        """Reserve ``n_blocks`` more blocks for ``namespace`` (created if new), in every
+        layer group (``n_blocks * G`` blocks).
 
         Reserved blocks sit after the namespace's tokens and are used by its next
         ``plan`` calls before any new block is taken.
@@ -381,18 +447,21 @@ class PagedKVCache(KVPoolBase):
         if n_blocks == 0:
             return True
         with self._lock:
-            if n_blocks > self.allocator.num_free:
+            if n_blocks * self._ngroups > self.allocator.num_free:
                 return False
             seq = self._seqs.get(namespace)
             created = seq is None
             if created:
                 seq = self._new_seq()
-            self._ensure_cols(len(seq.blocks) + n_blocks)
-            start = len(seq.blocks)
-            seq.blocks.extend(self.allocator.alloc(n_blocks))
+            self._ensure_cols(max(len(b) for b in seq.blocks) + n_blocks)
+            got = self.allocator.alloc(n_blocks * self._ngroups)  # one all-or-nothing call
+            for g, blocks in enumerate(seq.blocks):
+                start = len(blocks)
+                blocks.extend(got[g * n_blocks : (g + 1) * n_blocks])
+                self._group_used[g] += n_blocks
+                self._set_entries(seq, g, start)
             if created:
                 self._seqs[namespace] = seq
-            self._set_entries(seq, start)
             return True
 
     def free_namespace(self, namespace: Hashable) -> None:
@@ -422,14 +491,15 @@ class PagedKVCache(KVPoolBase):
             s = self._get(src)
             if dst in self._seqs:
                 raise ValueError(f"dst: namespace {dst!r} already exists")
-            shared = s.blocks[: _cdiv(s.seq_len, self.block_size)]
+            n = _cdiv(s.seq_len, self.block_size)
+            self.allocator.incref([b for blocks in s.blocks for b in blocks[:n] if b != FREED])
             d = self._new_seq()
-            self.allocator.incref([b for b in shared if b != FREED])
-            d.blocks = list(shared)
+            d.blocks = [list(blocks[:n]) for blocks in s.blocks]
             d.seq_len = s.seq_len
-            d.released = min(s.released, len(shared))
+            d.released = [min(r, len(b)) for r, b in zip(s.released, d.blocks)]
             self._seqs[dst] = d
-            self._set_entries(d, 0)
+            for g in range(self._ngroups):
+                self._set_entries(d, g, 0)
             # src's outstanding metadata goes stale: its tokens not stored yet sit in blocks
             # now shared with dst, and dst's next plan may copy such a block (CoW) before
             # that forward writes them, leaving dst with garbage where src's last planned
@@ -458,43 +528,47 @@ class PagedKVCache(KVPoolBase):
                     f"n_tokens: expected 0 <= n_tokens <= seq_len ({seq.seq_len}), got {n_tokens}"
                 )
             keep = _cdiv(n_tokens, self.block_size)
-            if self._release_window is not None and n_tokens:
+            for g, lim in enumerate(self._limits):
+                if lim is None or not n_tokens:
+                    continue
                 # The next query (position n_tokens) needs its window and the sinks back; the
                 # sink blocks are never released, the others were in one run.
-                w, sinks = self._release_window
-                lo = max(0, n_tokens - (w - self._rollback)) // self.block_size
+                w, sinks = lim
+                lo = max(0, n_tokens - w) // self.block_size
                 first = max(lo, _cdiv(sinks, self.block_size))
-                if first < min(keep, seq.released):
+                if first < min(keep, seq.released[g]):
+                    where = f" of layer group {g}" if self._ngroups > 1 else ""
                     raise ValueError(
-                        f"n_tokens: rolling back to {n_tokens} tokens needs block {first} (tokens "
+                        f"n_tokens: rolling back to {n_tokens} tokens needs block {first}{where} (tokens "
                         f"{first * self.block_size}..), released out of the window at an earlier plan; "
                         f"reachable lengths: {self._min_len(seq)} and on, or one whose window holds only "
                         "sink blocks")
-            if len(seq.blocks) > keep:
-                dropped = [b for b in seq.blocks[keep:] if b != FREED]
-                if dropped:
-                    self.allocator.decref(dropped)
-                del seq.blocks[keep:]
-                seq.released = min(seq.released, keep)
+            for g, blocks in enumerate(seq.blocks):
+                if len(blocks) > keep:
+                    self._drop(g, [b for b in blocks[keep:] if b != FREED])
+                    del blocks[keep:]
+                    seq.released[g] = min(seq.released[g], keep)
             seq.seq_len = n_tokens
             seq.version = self._stamp()
 
     def _min_len(self, seq: _Seq) -> int:
-        """The shortest length past the released run that ``truncate`` can reach."""
-        w, sinks = self._release_window
-        if seq.released <= _cdiv(sinks, self.block_size):
-            return 0
-        return min(seq.seq_len, seq.released * self.block_size + w - self._rollback)
+        """The shortest length past every group's released run that ``truncate`` can reach."""
+        out = 0
+        for g, lim in enumerate(self._limits):
+            if lim is not None and seq.released[g] > _cdiv(lim[1], self.block_size):
+                out = max(out, min(seq.seq_len, seq.released[g] * self.block_size + lim[0]))
+        return out
 
-    def _dead_blocks(self, seq: _Seq) -> tuple[list[int], int]:
-        """``(indices, end)``: ``seq``'s live blocks no query at a position >= seq_len can
-        see, among those not released yet (O(blocks that died since the last plan)), and
-        the end of the released run once they are."""
-        w, sinks = self._release_window
+    def _dead_blocks(self, seq: _Seq, group: int) -> tuple[list[int], int]:
+        """``(indices, end)``: ``seq``'s live blocks of ``group`` no query at a position >=
+        seq_len can see, among those not released yet (O(blocks that died since the last
+        plan)), and the end of the group's released run once they are."""
+        w, sinks = self._keep[group]
         bs = self.block_size
-        end = min(max(0, seq.seq_len - w) // bs, len(seq.blocks))  # blocks j < end: tokens < seq_len - w
-        start = max(_cdiv(sinks, bs), seq.released)
-        return [j for j in range(start, end) if seq.blocks[j] != FREED], max(seq.released, end)
+        blocks, released = seq.blocks[group], seq.released[group]
+        end = min(max(0, seq.seq_len - w) // bs, len(blocks))  # blocks j < end: tokens < seq_len - w
+        start = max(_cdiv(sinks, bs), released)
+        return [j for j in range(start, end) if blocks[j] != FREED], max(released, end)
 
     # ------------------------------------------------------------------ plan
     def _make_graph_buffers(self, capacity) -> dict:
@@ -511,8 +585,8 @@ class PagedKVCache(KVPoolBase):
             "max_batch": max_batch,
             "max_blocks": max_blocks,
             "q_per_seq": q_per,
-            "slot_mapping": torch.full((max_batch * q_per,), -1, dtype=self._slot_dtype, device=dev),
-            "block_table": torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=dev),
+            "slot_mapping": torch.full((self._ngroups, max_batch * q_per), -1, dtype=self._slot_dtype, device=dev),
+            "block_table": torch.zeros(self._ngroups, max_batch, max_blocks, dtype=torch.int32, device=dev),
             "seq_lens": torch.zeros(max_batch, dtype=torch.int32, device=dev),
             # Every row (padding included) owns q_per_seq query rows: constant offsets.
             "cu_seqlens_q": torch.arange(0, (max_batch + 1) * q_per, q_per, dtype=torch.int32, device=dev),
@@ -568,67 +642,77 @@ class PagedKVCache(KVPoolBase):
             if pad_to is not None and n > pad_to:
                 raise ValueError(f"batch[{ns!r}]: {n} new tokens do not fit pad_to = {pad_to} rows")
         bs = self.block_size
-        g = self._graph
+        g_cap = self._graph
         if graph:
-            if g is None:
+            if g_cap is None:
                 raise ValueError("graph: this PagedKVCache was made without graph_capacity=")
-            if len(items) > g["max_batch"]:
-                raise ValueError(f"batch: {len(items)} namespaces exceed graph_capacity max_batch {g['max_batch']}")
+            if len(items) > g_cap["max_batch"]:
+                raise ValueError(f"batch: {len(items)} namespaces exceed graph_capacity max_batch {g_cap['max_batch']}")
             for ns, n in items:
-                if n != g["q_per_seq"]:
-                    raise ValueError(f"batch[{ns!r}]: graph plans take exactly q_per_seq = {g['q_per_seq']} tokens, got {n}")
+                if n != g_cap["q_per_seq"]:
+                    raise ValueError(f"batch[{ns!r}]: graph plans take exactly q_per_seq = {g_cap['q_per_seq']} "
+                                     f"tokens, got {n}")
         with self._lock:
             # 1. What the step needs, without changing anything.
+            alloc = self.allocator
+            groups = range(self._ngroups)
             need = 0
             pending_drop: dict[int, int] = {}
             max_blocks = 0
-            dead: dict = {}  # namespace -> block indices out of every layer's window (free_out_of_window)
+            dead: dict = {}  # (namespace, group) -> block indices out of the group's window
             drops: dict[int, int] = {}  # block id -> references those releases drop
-            if self._release_window is not None:
+            if self._releases:
                 for ns, _n in items:
                     seq = self._seqs.get(ns)
-                    if seq is not None and seq.seq_len:
-                        dead[ns] = self._dead_blocks(seq)
-                        for j in dead[ns][0]:
-                            drops[seq.blocks[j]] = drops.get(seq.blocks[j], 0) + 1
+                    if seq is None or not seq.seq_len:
+                        continue
+                    for g in groups:
+                        if self._keep[g] is not None:
+                            js, end = dead[ns, g] = self._dead_blocks(seq, g)
+                            for j in js:
+                                b = seq.blocks[g][j]
+                                drops[b] = drops.get(b, 0) + 1
             for ns, n in items:
                 seq = self._seqs.get(ns)
-                old, blocks = (seq.seq_len, seq.blocks) if seq is not None else (0, [])
+                old = seq.seq_len if seq is not None else 0
                 n_blocks = _cdiv(old + n, bs)
                 max_blocks = max(max_blocks, n_blocks)
-                need += max(0, n_blocks - len(blocks))
-                for j in range(old // bs, min(len(blocks), n_blocks)):
-                    b = blocks[j]
-                    # References after this plan's releases (a fork's dead copy of the block).
-                    if self.allocator.refcount(b) - drops.get(b, 0) - pending_drop.get(b, 0) > 1:
-                        need += 1
-                        pending_drop[b] = pending_drop.get(b, 0) + 1
-            if graph and max_blocks > g["max_blocks"]:
+                for g in groups:
+                    blocks = seq.blocks[g] if seq is not None else []
+                    need += max(0, n_blocks - len(blocks))
+                    for j in range(old // bs, min(len(blocks), n_blocks)):
+                        b = blocks[j]
+                        # References after this plan's releases (a fork's dead copy of the block).
+                        if alloc.refcount(b) - drops.get(b, 0) - pending_drop.get(b, 0) > 1:
+                            need += 1
+                            pending_drop[b] = pending_drop.get(b, 0) + 1
+            if graph and max_blocks > g_cap["max_blocks"]:
                 raise ValueError(
-                    f"batch: a sequence needs {max_blocks} blocks, over graph_capacity max_blocks {g['max_blocks']}"
+                    f"batch: a sequence needs {max_blocks} blocks, over graph_capacity max_blocks {g_cap['max_blocks']}"
                 )
             # Dead blocks whose every reference this plan releases come back before the step
             # takes any (the releases are applied first, below).
-            returning = sum(1 for b, c in drops.items() if self.allocator.refcount(b) == c)
-            if need > self.allocator.num_free + returning:
+            returning = sum(1 for b, c in drops.items() if alloc.refcount(b) == c)
+            if need > alloc.num_free + returning:
                 raise CacheFullError(
-                    f"plan needs {need} blocks, only {self.allocator.num_free + returning} of {self.total_blocks} are free"
+                    f"plan needs {need} blocks, only {alloc.num_free + returning} of {self.total_blocks} are free"
                 )
-            for ns, (js, end) in dead.items():  # released even if a shared allocator refuses below: they stay dead
+            for (ns, g), (js, end) in dead.items():  # released even if a shared allocator refuses below
                 seq = self._seqs[ns]
                 if js:
-                    self.allocator.decref([seq.blocks[j] for j in js])
+                    blocks = seq.blocks[g]
+                    self._drop(g, [blocks[j] for j in js])
                     for j in js:
-                        seq.blocks[j] = FREED
-                        self._pending[(seq.row, j)] = 0
+                        blocks[j] = FREED
+                        self._pending[(g, seq.row, j)] = 0
                     seq.version = self._stamp()
-                seq.released = end
+                seq.released[g] = end
             # 2. Apply: new namespaces, copy-on-write, new blocks. Every block is taken in
             # ONE allocator call before anything changes: the allocator may be shared with
             # another pool on the same arena region (its own lock, not ours), so blocks
             # counted free above can be gone by now; a per-block alloc could then raise
             # half-way through and leave the batch half applied.
-            fresh = iter(self.allocator.alloc(need))
+            fresh = iter(alloc.alloc(need))
             self._ensure_cols(max_blocks)
             copies_src: list[int] = []
             copies_dst: list[int] = []
@@ -639,19 +723,23 @@ class PagedKVCache(KVPoolBase):
                     seq = self._seqs[ns] = self._new_seq()
                 old = seq.seq_len
                 n_blocks = _cdiv(old + n, bs)
-                for j in range(old // bs, min(len(seq.blocks), n_blocks)):
-                    b = seq.blocks[j]
-                    if self.allocator.refcount(b) > 1:
-                        nb = next(fresh)
-                        self.allocator.decref([b])
-                        copies_src.append(b)
-                        copies_dst.append(nb)
-                        seq.blocks[j] = nb
-                        self._pending[(seq.row, j)] = nb
-                start = len(seq.blocks)
-                if n_blocks > start:
-                    seq.blocks.extend(next(fresh) for _ in range(n_blocks - start))
-                    self._set_entries(seq, start)
+                for g in groups:
+                    blocks = seq.blocks[g]
+                    for j in range(old // bs, min(len(blocks), n_blocks)):
+                        b = blocks[j]
+                        if alloc.refcount(b) > 1:
+                            nb = next(fresh)
+                            self._group_used[g] += 1
+                            alloc.decref([b])  # shared: never frees
+                            copies_src.append(b)
+                            copies_dst.append(nb)
+                            blocks[j] = nb
+                            self._pending[(g, seq.row, j)] = nb
+                    start = len(blocks)
+                    if n_blocks > start:
+                        blocks.extend(next(fresh) for _ in range(n_blocks - start))
+                        self._group_used[g] += n_blocks - start
+                        self._set_entries(seq, g, start)
                 old_lens.append(old)
                 seq.seq_len = old + n
                 seq.version = self._stamp()
@@ -680,20 +768,23 @@ class PagedKVCache(KVPoolBase):
         seq_lens = packed[nseq : 2 * nseq]
         olds = packed[2 * nseq : 3 * nseq]
         cu_t = packed[3 * nseq :]
-        table = self._table[:, :max_blocks].index_select(0, rows.long())  # [B, max_blocks]
+        table = self._table[:, :, :max_blocks].index_select(1, rows.long())  # [G, B, max_blocks]
         # Slot of every new token, on the device: token i of row b sits at position
-        # old_len[b] + i - cu[b] and goes to block_table[b, pos // bs], row pos % bs.
+        # old_len[b] + i - cu[b] and goes to block_table[g, b, pos // bs], row pos % bs.
         q_lens = cu_t[1:] - cu_t[:-1]
         dev = self.device
         row_of = torch.repeat_interleave(torch.arange(nseq, device=dev), q_lens, output_size=total_q)
         pos = torch.arange(total_q, device=dev) - cu_t[:-1].long()[row_of] + olds.long()[row_of]
-        slots = table.long()[row_of, pos // bs] * bs + pos % bs
+        slots = table.long()[:, row_of, pos // bs] * bs + pos % bs  # [G, total_q]
         versions = tuple(s.version for s in seqs)
         namespaces = tuple(ns for ns, _n in items)
         if not graph:
+            slots = slots.to(self._slot_dtype)
             return PagedMetadata(
-                slot_mapping=slots.to(self._slot_dtype),
-                block_table=table,
+                slot_mapping=slots[0],
+                block_table=table[0],
+                slot_mappings=tuple(slots),
+                block_tables=tuple(table),
                 seq_lens=seq_lens,
                 cu_seqlens_q=cu_t,
                 max_seqlen_q=max(n for _ns, n in items),
@@ -707,16 +798,18 @@ class PagedKVCache(KVPoolBase):
                 _epoch=self._epoch,
             )
         g = self._graph
-        g["slot_mapping"][:total_q].copy_(slots)
-        g["slot_mapping"][total_q:].fill_(-1)
-        g["block_table"][:nseq, : table.shape[1]].copy_(table)
-        g["block_table"][nseq:].zero_()
+        g["slot_mapping"][:, :total_q].copy_(slots)
+        g["slot_mapping"][:, total_q:].fill_(-1)
+        g["block_table"][:, :nseq, : table.shape[2]].copy_(table)
+        g["block_table"][:, nseq:].zero_()
         g["seq_lens"][:nseq].copy_(seq_lens)
         g["seq_lens"][nseq:].zero_()
         self._graph_gen += 1
         return PagedMetadata(
-            slot_mapping=g["slot_mapping"],
-            block_table=g["block_table"],
+            slot_mapping=g["slot_mapping"][0],
+            block_table=g["block_table"][0],
+            slot_mappings=tuple(g["slot_mapping"]),
+            block_tables=tuple(g["block_table"]),
             seq_lens=g["seq_lens"],
             cu_seqlens_q=g["cu_seqlens_q"],
             max_seqlen_q=g["q_per_seq"],
@@ -741,17 +834,20 @@ class PagedKVCache(KVPoolBase):
         packed = upload([s.row for s in seqs] + lens + old_lens + news, torch.int32, self.device)
         rows, seq_lens = packed[:nseq], packed[nseq : 2 * nseq]
         olds, new_t = packed[2 * nseq : 3 * nseq].long(), packed[3 * nseq :].long()
-        table = self._table[:, :max_blocks].index_select(0, rows.long())  # [B, max_blocks]
+        table = self._table[:, :, :max_blocks].index_select(1, rows.long())  # [G, B, max_blocks]
         dev = self.device
         j = torch.arange(pad_to, device=dev)[None, :]  # [1, S]
         first = pad_to - new_t[:, None]  # [B, 1]: the first real query row
         pos = olds[:, None] + j - first  # [B, S] token position; < old_len on padding rows
         real = j >= first
-        blk = table.long().gather(1, (pos.clamp(min=0) // bs).clamp(max=max(max_blocks - 1, 0)))
-        slots = torch.where(real, blk * bs + pos.clamp(min=0) % bs, torch.full_like(pos, -1)).reshape(-1)
+        col = (pos.clamp(min=0) // bs).clamp(max=max(max_blocks - 1, 0))  # [B, S]
+        blk = table.long().gather(2, col.expand(table.shape[0], -1, -1))  # [G, B, S]
+        slots = torch.where(real, blk * bs + pos.clamp(min=0) % bs, torch.full_like(blk, -1))
+        slots = slots.reshape(table.shape[0], -1).to(self._slot_dtype)  # [G, B * S]
         cu = torch.arange(0, (nseq + 1) * pad_to, pad_to, dtype=torch.int32, device=dev)
         return PagedMetadata(
-            slot_mapping=slots.to(self._slot_dtype), block_table=table, seq_lens=seq_lens, cu_seqlens_q=cu,
+            slot_mapping=slots[0], block_table=table[0], slot_mappings=tuple(slots), block_tables=tuple(table),
+            seq_lens=seq_lens, cu_seqlens_q=cu,
             max_seqlen_q=pad_to, max_seqlen_k=max(lens), total_q=total_q, num_seqs=nseq,
             namespaces=tuple(ns for ns, _n in items), num_tokens=sum(news), _owner=self._cache_id,
             _versions=tuple(s.version for s in seqs), _epoch=self._epoch, pad_to=pad_to,
@@ -858,13 +954,14 @@ class PagedKVCache(KVPoolBase):
             self.check_metadata(meta)  # raises unless still current (host data: no sync)
         layer = self._check_layer(layer)
         spec = self._call_spec(layer, options)
-        if options and self._release_window is not None:
-            w, sinks = self._release_window
-            w -= self._rollback
+        group = self._layer_group[layer]
+        lim = self._limits[group]
+        if options and lim is not None:
+            w, sinks = lim
             if spec.window_left is None or spec.window_left > w or spec.sink_tokens > sinks:
-                raise ValueError(f"window_left/sink_tokens: this pool releases blocks outside window_left={w}, "
-                                 f"sink_tokens={sinks} (free_out_of_window); a call cannot see more")
-        self._check_qkv(q, k, v, (meta.total_q,), "[total_q, H, D]")
+                raise ValueError(f"window_left/sink_tokens: this pool releases layer {layer}'s blocks outside "
+                                 f"window_left={w}, sink_tokens={sinks} (free_out_of_window); a call cannot see more")
+        self._check_qkv(q, k, v, (meta.total_q,), "[total_q, H, D]", layer)
         if spec.sink_logits is not None:
             check_sink_logits(spec.sink_logits, q)
         attn_backend, store_backend, kv_grad = self._backends(spec, q, k, v)
@@ -876,9 +973,9 @@ class PagedKVCache(KVPoolBase):
             raise ValueError(f"rope_cos: this step reaches position {meta.max_seqlen_k - 1}, past the "
                              f"{spec.rope_cos.shape[0]}-row rotary table of layer {layer}")
         kc, vc, scales = region.op_views(layer)
-        store(k, v, kc, vc, meta.slot_mapping, store_backend, scales)
+        store(k, v, kc, vc, meta.slot_mappings[group], store_backend, scales)
         return attend(
-            q, kc, vc, meta.block_table, meta.seq_lens, meta.cu_seqlens_q, None, spec=spec,
+            q, kc, vc, meta.block_tables[group], meta.seq_lens, meta.cu_seqlens_q, None, spec=spec,
             max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, backend=attn_backend,
             new_kv=(k, v) if kv_grad else None, kv_scales=scales,
         )

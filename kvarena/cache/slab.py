@@ -381,6 +381,9 @@ class SlabKVCache(KVPoolBase):
 
     # ------------------------------------------------------------------ arena
     def _check_slab(self, bb: int, layout: KVLayout, slab_tokens: int) -> None:
+        if layout.groups is not None:
+            raise ValueError("layout.groups: a slab holds every layer of a chunk and is recycled whole; layer "
+                             "groups are for PagedKVCache (pass a layout without groups)")
         if self.window_tokens is not None and self.window_tokens < slab_tokens:
             raise ValueError(
                 f'policy.per_component["window_tokens"]: expected >= slab_tokens ({slab_tokens}): a '
