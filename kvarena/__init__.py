@@ -20,6 +20,8 @@ _EXPORTS = {
     "ResidualCache": "kvarena.cache.residual",
     "KVLayout": "kvarena.cache.arena",
     "KVArena": "kvarena.cache.arena",
+    "LayerGroup": "kvarena.cache.arena",
+    "group_layers": "kvarena.cache.arena",
     "CacheFullError": "kvarena.cache.arena",
     "SlabKVCache": "kvarena.cache.slab",
     "Slab": "kvarena.cache.slab",

@@ -10,7 +10,7 @@ import pytest
 import torch
 from _helpers import MODEL_TOL
 
-from kvarena.examples.ar_decode import run_ar_decode
+from kvarena.examples.ar_decode import GEMMA3_LIKE, run_ar_decode
 from kvarena.examples.causal_dit import run_causal_dit, run_training_step
 
 
@@ -64,6 +64,21 @@ def test_ar_decode_odd_block_sizes(block_size):
     rep = run_ar_decode(prompt_lens=(1, 17, 100), new_tokens=3, prefill_chunk=33, block_size=block_size,
                         num_blocks=200, seed=4)
     assert rep.max_logit_err <= MODEL_TOL[torch.float32] and rep.greedy_match
+
+
+def test_gemma3_like_decode_holds_a_window_in_its_sliding_groups():
+    """5 sliding (window 64) : 1 full layers, a group each: logits equal the dense per-layer
+    masks; each sliding group holds at most a window + 1 block per sequence (3 sequences:
+    the fork included) while the full group holds the history."""
+    rep = run_ar_decode(config=GEMMA3_LIKE, prompt_lens=(100, 37), new_tokens=40, prefill_chunk=32, block_size=16,
+                        num_blocks=40, seed=3)
+    assert rep.max_logit_err <= MODEL_TOL[torch.float32] and rep.greedy_match, rep.max_logit_err
+    assert rep.group_windows == (63,) * 5 + (None,)
+    full = rep.group_blocks_peak[5]
+    assert full >= -(-(100 + 40) // 16) + -(-(37 + 40) // 16)  # r0 and r1's whole histories
+    for peak in rep.group_blocks_peak[:5]:
+        assert peak <= 3 * (-(-64 // 16) + 1) < full
+    assert rep.arena_used_bytes_peak < full * 6 * rep.block_bytes
 
 
 def _run_cli(*args, env_extra=None, timeout=600):

@@ -102,8 +102,19 @@ def test_generate_equals_eager(name: str, batch: bool, cache: str) -> None:
         # never fed back), in ceil(n / block_size) blocks
         real = mask.sum(1) + 10 - 1
         assert [arena.pool.seq_len(n) for n in arena._names] == real.tolist()
-        blocks = sum(-(-int(n) // 4) for n in real)
-        assert arena.used_bytes == blocks * arena.pool.layout.block_bytes(4)
+        _check_accounting(arena, real.tolist())
+
+
+def _check_accounting(arena, real) -> None:
+    """Bytes in use == blocks held over the layer groups; a group that keeps history (no
+    release window) holds ceil(n / block_size) blocks per row."""
+    pool, bs = arena.pool, arena.block_size
+    groups = pool.stats()["groups"]
+    held = [[b for b in pool.block_ids(name, g) if b != -1] for name in arena._names for g in range(len(groups))]
+    assert arena.used_bytes == sum(map(len, held)) * pool.block_bytes
+    for g, grp in enumerate(groups):
+        if grp["window_left"] is None:
+            assert [len(pool.block_ids(name, g)) for name in arena._names] == [-(-n // bs) for n in real]
 
 
 @pytest.mark.parametrize("cache", ["hf-cache", "kvarena-cache"])
@@ -237,8 +248,8 @@ def test_fp8_kvarena_cache_within_the_fp8_bound() -> None:
 
 def test_sliding_models_release_out_of_window_blocks() -> None:
     """Every Mistral layer slides: KVArenaCache releases blocks older than the window, a
-    long generation keeps about a window per row and still equals eager. Models with full
-    layers keep every block (explicitly asking is a ValueError)."""
+    long generation keeps about a window per row and still equals eager. A model with no
+    sliding layer releases nothing (explicitly asking is a ValueError)."""
     model = _model("mistral-window")
     ids, mask = _prompts(True)
     arena = hf.KVArenaCache(model.config, block_size=4, rollback_tokens=0)
@@ -247,10 +258,34 @@ def test_sliding_models_release_out_of_window_blocks() -> None:
         held = [b for b in arena.pool.block_ids(name) if b != -1]
         assert -1 in arena.pool.block_ids(name) and len(held) <= -(-WINDOW // 4) + 2, arena.pool.block_ids(name)
     assert arena.used_bytes < sum(-(-arena.pool.seq_len(n) // 4) for n in arena._names) * arena.pool.block_bytes
-    gemma = _model("gemma2-window-softcap")
-    assert hf.KVArenaCache(gemma.config)._release is None
-    with pytest.raises(ValueError, match="free_out_of_window: the model has full-attention layers"):
-        hf.KVArenaCache(gemma.config, free_out_of_window=True)
+    llama = _model("llama-gqa")
+    assert hf.KVArenaCache(llama.config)._release is None
+    with pytest.raises(ValueError, match="free_out_of_window: the model has no sliding layer"):
+        hf.KVArenaCache(llama.config, free_out_of_window=True)
+
+
+@pytest.mark.parametrize("name", ["gemma2-window-softcap", "gemma3", "gptoss-sinks"])
+def test_hybrid_models_free_their_sliding_layers_blocks(name: str) -> None:
+    """Gemma 2/3 and gpt-oss mix sliding and full layers: KVArenaCache gives each kind its
+    layer group, a 30-token generation (5x the window) equals eager, the sliding group holds
+    about a window per row while the full group keeps every block."""
+    model = _model(name)
+    ids, mask = _prompts(True)
+    arena = hf.KVArenaCache(model.config, block_size=4, rollback_tokens=0)
+    _compare(model, ids, mask, f"{name} release", max_new_tokens=30, arena=arena)
+    pool = arena.pool
+    assert pool.layout.groups is not None
+    real = [pool.seq_len(n) for n in arena._names]
+    _check_accounting(arena, real)
+    sliding = [g for g, grp in enumerate(pool.stats()["groups"]) if grp["window_left"] == WINDOW - 1]
+    assert sliding and len(sliding) < len(pool.layout.layer_groups)
+    for name_ in arena._names:
+        for g in sliding:
+            held = [b for b in pool.block_ids(name_, g) if b != -1]
+            assert -1 in pool.block_ids(name_, g) and len(held) <= -(-WINDOW // 4) + 2, pool.block_ids(name_, g)
+    keep = hf.KVArenaCache(model.config, block_size=4, free_out_of_window=False)
+    _compare(model, ids, mask, f"{name} keep", max_new_tokens=30, arena=keep)
+    assert keep.pool.layout.groups is None and arena.used_bytes < keep.used_bytes
 
 
 def test_second_generate_continues_the_same_kvarena_cache() -> None:

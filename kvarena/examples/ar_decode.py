@@ -5,6 +5,11 @@ prefill of some requests mixed with one-token decode of others), then every laye
 ``forward`` reuses that metadata; a request forked into two continuations shares its
 prompt blocks by reference count. ``run_ar_decode`` checks every step's logits against
 a dense recomputation of the whole sequence with no cache.
+
+``DecoderConfig(windows=...)`` makes it a hybrid model (:data:`GEMMA3_LIKE`: five sliding
+layers per full one, Gemma 3's pattern): the cache then has a layer group per kind of
+layer, the sliding groups return blocks that left the window, and the arena grows with
+the full layers only.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvarena.cache.arena import KVLayout
+from kvarena.attention.spec import AttentionSpec
+from kvarena.cache.arena import KVLayout, group_layers
 from kvarena.cache.keys import CachePolicy
 from kvarena.cache.paged import PagedKVCache
 from kvarena.examples.common import apply_rope, rms_norm, rope_tables
@@ -32,6 +38,17 @@ class DecoderConfig:
     head_dim: int = 16
     ffn: int = 128
     rope_base: float = 10000.0
+    #: Per layer: the sliding window's ``window_left``, or None for a full-attention layer
+    #: (empty: every layer full).
+    windows: tuple = ()
+
+    @property
+    def layer_windows(self) -> tuple:
+        return self.windows or (None,) * self.num_layers
+
+
+#: Gemma 3's pattern at tiny size: 5 sliding layers (window 64) per full layer.
+GEMMA3_LIKE = DecoderConfig(num_layers=6, windows=(63,) * 5 + (None,))
 
 
 class TinyDecoder(nn.Module):
@@ -78,12 +95,14 @@ class TinyDecoder(nn.Module):
         c = self.cfg
         pos = torch.arange(tokens.shape[0], device=tokens.device)
         h = self.embed(tokens)
-        for layer in range(c.num_layers):
+        i, j = pos[:, None], pos[None, :]
+        for layer, w in enumerate(c.layer_windows):
             q, k, v = self._qkv(layer, h, pos)
             group = c.num_heads // c.num_kv_heads
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            mask = (j <= i) if w is None else (j <= i) & (j >= i - w)  # [L, L]
             o = F.scaled_dot_product_attention(
-                q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(), is_causal=True
+                q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(), attn_mask=mask
             ).transpose(0, 1).to(h.dtype)
             h = self._mlp(layer, h + self.wo[layer](o.flatten(1)))
         return self.head(rms_norm(h))
@@ -98,6 +117,10 @@ class DecodeReport:
     greedy_match: bool = True
     arena_reserved_bytes: int = 0
     arena_used_bytes_peak: int = 0
+    #: Per layer group: the most blocks it held, and its release window (None: full history).
+    group_blocks_peak: tuple = ()
+    group_windows: tuple = ()
+    block_bytes: int = 0
     wall_s: float = 0.0
     outputs: dict[str, list[int]] = field(default_factory=dict)
 
@@ -116,19 +139,27 @@ def run_ar_decode(
     seed: int = 0,
     check: bool = True,
     progress=None,
+    config: DecoderConfig | None = None,
 ) -> DecodeReport:
     """Serve several requests of different lengths with chunked prefill, decode and a fork.
 
     Request ``r0`` is forked after its prompt into ``r0.fork``, which continues with the
     second-most-likely token instead of the greedy one. Every step's logits are compared
-    with :meth:`TinyDecoder.forward_dense` on the request's whole sequence.
+    with :meth:`TinyDecoder.forward_dense` on the request's whole sequence. A hybrid
+    ``config`` (sliding and full layers) gets a layer group per kind with the sliding
+    groups' old blocks released; ``num_blocks`` is then per group.
     """
     torch.manual_seed(seed)
-    cfg = DecoderConfig()
+    cfg = config or DecoderConfig()
     model = TinyDecoder(cfg).to(device=device, dtype=dtype).eval()
-    layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
-    policy = CachePolicy("paged_kv", max_bytes=num_blocks * layout.block_bytes(block_size))
-    cache = PagedKVCache(policy, layout=layout, block_size=block_size, device=device)
+    windows = cfg.layer_windows
+    sliding = any(w is not None for w in windows)
+    groups = group_layers(windows) if sliding and None in windows else None
+    layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, groups=groups)
+    n_groups = len(layout.layer_groups)
+    policy = CachePolicy("paged_kv", max_bytes=num_blocks * n_groups * layout.block_bytes(block_size))
+    cache = PagedKVCache(policy, layout=layout, block_size=block_size, device=device,
+                         attention=[AttentionSpec(window_left=w) for w in windows], free_out_of_window=sliding)
     report = DecodeReport(requests=len(prompt_lens) + 1)
     report.arena_reserved_bytes = cache.arena.reserved_bytes
 
@@ -152,6 +183,8 @@ def run_ar_decode(
         report.steps += 1
         report.tokens += len(toks)
         report.arena_used_bytes_peak = max(report.arena_used_bytes_peak, cache.used_bytes)
+        report.group_blocks_peak = tuple(map(max, zip(report.group_blocks_peak or cache.group_used_blocks,
+                                                      cache.group_used_blocks)))
         last, row = {}, 0
         for ns, n in batch.items():
             prefilled[ns] += n
@@ -188,6 +221,8 @@ def run_ar_decode(
         if progress is not None:
             progress(report)
     report.wall_s = time.perf_counter() - t0
+    report.group_windows = tuple(g["window_left"] for g in cache.stats()["groups"])
+    report.block_bytes = cache.block_bytes
     report.outputs = {ns: s for ns, s in seqs.items()}
     for ns in list(seqs):
         cache.free_namespace(ns)

@@ -262,10 +262,12 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         (52% of bf16's bytes); the model's own dtype stays the input dtype (inference).
     free_out_of_window : bool, optional
         Release blocks older than the sliding window (``PagedKVCache(free_out_of_window=
-        True)``). None: on when every layer slides (``config.sliding_window`` set and
-        ``config.layer_types`` absent or all ``"sliding_attention"``: Mistral-style), so a
-        long generation holds about a window per row. Models that mix sliding and full
-        layers (Gemma 2/3, gpt-oss) keep every block until layer groups land.
+        True)``). None: on when the model slides (``config.sliding_window`` set and some
+        ``config.layer_types`` entry, or every layer when absent, ``"sliding_attention"``).
+        Mistral-style models (every layer slides) then hold about a window per row; models
+        that mix sliding and full layers (Gemma 2/3, gpt-oss) get layer groups
+        (:func:`kvarena.group_layers` of ``config.layer_types``): the sliding groups hold
+        about a window per row, the full ones the whole history.
     rollback_tokens : int, default 64
         With the release on: how far ``crop`` (assisted decoding) can always go back.
     """
@@ -291,13 +293,17 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         self._dtype, self._device = dtype, device
         window = getattr(config, "sliding_window", None)
         types = getattr(config, "layer_types", None)
-        all_sliding = window is not None and (types is None or all(t == "sliding_attention" for t in types))
+        if types is not None and len(types) != self.num_layers:
+            types = None  # not one entry per layer: not a layout transformers would use either
+        sliding = [window is not None and (types is None or t == "sliding_attention") for t in types or
+                   [None] * self.num_layers]
         if free_out_of_window is None:
-            free_out_of_window = all_sliding
+            free_out_of_window = any(sliding)
         check_bool("free_out_of_window", free_out_of_window)
-        if free_out_of_window and not all_sliding:
-            raise ValueError("free_out_of_window: the model has full-attention layers (config.layer_types) or no "
-                             "config.sliding_window; only models whose every layer slides release blocks")
+        if free_out_of_window and not any(sliding):
+            raise ValueError("free_out_of_window: the model has no sliding layer (config.sliding_window unset or "
+                             "no 'sliding_attention' in config.layer_types); nothing leaves a window")
+        self._sliding = sliding
         self._release = (int(window) - 1, _check_int("rollback_tokens", rollback_tokens, 0)) if free_out_of_window else None
         self.pool = None
         self._names: list = []  # namespace of each batch row
@@ -340,7 +346,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
 
     # --- the arena ---------------------------------------------------------------------
     def _make_pool(self, key: torch.Tensor, batch: int) -> None:
-        from kvarena.cache.arena import KVLayout
+        from kvarena.cache.arena import KVLayout, group_layers
         from kvarena.cache.keys import CachePolicy
         from kvarena.cache.paged import PagedKVCache
 
@@ -349,8 +355,11 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         inp = None
         if dtype == torch.float8_e4m3fn:  # fp8 storage; the model's dtype in and out
             inp = key.dtype if key.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
+        # Mixed sliding / full layers with the release on: a block list per group, so the
+        # sliding groups return their old blocks (equal-size groups: no byte is wasted).
+        groups = group_layers(self._sliding) if self._release is not None and not all(self._sliding) else None
         layout = KVLayout(num_layers=self.num_layers, num_kv_heads=key.shape[1], head_dim=key.shape[3], dtype=dtype,
-                          input_dtype=inp)
+                          input_dtype=inp, groups=groups)
         if self._max_bytes is not None:
             max_bytes = self._max_bytes
         else:
@@ -360,13 +369,13 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
                               DEFAULT_MAX_TOKENS_PER_ROW)
                 tokens = batch * per_row
             blocks = -(-tokens // self.block_size) + batch  # a partly filled block per row
-            max_bytes = blocks * layout.block_bytes(self.block_size)
+            max_bytes = blocks * len(layout.layer_groups) * layout.block_bytes(self.block_size)
         release = {}
-        if self._release is not None:  # every layer slides: the pool keeps a window (+ rollback) per row
+        if self._release is not None:  # sliding layers keep a window (+ rollback) per row
             from kvarena.attention.spec import AttentionSpec
 
-            release = dict(attention=AttentionSpec(window_left=self._release[0]), free_out_of_window=True,
-                           rollback_tokens=self._release[1])
+            specs = [AttentionSpec(window_left=self._release[0] if s else None) for s in self._sliding]
+            release = dict(attention=specs, free_out_of_window=True, rollback_tokens=self._release[1])
         self.pool = PagedKVCache(CachePolicy("paged_kv", max_bytes), layout=layout, block_size=self.block_size,
                                  device=device, **release)
 
@@ -380,11 +389,14 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
             raise ValueError(f"kvarena: KVArenaCache needs attn_implementation='kvarena', the model uses "
                              f"{impl if impl != NAME else 'another implementation'!r}; its attention would see "
                              "only the new tokens")
-        if self.pool is not None and (key_states.shape[1], key_states.shape[3]) != (
-                self.pool.layout.num_kv_heads, self.pool.layout.head_dim):
-            raise ValueError(f"kvarena: this KVArenaCache's arena holds {self.pool.layout.num_kv_heads} kv heads of "
-                             f"dim {self.pool.layout.head_dim}, got {key_states.shape[1]} of dim "
-                             f"{key_states.shape[3]} (another model? make a new KVArenaCache)")
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"kvarena: layer_idx {layer_idx!r} is not a layer of this {self.num_layers}-layer cache")
+        if self.pool is not None and (key_states.shape[1], key_states.shape[3]) != self.pool.layout.layer_shape(
+                layer_idx):
+            h, d = self.pool.layout.layer_shape(layer_idx)
+            raise ValueError(f"kvarena: this KVArenaCache's arena holds {h} kv heads of dim {d} at layer {layer_idx}, "
+                             f"got {key_states.shape[1]} of dim {key_states.shape[3]} (another model? make a new "
+                             "KVArenaCache)")
         if layer_idx == 0:  # a new step
             b = key_states.shape[0]
             if self.pool is None:
