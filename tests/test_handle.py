@@ -186,6 +186,34 @@ def test_kv_classes_share_one_arena_with_a_layout_each() -> None:
     assert h.paged_kv.free == h.paged_kv.total_blocks
 
 
+def test_handle_paged_pool_with_layer_groups_and_options() -> None:
+    """A grouped layout and the pool's own options through the handle: the sliding group
+    releases (its blocks come back), the full group keeps its history; stats per group."""
+    import torch
+
+    from kvarena import AttentionSpec, KVLayout, group_layers
+
+    kinds = ["sliding", "full", "sliding", "full"]
+    lay = KVLayout(num_layers=4, num_kv_heads=1, head_dim=8, dtype=torch.float32, groups=group_layers(kinds))
+    sliding = AttentionSpec(window_left=3)
+    h = CacheHandle([CachePolicy("paged_kv", 64 * lay.block_bytes(4))], layouts={"paged_kv": lay}, block_size=4,
+                    attention={"paged_kv": {(0, 2): sliding}}, options={"paged_kv": {"free_out_of_window": True}})
+    pool = h.paged_kv
+    pool.plan({"r": 8})
+    for _ in range(24):
+        pool.plan({"r": 1})
+    # sliding: planned at 31 tokens, keys >= 31 - 3 stay visible: block 7 (28..31); full: ceil(32 / 4)
+    assert pool.group_used_blocks == (1, 8)
+    groups = h.stats()["paged_kv"]["groups"]
+    assert [(g["layers"], g["window_left"], g["blocks"]) for g in groups] == [((0, 2), 3, 1), ((1, 3), None, 8)]
+    h.end_request("r")
+    assert pool.group_used_blocks == (0, 0) and h.stats()["paged_kv"]["used_bytes"] == 0
+    with pytest.raises(ValueError, match=r"options\['paged_kv'\]: 'block_size' is set by CacheHandle"):
+        CacheHandle([CachePolicy("paged_kv", 1 << 16)], options={"paged_kv": {"block_size": 8}})
+    with pytest.raises(TypeError, match=r"options\['paged_kv'\]: expected a mapping"):
+        CacheHandle([CachePolicy("paged_kv", 1 << 16)], options={"paged_kv": 3})
+
+
 def test_kv_class_without_layout_keeps_seed_behaviour() -> None:
     h = CacheHandle([_FEATURE, CachePolicy("paged_kv", 1 << 20, block_bytes=4096)])
     assert h.arena is None and h.paged_kv.total_blocks == 256

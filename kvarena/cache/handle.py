@@ -155,6 +155,10 @@ def _check_per_kv_class(name: str, mapping: Any, by_class: Mapping[str, CachePol
             raise ValueError(f"{name}[{cls_name!r}] is given but policies has no {cls_name!r} policy")
 
 
+# Constructor arguments of the KV pools that CacheHandle passes itself.
+_HANDLE_SETS = frozenset(("layout", "arena", "region", "device", "block_size", "slab_tokens", "attention"))
+
+
 class CacheHandle:
     """One statically budgeted pool per cache class, behind one object.
 
@@ -175,6 +179,13 @@ class CacheHandle:
         Per KV class, the pool's ``attention=`` argument (an ``AttentionSpec``, a list
         with one per layer, or ``{layers: spec}``), e.g. ``{"paged_kv": {range(0, 26, 2):
         sliding}}``; classes not named take the default spec.
+    options : mapping of str to mapping, optional
+        Per KV class, more keyword arguments of the pool's constructor, e.g.
+        ``{"paged_kv": {"free_out_of_window": True, "rollback_tokens": 64,
+        "graph_capacity": (8, 256)}}`` (a layout with layer groups, ``KVLayout(groups=)``,
+        then releases its sliding groups' old blocks). The arguments the handle sets
+        itself (``layout``, ``arena``, ``region``, ``device``, ``block_size``,
+        ``slab_tokens``, ``attention``) are a ValueError here.
 
     Attributes
     ----------
@@ -224,8 +235,19 @@ class CacheHandle:
         slab_tokens: int | None = None,
         block_size: int = 16,
         attention: Mapping[str, Any] | None = None,
+        options: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         by_class = _collect_policies(policies)
+        _check_per_kv_class("options", options, by_class, "{'slab_kv': {...}, 'paged_kv': {...}} of constructor "
+                            "keyword arguments")
+        for cls_name, opts in (options or {}).items():
+            if not isinstance(opts, Mapping):
+                raise TypeError(f"options[{cls_name!r}]: expected a mapping of keyword arguments, got "
+                                f"{type(opts).__qualname__}")
+            taken = sorted(set(opts) & _HANDLE_SETS)
+            if taken:
+                raise ValueError(f"options[{cls_name!r}]: {taken[0]!r} is set by CacheHandle itself (pass it as "
+                                 "its own CacheHandle argument)")
         _check_per_kv_class("layouts", layouts, by_class, "{'slab_kv': KVLayout, 'paged_kv': KVLayout}")
         _check_per_kv_class("attention", attention, by_class,
                             "{'slab_kv': ..., 'paged_kv': ...} of the pools' attention= arguments")
@@ -242,6 +264,7 @@ class CacheHandle:
         self._slab_tokens = slab_tokens
         self._block_size = block_size
         self._attention = dict(attention or {})
+        self._options = {k: dict(v) for k, v in (options or {}).items()}
         self.feature: Any = None
         self.residual: Any = None
         self.slab_kv: Any = None
@@ -293,14 +316,15 @@ class CacheHandle:
             if cls_name not in by_class:
                 continue
             attn = self._attention.get(cls_name)
+            opts = self._options.get(cls_name, {})
             if cls_name in specs:
-                pool = make_pool(by_class[cls_name], arena=self.arena, region=cls_name, attention=attn)
+                pool = make_pool(by_class[cls_name], arena=self.arena, region=cls_name, attention=attn, **opts)
             elif cls_name == "slab_kv":
                 pool = make_pool(by_class[cls_name], slab_tokens=self._slab_tokens, device=self._device,
-                                 attention=attn)
+                                 attention=attn, **opts)
             else:
                 pool = make_pool(by_class[cls_name], block_size=self._block_size, device=self._device,
-                                 attention=attn)
+                                 attention=attn, **opts)
             setattr(self, cls_name, pool)
 
     @property
