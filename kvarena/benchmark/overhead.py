@@ -8,7 +8,10 @@ sink), so that what is measured is the Python and dispatch cost that docs/contra
 Rows
 ----
 ``*.plan``
-    One ``plan`` per step (all layers share it), timed call by call.
+    One ``plan`` per step (all layers share it), timed call by call. ``paged.plan (6 layer
+    groups, ...)``: the same decode step of a Gemma-3-like layout (5 sliding layers with
+    a 32-token window, 1 full; a layer group each) releasing out-of-window blocks, against
+    the ungrouped row of the same run: the host cost of a block list per group.
 ``*.forward``
     One layer's ``forward`` (store + attend), timed call by call. On CPU this includes
     the PyTorch path's arithmetic; on CUDA the calls are not synchronized one by one, so
@@ -169,6 +172,32 @@ def rollout_pool(batch: int, device):
     return pool, names, q, k, v, sinks + window
 
 
+def _grouped_plans(batch: int, device: torch.device, warm: int, reps: int) -> list[float]:
+    """Seconds per decode-step plan of a 6-group pool (the sliding groups releasing)."""
+    from kvarena.attention.spec import AttentionSpec
+    from kvarena.cache.arena import KVLayout, group_layers
+    from kvarena.cache.keys import CachePolicy
+    from kvarena.cache.paged import PagedKVCache
+
+    windows = (31,) * 5 + (None,)
+    lay = KVLayout(6, _H_KV, _D, _DTYPE, groups=group_layers(windows))
+    steps = warm + reps
+    blocks = batch * (6 * 3 + -(-(16 + steps) // 16) + 1)
+    pool = PagedKVCache(CachePolicy("paged_kv", max_bytes=blocks * lay.block_bytes(16)), layout=lay, block_size=16,
+                        device=device, attention=[AttentionSpec(window_left=w) for w in windows],
+                        free_out_of_window=True)
+    names = [f"s{i}" for i in range(batch)]
+    pool.plan(dict.fromkeys(names, 16))
+    step = dict.fromkeys(names, 1)
+    out = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        pool.plan(step)
+        if i >= warm:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
 def _paged(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]:
     from kvarena.attention import ops
 
@@ -195,6 +224,8 @@ def _paged(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]
     decode(t_plan, t_fwd)
     rows = [
         _row("paged.plan (decode step)", batch, device, t_plan, "once per step, all layers"),
+        _row("paged.plan (6 layer groups, release)", batch, device, _grouped_plans(batch, device, warm, reps),
+             "Gemma-3-like: 5 sliding (window 32) + 1 full"),
         _row("paged.forward (per layer)", batch, device, t_fwd,
              f"store + attend, up to {pool.seq_len(names[0])} keys/seq"),
     ]

@@ -279,6 +279,14 @@ class PagedKVCache(KVPoolBase):
         # What a release keeps per group: (window + rollback margin, sink tokens), or None.
         self._keep = [None if lim is None else (lim[0] + self._rollback, lim[1]) for lim in self._limits]
         self._releases = any(k is not None for k in self._keep)
+        # Groups that release alike (same window, or none) stay alike: every operation
+        # (plan, fork, copy-on-write, truncate, allocate) treats them the same way, so their
+        # block lists have equal lengths, released runs and per-index reference counts, only
+        # other ids. A plan decides for one group per class and applies to all.
+        classes: dict = {}
+        for g, keep in enumerate(self._keep):
+            classes.setdefault(keep, []).append(g)
+        self._classes = [(gs[0], len(gs), gs) for gs in classes.values()]
 
     def _windows_of(self, free: bool) -> list:
         """Per group: ``(window_left, sink_tokens)`` its blocks are released by (the widest
@@ -655,20 +663,24 @@ class PagedKVCache(KVPoolBase):
         with self._lock:
             # 1. What the step needs, without changing anything.
             alloc = self.allocator
-            groups = range(self._ngroups)
+            refs = alloc._ref  # read-only here (the hot loop: a plan visits every row of every class)
+            sliding = [c for c in self._classes if self._keep[c[0]] is not None]
             need = 0
-            pending_drop: dict[int, int] = {}
+            pending_drop: dict[int, int] = {}  # (the class representatives' block ids)
             max_blocks = 0
             dead: dict = {}  # (namespace, group) -> block indices out of the group's window
             drops: dict[int, int] = {}  # block id -> references those releases drop
-            if self._releases:
-                for ns, _n in items:
-                    seq = self._seqs.get(ns)
-                    if seq is None or not seq.seq_len:
-                        continue
-                    for g in groups:
-                        if self._keep[g] is not None:
-                            js, end = dead[ns, g] = self._dead_blocks(seq, g)
+            touched = set()  # namespaces that take blocks (new or copy-on-write)
+            for ns, _n in items if sliding else ():
+                seq = self._seqs.get(ns)
+                if seq is None:
+                    continue
+                for rep_g, _mult, gs in sliding:
+                    # Blocks j < end hold only tokens < seq_len - window: O(1) when none died.
+                    end = min((seq.seq_len - self._keep[rep_g][0]) // bs, len(seq.blocks[rep_g]))
+                    if end > seq.released[rep_g]:
+                        for g in gs:
+                            js, _end = dead[ns, g] = self._dead_blocks(seq, g)
                             for j in js:
                                 b = seq.blocks[g][j]
                                 drops[b] = drops.get(b, 0) + 1
@@ -677,22 +689,28 @@ class PagedKVCache(KVPoolBase):
                 old = seq.seq_len if seq is not None else 0
                 n_blocks = _cdiv(old + n, bs)
                 max_blocks = max(max_blocks, n_blocks)
-                for g in groups:
-                    blocks = seq.blocks[g] if seq is not None else []
-                    need += max(0, n_blocks - len(blocks))
-                    for j in range(old // bs, min(len(blocks), n_blocks)):
+                first = old // bs
+                before = need
+                for rep_g, mult, _gs in self._classes:
+                    blocks = seq.blocks[rep_g] if seq is not None else ()
+                    have = len(blocks)
+                    if n_blocks > have:
+                        need += mult * (n_blocks - have)
+                    for j in range(first, min(have, n_blocks)):
                         b = blocks[j]
                         # References after this plan's releases (a fork's dead copy of the block).
-                        if alloc.refcount(b) - drops.get(b, 0) - pending_drop.get(b, 0) > 1:
-                            need += 1
+                        if refs.get(b, 0) - drops.get(b, 0) - pending_drop.get(b, 0) > 1:
+                            need += mult
                             pending_drop[b] = pending_drop.get(b, 0) + 1
+                if need > before or seq is None:
+                    touched.add(ns)
             if graph and max_blocks > g_cap["max_blocks"]:
                 raise ValueError(
                     f"batch: a sequence needs {max_blocks} blocks, over graph_capacity max_blocks {g_cap['max_blocks']}"
                 )
             # Dead blocks whose every reference this plan releases come back before the step
             # takes any (the releases are applied first, below).
-            returning = sum(1 for b, c in drops.items() if alloc.refcount(b) == c)
+            returning = sum(1 for b, c in drops.items() if refs.get(b, 0) == c)
             if need > alloc.num_free + returning:
                 raise CacheFullError(
                     f"plan needs {need} blocks, only {alloc.num_free + returning} of {self.total_blocks} are free"
@@ -723,11 +741,11 @@ class PagedKVCache(KVPoolBase):
                     seq = self._seqs[ns] = self._new_seq()
                 old = seq.seq_len
                 n_blocks = _cdiv(old + n, bs)
-                for g in groups:
+                for g in range(self._ngroups) if ns in touched else ():
                     blocks = seq.blocks[g]
                     for j in range(old // bs, min(len(blocks), n_blocks)):
                         b = blocks[j]
-                        if alloc.refcount(b) > 1:
+                        if refs.get(b, 0) > 1:
                             nb = next(fresh)
                             self._group_used[g] += 1
                             alloc.decref([b])  # shared: never frees
