@@ -29,6 +29,7 @@ attending to a history chunk not committed at the layer being run raises.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
@@ -298,6 +299,16 @@ class SlabKVCache(KVPoolBase):
         ``backend``, ``num_splits``, ``deterministic``, ``return_lse``. Visibility is
         the pool's (sinks + window, block-causal), so ``window_left``,
         ``sink_tokens``, ``chunk_size`` and ``causal`` keep their defaults.
+    context_parallel : kvarena.distributed.ContextParallel, optional
+        Shard one rollout over the ranks of a process group (``mode="heads"``: Ulysses).
+        Every rank makes the pool with the same (global) ``policy`` and ``layout`` and
+        calls ``plan`` with the same arguments (no collective there); ``forward`` takes
+        the rank's contiguous shard of the step's rows (``cp.split_sizes(T)``) of q, k, v
+        with every head and returns that shard of the output, equal to the
+        single-process pool on the whole tensors. The pool stores this rank's ``H_kv / N``
+        heads in its own arena of ``max_bytes / N`` (``layout`` and ``policy`` are then the
+        rank's: heads and budget divided by ``N``); ``append`` / ``get`` work on them.
+        The group size must divide ``num_kv_heads``; ``arena=`` is not taken.
 
     Attributes
     ----------
@@ -324,8 +335,13 @@ class SlabKVCache(KVPoolBase):
         arena: KVArena | None = None,
         region: str | None = None,
         attention=None,
+        context_parallel=None,
     ) -> None:
         self._init_pool(policy, attention)
+        self._cp = None
+        if context_parallel is not None:
+            policy, layout = self._context_parallel(context_parallel, policy, layout, arena)
+            self.policy = policy  # this rank's share of the budget
         device = as_device(device)
         per = policy.per_component
         unknown = sorted(set(per) - _SLAB_COMPONENTS)
@@ -378,6 +394,36 @@ class SlabKVCache(KVPoolBase):
                     'slab_tokens: required with layout= (or set per_component["slab_tokens"])'
                 )
             self._materialize(layout, slab_tokens, device)
+
+    def _context_parallel(self, cp, policy, layout, arena):
+        """This rank's policy and layout under ``cp`` (heads mode: ``H_kv / N`` heads in
+        ``max_bytes / N``, so a budget sized for one process fits the sharded rollout)."""
+        from kvarena.distributed import ContextParallel
+
+        if not isinstance(cp, ContextParallel):
+            raise TypeError(f"context_parallel: expected a kvarena.distributed.ContextParallel, got "
+                            f"{type(cp).__name__}")
+        if cp.mode != "heads":
+            raise ValueError(f"context_parallel.mode: SlabKVCache serves 'heads' (Ulysses) so far, not {cp.mode!r}")
+        if arena is not None:
+            raise ValueError("arena: with context_parallel the pool makes this rank's own arena (max_bytes / N)")
+        if layout is None:
+            raise ValueError("layout: context_parallel needs the model's (global) KVLayout")
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"layout: expected a KVLayout, got {type(layout).__name__}")
+        n = cp.world_size
+        if layout.num_kv_heads % n:
+            raise ValueError(f"num_kv_heads: heads mode splits the layout's {layout.num_kv_heads} kv heads over "
+                             f"{n} ranks; the world size must divide it")
+        self._cp = cp
+        local = dataclasses.replace(layout, num_kv_heads=layout.num_kv_heads // n)
+        bb = int(getattr(policy, "block_bytes", 0))
+        return dataclasses.replace(policy, max_bytes=policy.max_bytes // n, block_bytes=bb // n), local
+
+    @property
+    def context_parallel(self):
+        """The pool's :class:`~kvarena.distributed.ContextParallel`, or None."""
+        return self._cp
 
     # ------------------------------------------------------------------ arena
     def _check_slab(self, bb: int, layout: KVLayout, slab_tokens: int) -> None:
@@ -1061,6 +1107,43 @@ class SlabKVCache(KVPoolBase):
         >>> torch.allclose(noisy, clean, atol=1e-6), pool.chunk_indices("video0")
         (True, [0])
         """
+        if self._cp is not None and self._cp.world_size > 1:
+            return self._forward_heads(q, k, v, meta, layer, commit, options)
+        return self._forward_local(q, k, v, meta, layer, commit, options)
+
+    def _forward_heads(self, q, k, v, meta, layer, commit, options):
+        """Context parallel, heads mode: this rank's rows -> its heads of every row, the
+        local pool, and back. Everything a rank can refuse on its own is checked before
+        the first collective (the others would wait in it)."""
+        cp = self._cp
+        n = cp.world_size
+        fresh = torch.compiler.is_compiling() or (
+            type(meta) is SlabMetadata and meta._owner == self._cache_id and meta._epoch == self._epoch
+        )
+        if not fresh:
+            self.check_metadata(meta)
+        check_bool("commit", commit)
+        layer = self._check_layer(layer)
+        spec = self._call_spec(layer, options)
+        b, t = meta.num_seqs, meta.n_tokens
+        t_r = cp.split_sizes(t)[cp.rank]
+        lay = self.layout
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[2] % n or q.shape[2] % lay.num_kv_heads:
+            got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+            raise ValueError(f"q: expected this rank's [B, T_r, H_q, D] shard with H_q a multiple of the world size "
+                             f"{n} and of num_kv_heads {lay.num_kv_heads * n}, got {got}")
+        kv_shape = (b, t_r, lay.num_kv_heads * n, lay.head_dim)
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            shape = (b, t_r, q.shape[2], lay.head_dim) if name == "q" else kv_shape
+            check_forward_tensor(name, x, shape, lay.input_dtype, self.device,
+                                 f"rank {cp.rank}'s {t_r} of the step's {t} rows, [B, T_r, H, D]")
+        qh, kh, vh = (cp.to_heads(x, t, layer) for x in (q, k, v))  # [B, T, H / N, D]
+        res = self._forward_local(qh, kh, vh, meta, layer, commit, options)
+        if spec.return_lse:
+            return cp.to_tokens(res[0], layer), cp.to_tokens(res[1], layer)
+        return cp.to_tokens(res, layer)
+
+    def _forward_local(self, q, k, v, meta, layer, commit, options):
         region = self._require_arena("forward")
         # Host-side freshness (O(1) unless a plan moved the epoch). Skipped while torch.compile
         # traces: dynamo would guard on the epoch and recompile after every plan.

@@ -1,0 +1,234 @@
+"""Context parallel (issue 16, heads mode) on 2 and 3 CPU processes over gloo.
+
+One process group per world size for the whole module (fork start: ~0.3 s to spawn,
+plus gloo's rendezvous). Each worker runs every scenario below; a scenario builds the
+single-process pool and the sharded one from the same seed, feeds the sharded one its
+rank's rows, and compares with the same rows of the single-process output (fp64: 1e-12
+relative, fp32: 1e-5). Results come back as JSON per rank; a scenario that raised
+reports its traceback. Gloo collectives time out after 60 s, so a rank stuck in a
+collective fails the module instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kvarena import CachePolicy, KVLayout, SlabKVCache
+from kvarena.distributed import ContextParallel
+
+WORLDS = (2, 3)
+L, H_Q, H_KV, D = 2, 12, 6, 8  # 6 kv heads: split over 2 and over 3 ranks
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.numel() == 0:
+        return 0.0
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
+
+
+def _check(what: str, got: torch.Tensor, want: torch.Tensor, dtype) -> None:
+    err = _rel(got, want)
+    if not (torch.isfinite(got).all() and err <= TOL[dtype]):
+        raise AssertionError(f"{what}: relative error {err:.3e} > {TOL[dtype]:.0e} (finite: {bool(torch.isfinite(got).all())})")
+
+
+def _pools(cp, per: dict, slab_tokens: int, slots: int, dtype, **kw):
+    lay = KVLayout(num_layers=L, num_kv_heads=H_KV, head_dim=D, dtype=dtype)
+    policy = CachePolicy("slab_kv", slots * lay.block_bytes(slab_tokens), per_component=per)
+    ref = SlabKVCache(policy, layout=lay, slab_tokens=slab_tokens, **kw)
+    pool = SlabKVCache(policy, layout=lay, slab_tokens=slab_tokens, context_parallel=cp, **kw)
+    return ref, pool
+
+
+def _run(cp, ref, pool, batches, denoise: int, dtype, *, seed: int, lse: bool = False) -> None:
+    """Plan each batch on both pools; ``denoise`` commit=False passes then the clean pass."""
+    g = torch.Generator().manual_seed(seed)
+    for step, batch in enumerate(batches):
+        m_ref, m = ref.plan(batch), pool.plan(batch)
+        b, t = m_ref.num_seqs, m_ref.n_tokens
+        for p in range(denoise + 1):
+            commit = p == denoise
+            for layer in range(L):
+                q = torch.randn(b, t, H_Q, D, generator=g, dtype=dtype)
+                k, v = (torch.randn(b, t, H_KV, D, generator=g, dtype=dtype) for _ in range(2))
+                opts = dict(return_lse=True) if lse else {}
+                want = ref.forward(q, k, v, m_ref, layer, commit=commit, backend="torch", **opts)
+                got = pool.forward(cp.shard(q), cp.shard(k), cp.shard(v), m, layer, commit=commit, backend="torch",
+                                   **opts)
+                where = f"step {step} pass {p} layer {layer} rank {cp.rank}"
+                if lse:
+                    _check(where + " out", got[0], cp.shard(want[0]), dtype)
+                    _check(where + " lse", got[1], cp.shard(want[1]), dtype)
+                else:
+                    _check(where, got, cp.shard(want), dtype)
+
+
+# ---------------------------------------------------------------------------- scenarios
+def case_chunk_window_past_recycling_cfg(cp):
+    """Sinks 1 + window 2 (chunks), two CFG namespaces, 7 chunks: slabs recycled in place;
+    7-token chunks split unevenly (4/3, 3/2/2)."""
+    ref, pool = _pools(cp, {"sinks": 1, "window": 2}, 7, 8, torch.float64)
+    batches = [{"cond": c, "uncond": c} for c in range(7)]
+    _run(cp, ref, pool, batches, 2, torch.float64, seed=1)
+    n = cp.world_size
+    assert pool.arena.reserved_bytes * n == ref.arena.reserved_bytes, (pool.arena.reserved_bytes, n)
+    assert pool.num_slots == ref.num_slots and pool.used_bytes * n == ref.used_bytes
+
+
+def case_token_window_short_first_chunk_fp32(cp):
+    """Self-Forcing's token rule (sink 3 tokens, window 11), a short first chunk (2 tokens:
+    a rank with no row when N = 3), fp32, the lse too."""
+    ref, pool = _pools(cp, {"sink_tokens": 3, "window_tokens": 11}, 5, 12, torch.float32)
+    batches = [{"a": (0, 2)}] + [{"a": c} for c in range(1, 6)]
+    _run(cp, ref, pool, batches, 1, torch.float32, seed=2, lse=True)
+
+
+def case_multi_chunk_run(cp):
+    """A run of three chunks in one step (conditioning prefill), then single chunks."""
+    ref, pool = _pools(cp, {"sinks": 1, "window": 3}, 4, 10, torch.float64)
+    batches = [{"a": range(0, 3)}, {"a": 3}, {"a": 4}]
+    _run(cp, ref, pool, batches, 1, torch.float64, seed=3)
+
+
+def case_comm_bytes_formula(cp):
+    """Bytes sent per layer == q, k, v and out rows that leave the rank, constant as the
+    history grows; nothing in plan."""
+    ref, pool = _pools(cp, {"sinks": 1, "window": 2}, 7, 8, torch.float64)
+    n, es = cp.world_size, 8
+    sizes = cp.split_sizes(7)
+    t_r = sizes[cp.rank]
+    per_layer = []
+    g = torch.Generator().manual_seed(4)
+    for c in range(5):
+        cp.stats.reset()
+        m = pool.plan({"x": c, "y": c})
+        assert cp.stats.calls == 0
+        q = torch.randn(2, 7, H_Q, D, generator=g, dtype=torch.float64)
+        k = torch.randn(2, 7, H_KV, D, generator=g, dtype=torch.float64)
+        pool.forward(cp.shard(q), cp.shard(k), cp.shard(k), m, 0, commit=True, backend="torch")
+        per_layer.append(cp.stats.per_layer[0])
+    want = 2 * t_r * (H_Q + 2 * H_KV) * D * es * (n - 1) // n + 2 * (7 - t_r) * (H_Q // n) * D * es
+    assert per_layer == [want] * 5, (per_layer, want)
+    assert cp.stats.calls == 4
+
+
+def case_gradients_equal_single_process(cp):
+    """Denoising-step gradients (commit=False) w.r.t. q, k, v: the rank's rows of the
+    single-process gradients."""
+    ref, pool = _pools(cp, {"sinks": 1, "window": 2}, 5, 8, torch.float64)
+    g = torch.Generator().manual_seed(5)
+    for c in range(4):
+        m_ref, m = ref.plan({"a": c}), pool.plan({"a": c})
+        q = torch.randn(1, 5, H_Q, D, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(1, 5, H_KV, D, generator=g, dtype=torch.float64) for _ in range(2))
+        w = torch.randn(1, 5, H_Q, D, generator=g, dtype=torch.float64)
+        qa, ka, va = (x.clone().requires_grad_() for x in (q, k, v))
+        (ref.forward(qa, ka, va, m_ref, 0, commit=False, backend="torch") * w).sum().backward()
+        qs, ks, vs = (cp.shard(x).clone().requires_grad_() for x in (q, k, v))
+        (pool.forward(qs, ks, vs, m, 0, commit=False, backend="torch") * cp.shard(w)).sum().backward()
+        for name, got, want in (("dq", qs.grad, qa.grad), ("dk", ks.grad, ka.grad), ("dv", vs.grad, va.grad)):
+            _check(f"chunk {c} {name}", got, cp.shard(want), torch.float64)
+        with torch.no_grad():
+            for layer in range(L):  # commit so the next chunk has history
+                ref.forward(q, k, v, m_ref, layer, backend="torch")
+                pool.forward(cp.shard(q), cp.shard(k), cp.shard(v), m, layer, backend="torch")
+
+
+def case_errors(cp):
+    lay = KVLayout(num_layers=1, num_kv_heads=H_KV, head_dim=D, dtype=torch.float64)
+    pol = CachePolicy("slab_kv", 1 << 16, per_component={"window": 2})
+    bad = KVLayout(num_layers=1, num_kv_heads=cp.world_size + 1, head_dim=D, dtype=torch.float64)
+    for make, exc, needle in (
+        (lambda: ContextParallel(mode="ring"), ValueError, "mode"),
+        (lambda: ContextParallel(group=3), TypeError, "group"),
+        (lambda: SlabKVCache(pol, layout=bad, slab_tokens=4, context_parallel=cp), ValueError, "num_kv_heads"),
+        (lambda: SlabKVCache(pol, slab_tokens=4, context_parallel=cp), ValueError, "layout"),
+        (lambda: SlabKVCache(pol, layout=lay, slab_tokens=4, context_parallel="cp"), TypeError, "context_parallel"),
+        (lambda: SlabKVCache(pol, layout=lay, slab_tokens=4, context_parallel=ContextParallel(mode="tokens")),
+         ValueError, "context_parallel.mode"),
+    ):
+        try:
+            make()
+        except exc as e:
+            assert needle in str(e), str(e)
+        else:
+            raise AssertionError(f"no {exc.__name__} naming {needle}")
+    pool = SlabKVCache(pol, layout=lay, slab_tokens=4, context_parallel=cp)
+    m = pool.plan({"a": 0})
+    q = torch.randn(1, 4, H_Q, D, dtype=torch.float64)  # the whole chunk, not the rank's rows
+    try:
+        pool.forward(q, q[..., :H_KV, :], q[..., :H_KV, :], m, 0)
+    except ValueError as e:
+        assert "rank" in str(e) and "shape" in str(e), str(e)
+    else:
+        raise AssertionError("whole-chunk rows on a rank: no ValueError")
+    assert cp.split_sizes(7) == [7 // cp.world_size + (i < 7 % cp.world_size) for i in range(cp.world_size)]
+
+
+SCENARIOS = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
+
+
+# ---------------------------------------------------------------------------- harness
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    results = {}
+    try:
+        cp = ContextParallel()
+        for name, fn in SCENARIOS.items():
+            try:
+                fn(cp)
+                results[name] = "ok"
+            except BaseException:  # noqa: BLE001 - reported to the test
+                results[name] = traceback.format_exc()
+            dist.barrier()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = {}
+    for world in WORLDS:
+        d = tmp_path_factory.mktemp(f"cp{world}")
+        mp.start_processes(_worker, args=(world, _free_port(), str(d)), nprocs=world, start_method="fork")
+        for r in range(world):
+            with open(d / f"rank{r}.json") as f:
+                out[world, r] = json.load(f)
+    return out
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", list(SCENARIOS))
+def test_context_parallel_heads(results, world: int, case: str) -> None:
+    for r in range(world):
+        got = results[world, r].get(case, "not run")
+        assert got == "ok", f"world {world} rank {r}: {got}"
+
+
+def test_needs_an_initialized_process_group() -> None:
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    with pytest.raises(ValueError, match="group: torch.distributed is not initialized"):
+        ContextParallel()
+    with pytest.raises(ValueError, match="mode: expected 'heads' or 'tokens'"):
+        ContextParallel(mode="ulysses")
