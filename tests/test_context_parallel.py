@@ -175,6 +175,22 @@ def case_errors(cp):
     assert cp.split_sizes(7) == [7 // cp.world_size + (i < 7 % cp.world_size) for i in range(cp.world_size)]
 
 
+def case_benchmark_runs(cp):
+    """``python -m kvarena.benchmark cp`` at tiny size: the heads row runs (bytes by the
+    formula), the tokens row is reported as skipped with the reason."""
+    from kvarena.benchmark.cp import TINY, run_cp
+
+    rows = run_cp(models=("wan1.3b",), tokens=10, dtype=torch.float32, device="cpu", reps=1, tiny=True)
+    heads, d, _layers = TINY["wan1.3b"]
+    n, t_r, es = cp.world_size, cp.split_sizes(10)[cp.rank], 4
+    by_mode = {r["mode"]: r for r in rows}
+    assert by_mode["tokens"]["status"] == "skipped" and "tokens" in by_mode["tokens"]["reason"]
+    ok = by_mode["heads"]
+    want = t_r * 3 * heads * d * es * (n - 1) // n + (10 - t_r) * (heads // n) * d * es
+    assert ok["status"] == "ok" and ok["bytes_sent_per_layer"] == want, (ok, want)
+    assert ok["attn_ms_per_layer"] > 0 and ok["efficiency"] > 0
+
+
 SCENARIOS = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 
 
