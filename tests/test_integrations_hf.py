@@ -286,6 +286,11 @@ def test_hybrid_models_free_their_sliding_layers_blocks(name: str) -> None:
     keep = hf.KVArenaCache(model.config, block_size=4, free_out_of_window=False)
     _compare(model, ids, mask, f"{name} keep", max_new_tokens=30, arena=keep)
     assert keep.pool.layout.groups is None and arena.used_bytes < keep.used_bytes
+    # A crop that some row cannot take (its window's blocks are gone) changes no row.
+    before = [pool.seq_len(n) for n in arena._names], arena._len
+    with pytest.raises(ValueError, match="n_tokens: rolling back"):
+        arena.crop(-20)
+    assert ([pool.seq_len(n) for n in arena._names], arena._len) == before
 
 
 def test_second_generate_continues_the_same_kvarena_cache() -> None:

@@ -293,3 +293,29 @@ def test_group_errors() -> None:
     with pytest.raises(ValueError, match=r"group: expected an int in \[0, 2\)"):
         pool.block_ids("a", 2)
     assert pool.allocate("c", 2) and [len(pool.block_ids("c", g)) for g in range(2)] == [2, 2]
+    for call, exc, needle in (
+        (lambda: lay.group_of(-1), ValueError, "layer: expected 0 <= layer < 2"),
+        (lambda: lay.layer_shape(2), ValueError, "layer: expected 0 <= layer < 2"),
+        (lambda: lay.group_of(1.0), TypeError, "layer: expected an int"),
+        (lambda: lay.group_block_bytes(True, 4), TypeError, "group: expected an int"),
+        (lambda: group_layers(None), TypeError, "kinds: expected a sequence"),
+        (lambda: group_layers([[1], [2]]), TypeError, r"kinds\[0\]: expected a hashable kind"),
+        (lambda: LayerGroup({0: "x"}), TypeError, "layers: expected a sequence"),
+        (lambda: KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32, groups={(0,): 1}),
+         TypeError, "groups: expected a sequence"),
+    ):
+        with pytest.raises(exc, match=needle):
+            call()
+
+
+def test_a_padded_plan_of_padding_only() -> None:
+    """A padded plan whose rows hold no token yet (new, or truncated to 0): valid metadata,
+    every slot -1, outputs finite (no key to see)."""
+    pool, kinds = _pool("gptoss")
+    pool.plan({"b": 3})
+    pool.truncate("b", 0)
+    meta = pool.plan({"a": 0, "b": 0}, pad_to=2)
+    assert all(bool((s == -1).all()) for s in meta.slot_mappings)
+    x = torch.randn(4, 2, 16, dtype=torch.float64)
+    out = pool.forward(torch.randn(4, H_Q, 16, dtype=torch.float64), x, x, meta, 0, backend="torch")
+    assert torch.isfinite(out).all()

@@ -87,6 +87,15 @@ def _check_pos_int(name: str, value, minimum: int = 1) -> int:
     return int(_check_int(name, value, minimum))
 
 
+def _check_index(name: str, value, size: int) -> int:
+    """``value`` if it is an int in ``[0, size)``; else TypeError / ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {value!r}")
+    if not 0 <= value < size:
+        raise ValueError(f"{name}: expected 0 <= {name} < {size}, got {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class LayerGroup:
     """Layers of a :class:`KVLayout` that share blocks: one block of the group holds K/V of
@@ -106,7 +115,7 @@ class LayerGroup:
 
     def __post_init__(self) -> None:
         layers = self.layers
-        if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+        if isinstance(layers, (str, bytes, Mapping)) or not isinstance(layers, Iterable):
             raise TypeError(f"layers: expected a sequence of layer indices, got {layers!r}")
         layers = tuple(layers)
         for x in layers:
@@ -151,11 +160,15 @@ def group_layers(kinds: Sequence[Hashable], *, group_size: int | None = None) ->
     >>> group_layers(["s", "f", "s", "f"])
     ((0, 2), (1, 3))
     """
+    if isinstance(kinds, (str, bytes, Mapping)) or not isinstance(kinds, Iterable):
+        raise TypeError(f"kinds: expected a sequence with one hashable entry per layer, got {kinds!r}")
     kinds = list(kinds)
     if not kinds:
         raise ValueError("kinds: expected one entry per layer, got none")
     by_kind: dict = {}
     for i, kind in enumerate(kinds):
+        if not isinstance(kind, Hashable):
+            raise TypeError(f"kinds[{i}]: expected a hashable kind (a window, a layer type), got {kind!r}")
         by_kind.setdefault(kind, []).append(i)
     if group_size is None:
         size = math.gcd(*(len(v) for v in by_kind.values()))
@@ -256,7 +269,7 @@ class KVLayout:
         if groups is None:
             resolved = (LayerGroup(tuple(range(self.num_layers)), self.num_kv_heads, self.head_dim),)
         else:
-            if isinstance(groups, (str, bytes, LayerGroup)) or not isinstance(groups, Iterable):
+            if isinstance(groups, (str, bytes, Mapping, LayerGroup)) or not isinstance(groups, Iterable):
                 raise TypeError(f"groups: expected a sequence of LayerGroup or of layer-index sequences, got {groups!r}")
             resolved = []
             for i, grp in enumerate(groups):
@@ -341,11 +354,11 @@ class KVLayout:
 
     def group_of(self, layer: int) -> tuple[int, int]:
         """``(group, slot)``: the group holding ``layer`` and its index inside the group."""
-        return self._where[layer]
+        return self._where[_check_index("layer", layer, self.num_layers)]
 
     def layer_shape(self, layer: int) -> tuple[int, int]:
         """``(num_kv_heads, head_dim)`` of ``layer``."""
-        grp = self._groups[self._where[layer][0]]
+        grp = self._groups[self._where[_check_index("layer", layer, self.num_layers)][0]]
         return grp.num_kv_heads, grp.head_dim
 
     def _section_bytes(self, grp: LayerGroup) -> tuple[int, int]:
@@ -364,7 +377,7 @@ class KVLayout:
     def group_block_bytes(self, group: int, block_tokens: int) -> int:
         """Bytes group ``group`` stores in one block of ``block_tokens`` tokens (<= :meth:`block_bytes`)."""
         _check_pos_int("block_tokens", block_tokens)
-        return block_tokens * sum(self._section_bytes(self._groups[group]))
+        return block_tokens * sum(self._section_bytes(self._groups[_check_index("group", group, len(self._groups))]))
 
     def block_bytes(self, block_tokens: int) -> int:
         """Bytes of one block of ``block_tokens`` tokens (all layers, K and V).

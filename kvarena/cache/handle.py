@@ -156,7 +156,7 @@ def _check_per_kv_class(name: str, mapping: Any, by_class: Mapping[str, CachePol
 
 
 # Constructor arguments of the KV pools that CacheHandle passes itself.
-_HANDLE_SETS = frozenset(("layout", "arena", "region", "device", "block_size", "slab_tokens", "attention"))
+_HANDLE_SETS = frozenset(("policy", "layout", "arena", "region", "device", "block_size", "slab_tokens", "attention"))
 
 
 class CacheHandle:
@@ -244,6 +244,9 @@ class CacheHandle:
             if not isinstance(opts, Mapping):
                 raise TypeError(f"options[{cls_name!r}]: expected a mapping of keyword arguments, got "
                                 f"{type(opts).__qualname__}")
+            bad = [k for k in opts if not isinstance(k, str)]
+            if bad:
+                raise TypeError(f"options[{cls_name!r}]: keyword names must be str, got {bad[0]!r}")
             taken = sorted(set(opts) & _HANDLE_SETS)
             if taken:
                 raise ValueError(f"options[{cls_name!r}]: {taken[0]!r} is set by CacheHandle itself (pass it as "

@@ -514,6 +514,36 @@ class PagedKVCache(KVPoolBase):
             # tokens should be. Forward src's metadata first, then fork.
             s.version = self._stamp()
 
+    def check_truncate(self, namespace: Hashable, n_tokens: int) -> None:
+        """Raise exactly what :meth:`truncate` would for these arguments, changing nothing
+        (so a caller rolling back several namespaces can check them all first)."""
+        with self._lock:
+            self._truncate_checked(namespace, n_tokens)
+
+    def _truncate_checked(self, namespace, n_tokens) -> _Seq:
+        seq = self._get(namespace)
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int):
+            raise TypeError(f"n_tokens: expected an int, got {n_tokens!r}")
+        if not 0 <= n_tokens <= seq.seq_len:
+            raise ValueError(f"n_tokens: expected 0 <= n_tokens <= seq_len ({seq.seq_len}), got {n_tokens}")
+        keep = _cdiv(n_tokens, self.block_size)
+        for g, lim in enumerate(self._limits):
+            if lim is None or not n_tokens:
+                continue
+            # The next query (position n_tokens) needs its window and the sinks back; the
+            # sink blocks are never released, the others were in one run.
+            w, sinks = lim
+            lo = max(0, n_tokens - w) // self.block_size
+            first = max(lo, _cdiv(sinks, self.block_size))
+            if first < min(keep, seq.released[g]):
+                where = f" of layer group {g}" if self._ngroups > 1 else ""
+                raise ValueError(
+                    f"n_tokens: rolling back to {n_tokens} tokens needs block {first}{where} (tokens "
+                    f"{first * self.block_size}..), released out of the window at an earlier plan; "
+                    f"reachable lengths: {self._min_len(seq)} and on, or one whose window holds only "
+                    "sink blocks")
+        return seq
+
     def truncate(self, namespace: Hashable, n_tokens: int) -> None:
         """Roll ``namespace`` back to its first ``n_tokens`` tokens, freeing unneeded blocks.
 
@@ -528,29 +558,8 @@ class PagedKVCache(KVPoolBase):
             ``n_tokens`` outside ``[0, seq_len]``.
         """
         with self._lock:
-            seq = self._get(namespace)
-            if isinstance(n_tokens, bool) or not isinstance(n_tokens, int):
-                raise TypeError(f"n_tokens: expected an int, got {n_tokens!r}")
-            if not 0 <= n_tokens <= seq.seq_len:
-                raise ValueError(
-                    f"n_tokens: expected 0 <= n_tokens <= seq_len ({seq.seq_len}), got {n_tokens}"
-                )
+            seq = self._truncate_checked(namespace, n_tokens)
             keep = _cdiv(n_tokens, self.block_size)
-            for g, lim in enumerate(self._limits):
-                if lim is None or not n_tokens:
-                    continue
-                # The next query (position n_tokens) needs its window and the sinks back; the
-                # sink blocks are never released, the others were in one run.
-                w, sinks = lim
-                lo = max(0, n_tokens - w) // self.block_size
-                first = max(lo, _cdiv(sinks, self.block_size))
-                if first < min(keep, seq.released[g]):
-                    where = f" of layer group {g}" if self._ngroups > 1 else ""
-                    raise ValueError(
-                        f"n_tokens: rolling back to {n_tokens} tokens needs block {first}{where} (tokens "
-                        f"{first * self.block_size}..), released out of the window at an earlier plan; "
-                        f"reachable lengths: {self._min_len(seq)} and on, or one whose window holds only "
-                        "sink blocks")
             for g, blocks in enumerate(seq.blocks):
                 if len(blocks) > keep:
                     self._drop(g, [b for b in blocks[keep:] if b != FREED])
@@ -852,6 +861,8 @@ class PagedKVCache(KVPoolBase):
         packed = upload([s.row for s in seqs] + lens + old_lens + news, torch.int32, self.device)
         rows, seq_lens = packed[:nseq], packed[nseq : 2 * nseq]
         olds, new_t = packed[2 * nseq : 3 * nseq].long(), packed[3 * nseq :].long()
+        # At least one column: a batch of padding only (no row holds a token) still indexes it.
+        max_blocks = max(max_blocks, 1)
         table = self._table[:, :, :max_blocks].index_select(1, rows.long())  # [G, B, max_blocks]
         dev = self.device
         j = torch.arange(pad_to, device=dev)[None, :]  # [1, S]
@@ -859,7 +870,7 @@ class PagedKVCache(KVPoolBase):
         pos = olds[:, None] + j - first  # [B, S] token position; < old_len on padding rows
         real = j >= first
         col = (pos.clamp(min=0) // bs).clamp(max=max(max_blocks - 1, 0))  # [B, S]
-        blk = table.long().gather(2, col.expand(table.shape[0], -1, -1))  # [G, B, S]
+        blk = table.long().gather(2, col.expand(table.shape[0], -1, -1).clamp(max=max_blocks - 1))  # [G, B, S]
         slots = torch.where(real, blk * bs + pos.clamp(min=0) % bs, torch.full_like(blk, -1))
         slots = slots.reshape(table.shape[0], -1).to(self._slot_dtype)  # [G, B * S]
         cu = torch.arange(0, (nseq + 1) * pad_to, pad_to, dtype=torch.int32, device=dev)

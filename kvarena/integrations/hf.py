@@ -494,8 +494,11 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         drop = self._len - keep
         if drop <= 0:
             return
-        for name in self._names:
-            self.pool.truncate(name, max(0, self.pool.seq_len(name) - drop))
+        targets = [(name, max(0, self.pool.seq_len(name) - drop)) for name in self._names]
+        for name, n_tokens in targets:  # all rows or none: a refused row leaves the others as they were
+            self.pool.check_truncate(name, n_tokens)
+        for name, n_tokens in targets:
+            self.pool.truncate(name, n_tokens)
         self._len = keep
         self._meta = None
 
