@@ -29,6 +29,7 @@ _EXPORTS = {
     "PagedKVCache": "kvarena.cache.paged",
     "PagedMetadata": "kvarena.cache.paged",
     "CacheHandle": "kvarena.cache.handle",
+    "ContextParallel": "kvarena.distributed",
     "make_pool": "kvarena.cache.handle",
     "AttentionSpec": "kvarena.attention.spec",
     "paged_attention": "kvarena.attention.ops",

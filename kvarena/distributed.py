@@ -99,6 +99,8 @@ class ContextParallel:
                              "torch.distributed.init_process_group first)")
         if group is None:
             group = dist.group.WORLD
+        elif group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns on a rank outside it
+            raise ValueError("group: this process is not in the group (ranks outside it never call)")
         elif _is_mesh(group):
             if group.ndim != 1:
                 raise TypeError(f"group: expected a 1-D DeviceMesh, got a {group.ndim}-D one")

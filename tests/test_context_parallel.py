@@ -175,6 +175,33 @@ def case_errors(cp):
     assert cp.split_sizes(7) == [7 // cp.world_size + (i < 7 % cp.world_size) for i in range(cp.world_size)]
 
 
+def case_sub_group_and_device_mesh(cp):
+    """A sub-group (the last two ranks: shards follow the rank within it; a rank outside
+    cannot make one) and a 1-D DeviceMesh give the single-process result."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    n = cp.world_size
+    members = list(range(n - 2, n))
+    sub = dist.new_group(members)  # every rank takes part in making it
+    if cp.rank in members:
+        scp = ContextParallel(sub)
+        assert (scp.world_size, scp.rank) == (2, members.index(cp.rank))
+        ref, pool = _pools(scp, {"sinks": 1, "window": 2}, 5, 6, torch.float64)
+        _run(scp, ref, pool, [{"a": c} for c in range(4)], 1, torch.float64, seed=6)
+    else:
+        try:
+            ContextParallel(sub)
+        except ValueError as e:
+            assert "group" in str(e), str(e)
+        else:
+            raise AssertionError("a rank outside the group made a ContextParallel")
+    dist.barrier()
+    mcp = ContextParallel(init_device_mesh("cpu", (n,)))
+    assert (mcp.world_size, mcp.rank) == (n, cp.rank)
+    ref, pool = _pools(mcp, {"sinks": 1, "window": 2}, 5, 6, torch.float64)
+    _run(mcp, ref, pool, [{"a": c} for c in range(3)], 0, torch.float64, seed=7)
+
+
 def case_benchmark_runs(cp):
     """``python -m kvarena.benchmark cp`` at tiny size: the heads row runs (bytes by the
     formula), the tokens row is reported as skipped with the reason."""
