@@ -12,6 +12,12 @@ step's tokens for ``H / N`` heads), the rank's pool stores and attends its heads
 (an arena of ``max_bytes / N``), and a second ``all_to_all`` turns the output back into
 sequence shards. Attention needs no log-sum-exp exchange; ``N`` must divide ``H_kv``.
 
+``mode="tokens"`` (vLLM's decode context parallel, ring-attention's LSE merge without
+the ring): each rank stores its rows of every chunk (``split_sizes(slab_tokens)``), the
+step's queries are all-gathered, every rank attends all of them over its keys, and each
+rank's partial ``(out, lse)`` rows go back to their owner, merged there in rank order
+(bitwise repeatable). Any ``N`` (no head constraint); K/V never cross ranks at all.
+
 The collectives are torch's functional, autograd-aware ones
 (``torch.distributed._functional_collectives.all_to_all_single_autograd``), so gradients
 flow back through them and ``torch.compile`` can trace them.
@@ -71,7 +77,7 @@ class ContextParallel:
     mode : {"heads", "tokens"}, default "heads"
         ``"heads"``: Ulysses, sequence shards to head shards and back (the group size
         must divide the layout's ``num_kv_heads``). ``"tokens"``: each rank stores its
-        share of every chunk's tokens (not served by the pools yet: a ValueError there).
+        share of every chunk's tokens; queries all-gathered, partial attentions merged.
 
     Attributes
     ----------
@@ -162,15 +168,38 @@ class ContextParallel:
         n = self.world_size
         if n == 1:
             return y
-        b, t, hs = y.shape[:3]
-        rest = tuple(y.shape[3:])
-        per = hs * math.prod(rest)
+        b, hs, rest = y.shape[0], y.shape[2], tuple(y.shape[3:])
+        got = self.scatter_rows(y, layer)  # [N, B, T_r, H/N, *rest]: head block s from rank s
+        return got.movedim(0, 2).reshape(b, got.shape[2], n * hs, *rest)
+
+    # ------------------------------------------------------------------ rows
+    def scatter_rows(self, y: torch.Tensor, layer: int) -> torch.Tensor:
+        """``[B, T, *rest]`` on every rank -> ``[N, B, T_r, *rest]``: this rank's rows of
+        every rank's ``y``, in rank order."""
+        n = self.world_size
+        b, t, rest = y.shape[0], y.shape[1], tuple(y.shape[2:])
         sizes = self.split_sizes(t)
         t_r = sizes[self.rank]
+        if n == 1:
+            return y[None]
+        per = math.prod(rest)
         send = torch.cat([p.reshape(-1) for p in y.split(sizes, dim=1)])  # rank s's rows, in rank order
         recv = self._a2a(send, [b * t_r * per] * n, [b * s * per for s in sizes], layer)
-        out = recv.view(n, b, t_r, hs, *rest).movedim(0, 2)  # [B, T_r, N, H/N, *rest]
-        return out.reshape(b, t_r, n * hs, *rest)
+        return recv.view(n, b, t_r, *rest)
+
+    def gather_rows(self, x: torch.Tensor, n_rows: int, layer: int) -> torch.Tensor:
+        """``[B, T_r, *rest]`` shards -> ``[B, T, *rest]`` on every rank (an all-gather of
+        uneven contiguous shards)."""
+        n = self.world_size
+        if n == 1:
+            return x
+        b, t_r, rest = x.shape[0], x.shape[1], tuple(x.shape[2:])
+        per = math.prod(rest)
+        sizes = self.split_sizes(n_rows)
+        send = x.reshape(-1).repeat(n)  # the shard once per destination
+        recv = self._a2a(send, [b * t * per for t in sizes], [b * t_r * per] * n, layer)
+        parts = [p.view(b, t, *rest) for p, t in zip(recv.split([b * t * per for t in sizes]), sizes)]
+        return torch.cat(parts, dim=1)
 
     def __repr__(self) -> str:
         return f"ContextParallel(mode={self.mode!r}, world_size={self.world_size}, rank={self.rank})"

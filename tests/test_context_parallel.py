@@ -1,4 +1,4 @@
-"""Context parallel (issue 16, heads mode) on 2 and 3 CPU processes over gloo.
+"""Context parallel (issue 16: heads and tokens modes) on 2 and 3 CPU processes over gloo.
 
 One process group per world size for the whole module (fork start: ~0.3 s to spawn,
 plus gloo's rendezvous). Each worker runs every scenario below; a scenario builds the
@@ -154,8 +154,11 @@ def case_errors(cp):
         (lambda: SlabKVCache(pol, layout=bad, slab_tokens=4, context_parallel=cp), ValueError, "num_kv_heads"),
         (lambda: SlabKVCache(pol, slab_tokens=4, context_parallel=cp), ValueError, "layout"),
         (lambda: SlabKVCache(pol, layout=lay, slab_tokens=4, context_parallel="cp"), TypeError, "context_parallel"),
-        (lambda: SlabKVCache(pol, layout=lay, slab_tokens=4, context_parallel=ContextParallel(mode="tokens")),
+        (lambda: SlabKVCache(CachePolicy("slab_kv", 1 << 16, per_component={"window_tokens": 8}), layout=lay,
+                             slab_tokens=4, context_parallel=ContextParallel(mode="tokens")),
          ValueError, "context_parallel.mode"),
+        (lambda: SlabKVCache(pol, layout=lay, slab_tokens=cp.world_size - 1,
+                             context_parallel=ContextParallel(mode="tokens")), ValueError, "slab_tokens"),
     ):
         try:
             make()
@@ -202,20 +205,84 @@ def case_sub_group_and_device_mesh(cp):
     _run(mcp, ref, pool, [{"a": c} for c in range(3)], 0, torch.float64, seed=7)
 
 
+def _tokens(cp):
+    return ContextParallel(cp.group, mode="tokens")
+
+
+def case_tokens_chunk_window_past_recycling_cfg(cp):
+    """Tokens mode: each rank stores its rows of every 7-token chunk (4/3, 3/2/2), sinks 1 +
+    window 2, two CFG namespaces, denoising steps and clean passes, the lse too; the rank's
+    pool has as many slabs as the single-process one, of its rows only."""
+    tcp = _tokens(cp)
+    ref, pool = _pools(tcp, {"sinks": 1, "window": 2}, 7, 8, torch.float64)
+    _run(tcp, ref, pool, [{"cond": c, "uncond": c} for c in range(7)], 2, torch.float64, seed=11, lse=True)
+    t_r = tcp.split_sizes(7)[tcp.rank]
+    assert pool.num_slots == ref.num_slots and pool.slab_tokens == t_r
+    assert pool.arena.reserved_bytes == ref.arena.reserved_bytes * t_r // 7
+
+
+def case_tokens_short_first_chunk_fp32(cp):
+    """A short first chunk (4 tokens: 2/2, 2/1/1) in fp32, then whole chunks of 5."""
+    tcp = _tokens(cp)
+    ref, pool = _pools(tcp, {"sinks": 1, "window": 3}, 5, 10, torch.float32)
+    _run(tcp, ref, pool, [{"a": (0, 4)}] + [{"a": c} for c in range(1, 7)], 1, torch.float32, seed=12)
+
+
+def case_tokens_gradients_and_bytes(cp):
+    """Denoising-step gradients w.r.t. the rank's q, k, v rows equal the single-process ones
+    (the merge weights carry a gradient on each partial lse); bytes per layer == the q
+    all-gather plus the partial out / lse rows, with K/V never sent."""
+    tcp = _tokens(cp)
+    ref, pool = _pools(tcp, {"sinks": 1, "window": 2}, 5, 8, torch.float64)
+    n, t_r = tcp.world_size, tcp.split_sizes(5)[tcp.rank]
+    g = torch.Generator().manual_seed(13)
+    for c in range(4):
+        m_ref, m = ref.plan({"a": c}), pool.plan({"a": c})
+        q = torch.randn(1, 5, H_Q, D, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(1, 5, H_KV, D, generator=g, dtype=torch.float64) for _ in range(2))
+        w = torch.randn(1, 5, H_Q, D, generator=g, dtype=torch.float64)
+        qa, ka, va = (x.clone().requires_grad_() for x in (q, k, v))
+        (ref.forward(qa, ka, va, m_ref, 0, commit=False, backend="torch") * w).sum().backward()
+        qs, ks, vs = (tcp.shard(x).clone().requires_grad_() for x in (q, k, v))
+        tcp.stats.reset()
+        (pool.forward(qs, ks, vs, m, 0, commit=False, backend="torch") * tcp.shard(w)).sum().backward()
+        for name, got, want in (("dq", qs.grad, qa.grad), ("dk", ks.grad, ka.grad), ("dv", vs.grad, va.grad)):
+            _check(f"chunk {c} {name}", got, tcp.shard(want), torch.float64)
+        with torch.no_grad():
+            tcp.stats.reset()
+            for layer in range(L):  # commit so the next chunk has history
+                ref.forward(q, k, v, m_ref, layer, backend="torch")
+                pool.forward(tcp.shard(q), tcp.shard(k), tcp.shard(v), m, layer, backend="torch")
+        want = (n - 1) * t_r * H_Q * D * 8 + (5 - t_r) * H_Q * (D * 8 + 8)
+        assert tcp.stats.per_layer == {0: want, 1: want}, (tcp.stats.per_layer, want)
+
+
+def case_tokens_errors(cp):
+    tcp = _tokens(cp)
+    ref, pool = _pools(tcp, {"sinks": 1, "window": 2}, 5, 8, torch.float64)
+    for batch, needle in (({"a": range(0, 2)}, "a run of chunks"), ({"a": (0, cp.world_size - 1)}, "n_tokens >=")):
+        try:
+            pool.plan(batch)
+        except ValueError as e:
+            assert needle in str(e), str(e)
+        else:
+            raise AssertionError(f"plan({batch}) did not raise")
+    assert "a" not in pool and pool.used_bytes == 0
+
+
 def case_benchmark_runs(cp):
-    """``python -m kvarena.benchmark cp`` at tiny size: the heads row runs (bytes by the
-    formula), the tokens row is reported as skipped with the reason."""
+    """``python -m kvarena.benchmark cp`` at tiny size: both modes run, bytes by the formula."""
     from kvarena.benchmark.cp import TINY, run_cp
 
     rows = run_cp(models=("wan1.3b",), tokens=10, dtype=torch.float32, device="cpu", reps=1, tiny=True)
     heads, d, _layers = TINY["wan1.3b"]
     n, t_r, es = cp.world_size, cp.split_sizes(10)[cp.rank], 4
     by_mode = {r["mode"]: r for r in rows}
-    assert by_mode["tokens"]["status"] == "skipped" and "tokens" in by_mode["tokens"]["reason"]
-    ok = by_mode["heads"]
-    want = t_r * 3 * heads * d * es * (n - 1) // n + (10 - t_r) * (heads // n) * d * es
-    assert ok["status"] == "ok" and ok["bytes_sent_per_layer"] == want, (ok, want)
-    assert ok["attn_ms_per_layer"] > 0 and ok["efficiency"] > 0
+    want = {"heads": t_r * 3 * heads * d * es * (n - 1) // n + (10 - t_r) * (heads // n) * d * es,
+            "tokens": (n - 1) * t_r * heads * d * es + (10 - t_r) * heads * (d * es + 4)}
+    for mode, ok in by_mode.items():
+        assert ok["status"] == "ok" and ok["bytes_sent_per_layer"] == want[mode], (ok, want)
+        assert ok["attn_ms_per_layer"] > 0 and ok["efficiency"] > 0
 
 
 SCENARIOS = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}

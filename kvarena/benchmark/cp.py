@@ -56,6 +56,8 @@ def _max_over_ranks(x: float, device) -> float:
 
 def _case(name: str, mode: str, *, tokens, sinks, window, dtype, device, reps, tiny) -> dict:
     """One row: a model shape in one mode (a ValueError of the pool: a skipped row)."""
+    from torch.distributed._functional_collectives import wait_tensor
+
     from kvarena import CachePolicy, KVLayout, SlabKVCache
     from kvarena.distributed import ContextParallel
 
@@ -89,12 +91,19 @@ def _case(name: str, mode: str, *, tokens, sinks, window, dtype, device, reps, t
         pool.forward(qs, ks, vs, m, 0, commit=False)
         sent = cp.stats.bytes_sent
         t_n = _time(lambda: pool.forward(qs, ks, vs, m, 0, commit=False), device, reps)
-        qh = cp.to_heads(qs, tokens, 0)
+        qh = cp.to_heads(qs, tokens, 0) if mode == "heads" else None
+        partial = torch.zeros(1, tokens, heads, d, device=device, dtype=dtype)
+        partial_lse = torch.zeros(1, tokens, heads, device=device)
 
-        def collectives():
-            for x in (qs, ks, vs):
-                cp.to_heads(x, tokens, 0)
-            cp.to_tokens(qh, 0)
+        def collectives():  # what forward sends, alone
+            if mode == "heads":
+                for x in (qs, ks, vs):
+                    cp.to_heads(x, tokens, 0)
+                cp.to_tokens(qh, 0)
+            else:
+                cp.gather_rows(qs, tokens, 0)
+                for y in (partial, partial_lse):  # views of the result: wait for it explicitly
+                    wait_tensor(cp.scatter_rows(y, 0))
 
         t_comm = _time(collectives, device, reps)
         t_1 = _time(lambda: single.forward(q, k, v, ms, 0, commit=False), device, reps)

@@ -204,8 +204,9 @@ class KVPoolBase:
         self._check_spec(spec, "forward")
         return spec
 
-    def _check_qkv(self, q, k, v, lead: tuple[int, ...], what: str, layer: int = 0) -> int:
-        """q ``[*lead, H_q, D]``, k/v ``[*lead, H_kv, D]`` of ``layer`` in the layout; returns ``H_q``."""
+    def _check_qkv(self, q, k, v, lead: tuple[int, ...], what: str, layer: int = 0, q_lead=None) -> int:
+        """q ``[*q_lead, H_q, D]`` (``q_lead`` default ``lead``), k/v ``[*lead, H_kv, D]`` of
+        ``layer`` in the layout; returns ``H_q``."""
         lay = self.layout
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
@@ -217,7 +218,8 @@ class KVPoolBase:
         if h_q == 0 or h_q % h_kv:
             raise ValueError(f"q: H_q ({h_q}) must be a positive multiple of the layout's H_kv ({h_kv})")
         for name, t, heads in (("q", q, h_q), ("k", k, h_kv), ("v", v, h_kv)):
-            check_forward_tensor(name, t, (*lead, heads, d), lay.input_dtype, self.device, f"{what} of the plan/layout")
+            rows = q_lead if name == "q" and q_lead is not None else lead
+            check_forward_tensor(name, t, (*rows, heads, d), lay.input_dtype, self.device, f"{what} of the plan/layout")
         return h_q
 
     def _backends(self, spec: AttentionSpec, q, k, v) -> tuple[str, str, bool]:

@@ -250,6 +250,9 @@ class SlabMetadata:
     # RoPE on read, per position mode the pool's layers use: {mode: (q_pos [n], full shift
     # [n, w], history shift [n, w_h], own shift [n, w_o], the largest position)}.
     rope: dict = field(default_factory=dict, repr=False)
+    #: Context parallel, tokens mode: query rows per rollout (the whole chunk; ``n_tokens``
+    #: is then this rank's rows of it). 0: ``n_tokens``.
+    q_tokens: int = 0
 
     def __deepcopy__(self, memo) -> SlabMetadata:
         # The chunk records are the pool's own bookkeeping, not data of the plan: a copy
@@ -340,7 +343,7 @@ class SlabKVCache(KVPoolBase):
         self._init_pool(policy, attention)
         self._cp = None
         if context_parallel is not None:
-            policy, layout = self._context_parallel(context_parallel, policy, layout, arena)
+            policy, layout, slab_tokens = self._context_parallel(context_parallel, policy, layout, arena, slab_tokens)
             self.policy = policy  # this rank's share of the budget
         device = as_device(device)
         per = policy.per_component
@@ -395,16 +398,16 @@ class SlabKVCache(KVPoolBase):
                 )
             self._materialize(layout, slab_tokens, device)
 
-    def _context_parallel(self, cp, policy, layout, arena):
-        """This rank's policy and layout under ``cp`` (heads mode: ``H_kv / N`` heads in
-        ``max_bytes / N``, so a budget sized for one process fits the sharded rollout)."""
+    def _context_parallel(self, cp, policy, layout, arena, slab_tokens):
+        """This rank's policy, layout and slab size under ``cp``: heads mode, ``H_kv / N``
+        heads in ``max_bytes / N``; tokens mode, the rank's rows of every chunk in slabs of
+        ``split_sizes(slab_tokens)[rank]`` rows, as many slabs as the whole budget holds
+        whole chunks. Either way a budget sized for one process fits the sharded rollout."""
         from kvarena.distributed import ContextParallel
 
         if not isinstance(cp, ContextParallel):
             raise TypeError(f"context_parallel: expected a kvarena.distributed.ContextParallel, got "
                             f"{type(cp).__name__}")
-        if cp.mode != "heads":
-            raise ValueError(f"context_parallel.mode: SlabKVCache serves 'heads' (Ulysses) so far, not {cp.mode!r}")
         if arena is not None:
             raise ValueError("arena: with context_parallel the pool makes this rank's own arena (max_bytes / N)")
         if layout is None:
@@ -412,13 +415,30 @@ class SlabKVCache(KVPoolBase):
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout: expected a KVLayout, got {type(layout).__name__}")
         n = cp.world_size
+        bb = int(getattr(policy, "block_bytes", 0))
+        if cp.mode == "tokens":
+            per = dict(policy.per_component)
+            if "sink_tokens" in per or "window_tokens" in per:
+                raise ValueError("context_parallel.mode: 'tokens' shards every chunk's rows over the ranks, which "
+                                 "needs whole-chunk visibility (per_component sinks / window); token-granular "
+                                 "sink_tokens / window_tokens take heads mode")
+            st = slab_tokens if slab_tokens is not None else per.get("slab_tokens")
+            if st is None or isinstance(st, bool) or not isinstance(st, int) or st < n:
+                raise ValueError(f"slab_tokens: tokens mode gives every rank a share of each chunk; expected an int >= "
+                                 f"the world size {n}, got {st!r}")
+            local_st = cp.split_sizes(st)[cp.rank]
+            slabs = policy.max_bytes // (bb or layout.block_bytes(st))
+            per.pop("slab_tokens", None)
+            self._cp, self._cp_st, self._cp_n0 = cp, st, {}
+            local = dataclasses.replace(policy, max_bytes=slabs * layout.block_bytes(local_st), block_bytes=0,
+                                        per_component=per)
+            return local, layout, local_st
         if layout.num_kv_heads % n:
             raise ValueError(f"num_kv_heads: heads mode splits the layout's {layout.num_kv_heads} kv heads over "
                              f"{n} ranks; the world size must divide it")
         self._cp = cp
         local = dataclasses.replace(layout, num_kv_heads=layout.num_kv_heads // n)
-        bb = int(getattr(policy, "block_bytes", 0))
-        return dataclasses.replace(policy, max_bytes=policy.max_bytes // n, block_bytes=bb // n), local
+        return dataclasses.replace(policy, max_bytes=policy.max_bytes // n, block_bytes=bb // n), local, slab_tokens
 
     @property
     def context_parallel(self):
@@ -805,9 +825,48 @@ class SlabKVCache(KVPoolBase):
             No layout yet.
         """
         self._require_arena("plan")
+        if self._cp is not None and self._cp.mode == "tokens":
+            return self._plan_tokens(batch)
         with self._lock:
             rows, t = self._reserve(batch)
             return self._build_meta(rows, t)
+
+    def _plan_tokens(self, batch) -> SlabMetadata:
+        """Context parallel, tokens mode: plan the rank's rows of each chunk, with query
+        rows for the whole chunk (every rank attends all queries over its keys)."""
+        cp = self._cp
+        if not isinstance(batch, Mapping) or not batch:
+            raise TypeError(f"batch: expected a non-empty mapping of namespace -> chunk, got {batch!r}")
+        with self._lock:
+            for ns in [ns for ns in self._cp_n0 if ns not in self._rollouts]:  # cleared since
+                del self._cp_n0[ns]
+            local, sizes, new_n0 = {}, set(), {}
+            for ns, item in batch.items():
+                c, n = item if isinstance(item, tuple) and len(item) == 2 else (item, None)
+                if isinstance(c, range):
+                    raise ValueError(f"batch[{ns!r}]: a run of chunks in one step is not served by context parallel "
+                                     "tokens mode (plan its chunks one by one, or use heads mode)")
+                if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < cp.world_size):
+                    raise ValueError(f"batch[{ns!r}]: tokens mode needs at least one row of the chunk per rank: "
+                                     f"n_tokens >= the world size {cp.world_size}, got {n!r}")
+                if n is not None:
+                    t = n
+                elif c == 0:  # a known chunk 0 keeps its length; a new one is a whole slab
+                    t = self._cp_n0.get(ns, self._cp_st)
+                else:
+                    t = self._cp_st
+                if c == 0 and ns not in self._rollouts:
+                    new_n0[ns] = t
+                sizes.add(t)
+                local[ns] = c if n is None else (c, cp.split_sizes(n)[cp.rank])
+            if len(sizes) > 1:
+                raise ValueError(f"batch: every rollout of one plan must have the same number of tokens, got "
+                                 f"{sorted(sizes)}")
+            meta = self._build_meta(*self._reserve(local))
+            self._cp_n0.update(new_n0)
+        t = sizes.pop()
+        cu = torch.arange(0, (meta.num_seqs + 1) * t, t, dtype=torch.int32, device=self.device)
+        return dataclasses.replace(meta, cu_seqlens_q=cu, max_seqlen_q=t, q_tokens=t)
 
     def _build_meta(self, rows, t: int) -> SlabMetadata:
         st = self.slab_tokens
@@ -1107,9 +1166,39 @@ class SlabKVCache(KVPoolBase):
         >>> torch.allclose(noisy, clean, atol=1e-6), pool.chunk_indices("video0")
         (True, [0])
         """
+        if self._cp is not None and self._cp.mode == "tokens":
+            return self._forward_tokens(q, k, v, meta, layer, commit, options)
         if self._cp is not None and self._cp.world_size > 1:
             return self._forward_heads(q, k, v, meta, layer, commit, options)
         return self._forward_local(q, k, v, meta, layer, commit, options)
+
+    def _forward_tokens(self, q, k, v, meta, layer, commit, options):
+        """Context parallel, tokens mode: every rank attends the whole chunk's queries over
+        its rows of the visible chunks; the partial (out, lse) of each rank's rows come
+        back to it and merge in rank order (bitwise repeatable)."""
+        from kvarena.attention.ops import merge
+
+        cp = self._cp
+        fresh = torch.compiler.is_compiling() or (
+            type(meta) is SlabMetadata and meta._owner == self._cache_id and meta._epoch == self._epoch
+        )
+        if not fresh:
+            self.check_metadata(meta)
+        check_bool("commit", commit)
+        layer = self._check_layer(layer)
+        spec = self._call_spec(layer, options)
+        b, t_r, t = meta.num_seqs, meta.n_tokens, meta.q_tokens
+        self._check_qkv(q, k, v, (b, t_r), f"rank {cp.rank}'s {t_r} of the chunk's {t} rows, [B, T_r, H, D]", layer)
+        q_all = cp.gather_rows(q, t, layer)  # [B, T, H_q, D]
+        out, lse = self._forward_local(q_all, k, v, meta, layer, commit, {**options, "return_lse": True})
+        outs, lses = cp.scatter_rows(out, layer), cp.scatter_rows(lse, layer)  # [N, B, T_r, H_q(, D)]
+        h, d = out.shape[2], out.shape[3]
+        backend = resolve_backend(spec.backend, self.device, out.dtype, torch.is_grad_enabled() and out.requires_grad)
+        acc_o, acc_l = outs[0].reshape(b * t_r, h, d), lses[0].reshape(b * t_r, h)
+        for i in range(1, cp.world_size):  # fixed rank order: the same bits every run
+            acc_o, acc_l = merge(acc_o, acc_l, outs[i].reshape(b * t_r, h, d), lses[i].reshape(b * t_r, h), backend)
+        out = acc_o.reshape(b, t_r, h, d)
+        return (out, acc_l.reshape(b, t_r, h)) if spec.return_lse else out
 
     def _forward_heads(self, q, k, v, meta, layer, commit, options):
         """Context parallel, heads mode: this rank's rows -> its heads of every row, the
@@ -1156,7 +1245,8 @@ class SlabKVCache(KVPoolBase):
         layer = self._check_layer(layer)
         spec = self._call_spec(layer, options)
         b, t = meta.num_seqs, meta.n_tokens
-        h_q = self._check_qkv(q, k, v, (b, t), "[B, T, H, D]")
+        tq = meta.q_tokens or t  # query rows (the whole chunk under context parallel tokens mode)
+        h_q = self._check_qkv(q, k, v, (b, t), "[B, T, H, D]", q_lead=(b, tq))
         h_kv, d = self.layout.num_kv_heads, self.layout.head_dim
         attn_backend, store_backend, kv_grad = self._backends(spec, q, k, v)
         for (ns, _i), ch in meta._history:
@@ -1175,7 +1265,7 @@ class SlabKVCache(KVPoolBase):
             rope_full, rope_hist, rope_own = (q_pos, full_sh), (q_pos, hist_sh), (q_pos, own_sh)
         kc, vc, store_scales = region.op_views(layer)
         kp, vp, scales = self._pages_of(layer, meta.page_tokens)
-        qf = q.reshape(b * t, h_q, d)
+        qf = q.reshape(b * tq, h_q, d)
         kf, vf = k.reshape(b * t, h_kv, d), v.reshape(b * t, h_kv, d)
         multi = meta.num_chunks != b
         if multi and (kv_grad or (torch.is_grad_enabled() and q.requires_grad)):
@@ -1212,8 +1302,8 @@ class SlabKVCache(KVPoolBase):
                 max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.hist_max_seqlen_k, backend=attn_backend,
                 kv_scales=scales, rope_hist=rope_hist, rope_own=rope_own, **paged,
             )
-        out = out.reshape(b, t, h_q, d)
-        return (out, lse.reshape(b, t, h_q)) if spec.return_lse else out
+        out = out.reshape(b, tq, h_q, d)
+        return (out, lse.reshape(b, tq, h_q)) if spec.return_lse else out
 
     # ------------------------------------------------------------------ seed API
     def append(self, namespace: Hashable, slab: Slab) -> None:
