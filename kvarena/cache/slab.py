@@ -303,15 +303,18 @@ class SlabKVCache(KVPoolBase):
         the pool's (sinks + window, block-causal), so ``window_left``,
         ``sink_tokens``, ``chunk_size`` and ``causal`` keep their defaults.
     context_parallel : kvarena.distributed.ContextParallel, optional
-        Shard one rollout over the ranks of a process group (``mode="heads"``: Ulysses).
-        Every rank makes the pool with the same (global) ``policy`` and ``layout`` and
-        calls ``plan`` with the same arguments (no collective there); ``forward`` takes
-        the rank's contiguous shard of the step's rows (``cp.split_sizes(T)``) of q, k, v
+        Shard one rollout over the ranks of a process group. Every rank makes the pool
+        with the same (global) ``policy``, ``layout`` and ``slab_tokens`` and calls
+        ``plan`` with the same arguments (no collective there); ``forward`` takes the
+        rank's contiguous shard of the step's rows (``cp.split_sizes(T)``) of q, k, v
         with every head and returns that shard of the output, equal to the
-        single-process pool on the whole tensors. The pool stores this rank's ``H_kv / N``
-        heads in its own arena of ``max_bytes / N`` (``layout`` and ``policy`` are then the
-        rank's: heads and budget divided by ``N``); ``append`` / ``get`` work on them.
-        The group size must divide ``num_kv_heads``; ``arena=`` is not taken.
+        single-process pool on the whole tensors. ``mode="heads"`` (Ulysses): the pool
+        stores this rank's ``H_kv / N`` heads in an arena of ``max_bytes / N`` (the group
+        size must divide ``num_kv_heads``). ``mode="tokens"``: it stores the rank's rows
+        of every chunk (whole-chunk sinks / window only, one chunk per rollout and step,
+        chunks of at least ``N`` rows), queries all-gathered, partial attentions merged.
+        ``layout`` / ``policy`` / ``slab_tokens`` are then the rank's; ``append`` /
+        ``get`` work on its share; ``arena=`` is not taken.
 
     Attributes
     ----------
