@@ -138,11 +138,16 @@ class ContextParallel:
     def _a2a(self, flat: torch.Tensor, out_splits: list[int], in_splits: list[int], layer: int) -> torch.Tensor:
         if self.world_size == 1:
             return flat
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
+        from torch.distributed._functional_collectives import (
+            all_to_all_single_autograd,
+            wait_tensor,
+        )
 
         own = in_splits[self.rank]
         self.stats.add(layer, (sum(in_splits) - own) * flat.element_size())
-        return all_to_all_single_autograd(flat, out_splits, in_splits, self.group)
+        # Waited here (autograd-aware): the result feeds Triton launches and views, which
+        # read the storage directly, and the very next op consumes it anyway.
+        return wait_tensor(all_to_all_single_autograd(flat, out_splits, in_splits, self.group))
 
     def to_heads(self, x: torch.Tensor, n_rows: int, layer: int) -> torch.Tensor:
         """``[B, T_r, H, *rest]`` sequence shards -> ``[B, T, H / N, *rest]`` head shards.
@@ -171,6 +176,14 @@ class ContextParallel:
         b, hs, rest = y.shape[0], y.shape[2], tuple(y.shape[3:])
         got = self.scatter_rows(y, layer)  # [N, B, T_r, H/N, *rest]: head block s from rank s
         return got.movedim(0, 2).reshape(b, got.shape[2], n * hs, *rest)
+
+    def all_gather(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """``x`` (the same shape on every rank) -> ``[N, *x.shape]``, rank order."""
+        n = self.world_size
+        if n == 1:
+            return x[None]
+        m = x.numel()
+        return self._a2a(x.reshape(-1).repeat(n), [m] * n, [m] * n, layer).view(n, *x.shape)
 
     # ------------------------------------------------------------------ rows
     def scatter_rows(self, y: torch.Tensor, layer: int) -> torch.Tensor:

@@ -56,8 +56,6 @@ def _max_over_ranks(x: float, device) -> float:
 
 def _case(name: str, mode: str, *, tokens, sinks, window, dtype, device, reps, tiny) -> dict:
     """One row: a model shape in one mode (a ValueError of the pool: a skipped row)."""
-    from torch.distributed._functional_collectives import wait_tensor
-
     from kvarena import CachePolicy, KVLayout, SlabKVCache
     from kvarena.distributed import ContextParallel
 
@@ -102,8 +100,8 @@ def _case(name: str, mode: str, *, tokens, sinks, window, dtype, device, reps, t
                 cp.to_tokens(qh, 0)
             else:
                 cp.gather_rows(qs, tokens, 0)
-                for y in (partial, partial_lse):  # views of the result: wait for it explicitly
-                    wait_tensor(cp.scatter_rows(y, 0))
+                cp.scatter_rows(partial, 0)
+                cp.scatter_rows(partial_lse, 0)
 
         t_comm = _time(collectives, device, reps)
         t_1 = _time(lambda: single.forward(q, k, v, ms, 0, commit=False), device, reps)

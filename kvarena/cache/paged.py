@@ -91,6 +91,9 @@ class PagedMetadata:
     _epoch: int = field(repr=False)
     _graph_gen: int | None = field(default=None, repr=False)
     pad_to: int | None = None
+    #: Decode context parallel: ``(own_table [B, max_q], own_lens [B])``, the step's own
+    #: keys as one-token pages of the given k / v (None otherwise).
+    cp_own: tuple | None = field(default=None, repr=False)
 
 
 class _Seq:
@@ -163,6 +166,12 @@ class PagedKVCache(KVPoolBase):
         With ``free_out_of_window``: blocks are kept until they are out of the window of
         a query ``rollback_tokens`` positions earlier too, so ``truncate`` back by up to
         that many tokens (speculative decoding's rejected drafts) always works.
+    context_parallel : kvarena.distributed.ContextParallel, optional
+        ``mode="tokens"``: decode context parallel over the group's ranks (q, k, v and
+        the output replicated; block ``j`` of a sequence stored only by rank ``j % N``);
+        the constructor then makes a
+        :class:`~kvarena.cache.paged_cp.ContextParallelPagedKVCache` (see there for what
+        it does not serve).
 
     Attributes
     ----------
@@ -179,6 +188,13 @@ class PagedKVCache(KVPoolBase):
     layout : KVLayout or None
     """
 
+    def __new__(cls, *args, context_parallel=None, **kwargs):
+        if context_parallel is not None and cls is PagedKVCache:
+            from kvarena.cache.paged_cp import ContextParallelPagedKVCache
+
+            cls = ContextParallelPagedKVCache
+        return object.__new__(cls)
+
     def __init__(
         self,
         policy,
@@ -194,6 +210,7 @@ class PagedKVCache(KVPoolBase):
         attention=None,
         free_out_of_window: bool = False,
         rollback_tokens: int = 0,
+        context_parallel=None,  # not None: __new__ made a ContextParallelPagedKVCache instead
     ) -> None:
         self._init_pool(policy, attention)
         check_bool("free_out_of_window", free_out_of_window)

@@ -1,0 +1,232 @@
+"""Decode context parallel for the paged pool (``PagedKVCache(..., context_parallel=cp)``).
+
+Tokens mode, as vLLM's decode context parallel: q, k, v are replicated on every rank;
+block ``j`` of a sequence (tokens ``j * bs ..``) belongs to rank ``j % N``, which alone
+stores it, in its own arena of about ``max_bytes / N``. Per layer each rank attends every
+query over its blocks of the history (all older than the step's first token, so no
+mask), every rank attends the step's own keys causally (replicated, small), and the
+partial ``(out, lse)`` of the ranks are all-gathered and merged in a fixed order (own
+keys, then rank 0 .. N-1): the output is replicated and the same bits on every rank.
+
+A rank's pool is an ordinary :class:`PagedKVCache` over its blocks (local block ``i`` of
+a sequence is its global block ``i * N + rank``), so fork (blocks shared by reference
+count, copy-on-write) and truncate work on it unchanged; this class keeps the global
+lengths and builds the step's metadata for the replicated rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+
+import torch
+
+from kvarena.attention.ops import attend, merge, store
+from kvarena.attention.spec import check_bool
+from kvarena.cache._meta import upload
+from kvarena.cache.arena import _check_int
+from kvarena.cache.paged import PagedKVCache, PagedMetadata, _cdiv
+
+__all__ = ["ContextParallelPagedKVCache"]
+
+_REFUSED = ("window_left", "sink_tokens", "chunk_size", "sink_logits")
+
+
+class ContextParallelPagedKVCache(PagedKVCache):
+    """What ``PagedKVCache(policy, ..., context_parallel=cp)`` makes (``cp.mode == "tokens"``).
+
+    The constructor's other arguments are :class:`PagedKVCache`'s; ``policy.max_bytes``
+    is the global budget (each rank gets ``ceil(blocks / N)`` blocks of it). Not served
+    (ValueError naming the argument): ``mode="heads"``, sliding windows / sink tokens /
+    block-causal chunks / learned sink logits / RoPE on read (their masks need global key
+    positions), layer groups and ``free_out_of_window``, ``graph_capacity``, ``pad_to``
+    plans, and autograd (decode context parallel is inference-only).
+    """
+
+    def __init__(self, policy, *, context_parallel, layout=None, block_size=None, device=None, attention=None,
+                 max_seqs=None, max_blocks_per_seq=None, **unsupported) -> None:
+        from kvarena.distributed import ContextParallel
+
+        cp = context_parallel
+        if not isinstance(cp, ContextParallel):
+            raise TypeError(f"context_parallel: expected a kvarena.distributed.ContextParallel, got {type(cp).__name__}")
+        if cp.mode != "tokens":
+            raise ValueError(f"context_parallel.mode: PagedKVCache shards tokens (decode context parallel), not "
+                             f"{cp.mode!r}")
+        for name, value in unsupported.items():
+            if value not in (None, False, 0):
+                raise ValueError(f"{name}: not served with context_parallel (each rank holds only its blocks)")
+        if layout is None:
+            raise ValueError("layout: context_parallel needs the model's KVLayout")
+        if layout.groups is not None:
+            raise ValueError("layout.groups: layer groups are not served with context_parallel")
+        bs = 16 if block_size is None else _check_int("block_size", block_size, 1)
+        blocks = policy.max_bytes // layout.block_bytes(bs)
+        import dataclasses
+
+        local = dataclasses.replace(policy, max_bytes=-(-blocks // cp.world_size) * layout.block_bytes(bs))
+        super().__init__(local, layout=layout, block_size=bs, device=device, attention=attention,
+                         max_seqs=max_seqs, max_blocks_per_seq=max_blocks_per_seq)
+        for i, spec in enumerate(self._specs):
+            self._check_cp_spec(spec, f"attention[{i}]")
+        self._cp = cp
+        self._glen: dict[Hashable, int] = {}
+
+    @staticmethod
+    def _check_cp_spec(spec, where: str) -> None:
+        for name in _REFUSED:
+            if getattr(spec, name) not in (None, 0):
+                raise ValueError(f"{where}.{name}: not served with context_parallel (the mask needs each key's "
+                                 "global position; each rank holds every N-th block)")
+        if spec.rope_mode:
+            raise ValueError(f"{where}.rope_cos: RoPE on read is not served with context_parallel")
+        if not spec.causal:
+            raise ValueError(f"{where}.causal: the paged pool is causal")
+
+    @property
+    def context_parallel(self):
+        """The pool's :class:`~kvarena.distributed.ContextParallel`."""
+        return self._cp
+
+    def _owned(self, a: int, b: int) -> int:
+        """Tokens in ``[a, b)`` of a sequence that this rank stores (blocks ``j % N == rank``)."""
+        bs, n, r = self.block_size, self._cp.world_size, self._cp.rank
+        out = 0
+        for j in range(a // bs, _cdiv(b, bs)):
+            if j % n == r:
+                out += min(b, (j + 1) * bs) - max(a, j * bs)
+        return out
+
+    # ------------------------------------------------------------------ namespaces
+    def seq_len(self, namespace: Hashable) -> int:
+        """Tokens of ``namespace`` (all ranks' together). ``KeyError`` if unknown."""
+        with self._lock:
+            self._get(namespace)
+            return self._glen[namespace]
+
+    def free_namespace(self, namespace: Hashable) -> None:
+        with self._lock:
+            super().free_namespace(namespace)
+            self._glen.pop(namespace, None)
+
+    def fork(self, src: Hashable, dst: Hashable) -> None:
+        with self._lock:
+            super().fork(src, dst)
+            self._glen[dst] = self._glen[src]
+
+    def check_truncate(self, namespace: Hashable, n_tokens: int) -> None:
+        with self._lock:
+            self._get(namespace)
+            if isinstance(n_tokens, bool) or not isinstance(n_tokens, int):
+                raise TypeError(f"n_tokens: expected an int, got {n_tokens!r}")
+            if not 0 <= n_tokens <= self._glen[namespace]:
+                raise ValueError(f"n_tokens: expected 0 <= n_tokens <= seq_len ({self._glen[namespace]}), got "
+                                 f"{n_tokens}")
+
+    def truncate(self, namespace: Hashable, n_tokens: int) -> None:
+        with self._lock:
+            self.check_truncate(namespace, n_tokens)
+            super().truncate(namespace, self._owned(0, n_tokens))
+            self._glen[namespace] = n_tokens
+
+    def allocate(self, namespace: Hashable, n_blocks: int) -> bool:
+        raise ValueError("allocate: not served with context_parallel (plan the tokens instead)")
+
+    # ------------------------------------------------------------------ plan
+    def plan(self, batch: Mapping[Hashable, int], *, graph: bool = False, pad_to: int | None = None) -> PagedMetadata:
+        """Every rank calls it with the same batch (no collective). The metadata's rows are
+        the step's replicated rows: ``slot_mapping`` -1 where another rank stores the
+        token, ``block_table`` / ``seq_lens`` this rank's blocks of the history."""
+        check_bool("graph", graph)
+        if graph or pad_to is not None:
+            raise ValueError(f"{'graph' if graph else 'pad_to'}: not served with context_parallel")
+        if not isinstance(batch, Mapping) or not batch:
+            raise TypeError(f"batch: expected a non-empty mapping of namespace -> n_new_tokens, got {batch!r}")
+        items = [(ns, _check_int(f"batch[{ns!r}]", n, 1)) for ns, n in batch.items()]
+        with self._lock:
+            olds = [self._glen.get(ns, 0) for ns, _n in items]
+            local = {ns: self._owned(old, old + n) for (ns, n), old in zip(items, olds)}
+            hist = [self._owned(0, old) for old in olds]
+            owned = {ns: m for ns, m in local.items() if m}
+            if owned:
+                super().plan(owned)  # all-or-nothing; CacheFullError leaves everything as it was
+            for ns, _n in items:
+                if ns not in self._seqs:  # a rank with no block of it yet: an empty local sequence
+                    self._seqs[ns] = self._new_seq()
+            for (ns, n), old in zip(items, olds):
+                self._glen[ns] = old + n
+                self._seqs[ns].version = self._stamp()
+            return self._cp_meta(items, olds, hist)
+
+    def _cp_meta(self, items, olds, hist) -> PagedMetadata:
+        bs, n_ranks, rank = self.block_size, self._cp.world_size, self._cp.rank
+        seqs = [self._seqs[ns] for ns, _n in items]
+        nseq = len(items)
+        cu = [0]
+        for _ns, n in items:
+            cu.append(cu[-1] + n)
+        total_q, max_q = cu[-1], max(n for _ns, n in items)
+        cols = max(1, max(_cdiv(self._glen[ns], bs * n_ranks) + 1 for ns, _n in items))
+        self._ensure_cols(cols)
+        self._flush()  # a fork's table entries, when this rank stored nothing this step (no local plan)
+        packed = upload([s.row for s in seqs] + hist + olds + cu, torch.int32, self.device)
+        rows, hist_t, olds_t, cu_t = (packed[:nseq], packed[nseq:2 * nseq], packed[2 * nseq:3 * nseq],
+                                     packed[3 * nseq:])
+        table = self._table[0, :, :cols].index_select(0, rows.long())  # [B, cols]: this rank's blocks
+        dev = self.device
+        q_lens = cu_t[1:] - cu_t[:-1]
+        row_of = torch.repeat_interleave(torch.arange(nseq, device=dev), q_lens, output_size=total_q)
+        i = torch.arange(total_q, device=dev)
+        pos = i - cu_t[:-1].long()[row_of] + olds_t.long()[row_of]  # global position of each row
+        blk = pos // bs
+        mine = blk % n_ranks == rank
+        lcol = (blk // n_ranks).clamp(max=cols - 1)
+        slots = torch.where(mine, table.long()[row_of, lcol] * bs + pos % bs, torch.full_like(pos, -1))
+        # The step's own keys: row b's are rows cu[b] .. of the given k/v, one-token pages.
+        j = torch.arange(max_q, device=dev)[None, :]
+        own = (cu_t[:-1].long()[:, None] + j).clamp(max=max(total_q - 1, 0)).to(torch.int32)  # [B, max_q]
+        slots = slots.to(self._slot_dtype)
+        return PagedMetadata(
+            slot_mapping=slots, block_table=table, slot_mappings=(slots,), block_tables=(table,), seq_lens=hist_t,
+            cu_seqlens_q=cu_t, max_seqlen_q=max_q, max_seqlen_k=max(max(hist), 1), total_q=total_q, num_seqs=nseq,
+            namespaces=tuple(ns for ns, _n in items), num_tokens=total_q, _owner=self._cache_id,
+            _versions=tuple(s.version for s in seqs), _epoch=self._epoch, cp_own=(own, q_lens),
+        )
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, q, k, v, meta, layer, **options):
+        """Store this rank's new tokens, attend every query over its history blocks and the
+        step's own keys, merge the ranks' partials: the same output on every rank.
+
+        q ``[total_q, H_q, D]``, k / v ``[total_q, H_kv, D]``, replicated (equal on every
+        rank), rows as in ``meta``.
+        """
+        fresh = torch.compiler.is_compiling() or (
+            type(meta) is PagedMetadata and meta._owner == self._cache_id and meta._epoch == self._epoch
+        )
+        if not fresh:
+            self.check_metadata(meta)
+        if meta.cp_own is None:
+            raise ValueError("meta: not planned by a context-parallel PagedKVCache")
+        layer = self._check_layer(layer)
+        spec = self._call_spec(layer, options)
+        if options:
+            self._check_cp_spec(spec, "forward")
+        self._check_qkv(q, k, v, (meta.total_q,), "[total_q, H, D] (replicated)", layer)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise ValueError("q: decode context parallel is inference-only; run under torch.no_grad()")
+        attn_backend, store_backend, _ = self._backends(spec, q, k, v)
+        kc, vc, scales = self._region.op_views(layer)
+        store(k, v, kc, vc, meta.slot_mapping, store_backend, scales)
+        lse_spec = spec.replace(return_lse=True)
+        out_h, lse_h = attend(q, kc, vc, meta.block_table, meta.seq_lens, meta.cu_seqlens_q, None,
+                              spec=lse_spec.replace(causal=False), max_seqlen_q=meta.max_seqlen_q,
+                              max_seqlen_k=meta.max_seqlen_k, backend=attn_backend, kv_scales=scales)
+        own_table, own_lens = meta.cp_own
+        h_kv, d = k.shape[1], k.shape[2]
+        out, lse = attend(q, k.view(-1, 1, h_kv, d), v.view(-1, 1, h_kv, d), own_table, own_lens,
+                          meta.cu_seqlens_q, None, spec=lse_spec, max_seqlen_q=meta.max_seqlen_q,
+                          max_seqlen_k=meta.max_seqlen_q, backend=attn_backend)
+        outs, lses = self._cp.all_gather(out_h, layer), self._cp.all_gather(lse_h, layer)  # [N, total_q, ...]
+        for r in range(self._cp.world_size):  # own keys, then rank 0 .. N-1: the same bits on every rank
+            out, lse = merge(out, lse, outs[r], lses[r], attn_backend)
+        return (out, lse) if spec.return_lse else out
