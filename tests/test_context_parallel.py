@@ -394,6 +394,29 @@ def case_triton_kernels_all_three(cp):
                     _check(f"slab {mode} chunk {c} commit={commit}", got, mcp.shard(want), torch.float32)
 
 
+def case_compiles_fullgraph(cp):
+    """``torch.compile(fullgraph=True)`` traces a tokens-mode slab forward (functional
+    collectives, merge, custom ops) and matches the single-process pool. Two ranks only."""
+    if cp.world_size != 2:
+        return "skip: one compile (about 5 s) on 2 ranks is enough"
+    tcp = _tokens(cp)
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    sp = CachePolicy("slab_kv", 8 * lay.block_bytes(6), per_component={"window": 2})
+    ref, pool = SlabKVCache(sp, layout=lay, slab_tokens=6), SlabKVCache(sp, layout=lay, slab_tokens=6,
+                                                                        context_parallel=tcp)
+    step = torch.compile(lambda q, k, v, m: pool.forward(q, k, v, m, 0, commit=False), fullgraph=True)
+    g = torch.Generator().manual_seed(41)
+    for c in range(2):
+        m_ref, m = ref.plan({"a": c}), pool.plan({"a": c})
+        q, k, v = torch.randn(1, 6, 4, 8, generator=g), torch.randn(1, 6, 2, 8, generator=g), torch.randn(
+            1, 6, 2, 8, generator=g)
+        with torch.no_grad():
+            _check(f"compiled chunk {c}", step(tcp.shard(q), tcp.shard(k), tcp.shard(v), m),
+                   tcp.shard(ref.forward(q, k, v, m_ref, 0, commit=False)), torch.float32)
+            ref.forward(q, k, v, m_ref, 0)
+            pool.forward(tcp.shard(q), tcp.shard(k), tcp.shard(v), m, 0)
+
+
 def case_benchmark_runs(cp):
     """``python -m kvarena.benchmark cp`` at tiny size: both modes run, bytes by the formula."""
     from kvarena.benchmark.cp import TINY, run_cp
