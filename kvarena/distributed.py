@@ -177,6 +177,15 @@ class ContextParallel:
         got = self.scatter_rows(y, layer)  # [N, B, T_r, H/N, *rest]: head block s from rank s
         return got.movedim(0, 2).reshape(b, got.shape[2], n * hs, *rest)
 
+    def all_fit(self, ok: bool, device) -> bool:
+        """True when ``ok`` is true on every rank (an all-reduce of one int; not counted in
+        ``stats``, which counts the layers' traffic)."""
+        if self.world_size == 1:
+            return bool(ok)
+        flag = torch.tensor([int(bool(ok))], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
     def all_gather(self, x: torch.Tensor, layer: int) -> torch.Tensor:
         """``x`` (the same shape on every rank) -> ``[N, *x.shape]``, rank order."""
         n = self.world_size

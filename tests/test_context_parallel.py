@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvarena import AttentionSpec, CachePolicy, KVLayout, PagedKVCache, SlabKVCache
+from kvarena import AttentionSpec, CacheFullError, CachePolicy, KVLayout, PagedKVCache, SlabKVCache
 from kvarena.distributed import ContextParallel
 
 WORLDS = (2, 3)
@@ -343,6 +343,19 @@ def case_paged_errors(cp):
             assert needle in str(e), str(e)
         else:
             raise AssertionError(f"no {exc.__name__} naming {needle}")
+    # A step only rank 0 cannot hold (2N + 1 blocks, 2 per rank): every rank refuses it,
+    # unchanged, so none goes on into a collective alone.
+    n = tcp.world_size
+    small = PagedKVCache(CachePolicy("paged_kv", 2 * n * lay.block_bytes(4)), layout=lay, block_size=4,
+                         context_parallel=tcp)
+    try:
+        small.plan({"a": (2 * n + 1) * 4})
+    except CacheFullError as e:
+        assert "some rank of the group cannot take this step" in str(e), str(e)
+    else:
+        raise AssertionError(f"rank {tcp.rank}: a step that does not fit on rank 0 went through")
+    assert "a" not in small and small.used_bytes == 0
+    small.plan({"a": 2 * n * 4})  # fits everywhere
     pool = PagedKVCache(pol, layout=lay, block_size=4, context_parallel=tcp)
     m = pool.plan({"a": 3})
     q = torch.randn(3, H_Q, D, dtype=torch.float64, requires_grad=True)

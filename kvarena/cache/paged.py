@@ -626,6 +626,59 @@ class PagedKVCache(KVPoolBase):
             "cu_seqlens_q": torch.arange(0, (max_batch + 1) * q_per, q_per, dtype=torch.int32, device=dev),
         }
 
+    def _count(self, items) -> tuple:
+        """What a plan of ``items`` needs, changing nothing (call under the lock):
+        ``(blocks needed, blocks available once its releases are applied, the longest
+        sequence's blocks, {(namespace, group): (dead indices, released end)}, namespaces
+        that take blocks)``."""
+        bs = self.block_size
+        alloc = self.allocator
+        refs = alloc._ref  # read-only here (the hot loop: a plan visits every row of every class)
+        sliding = [c for c in self._classes if self._keep[c[0]] is not None]
+        need = 0
+        pending_drop: dict[int, int] = {}  # (the class representatives' block ids)
+        max_blocks = 0
+        dead: dict = {}  # (namespace, group) -> block indices out of the group's window
+        drops: dict[int, int] = {}  # block id -> references those releases drop
+        touched = set()  # namespaces that take blocks (new or copy-on-write)
+        for ns, _n in items if sliding else ():
+            seq = self._seqs.get(ns)
+            if seq is None:
+                continue
+            for rep_g, _mult, gs in sliding:
+                # Blocks j < end hold only tokens < seq_len - window: O(1) when none died.
+                end = min((seq.seq_len - self._keep[rep_g][0]) // bs, len(seq.blocks[rep_g]))
+                if end > seq.released[rep_g]:
+                    for g in gs:
+                        js, _end = dead[ns, g] = self._dead_blocks(seq, g)
+                        for j in js:
+                            b = seq.blocks[g][j]
+                            drops[b] = drops.get(b, 0) + 1
+        for ns, n in items:
+            seq = self._seqs.get(ns)
+            old = seq.seq_len if seq is not None else 0
+            n_blocks = _cdiv(old + n, bs)
+            max_blocks = max(max_blocks, n_blocks)
+            first = old // bs
+            before = need
+            for rep_g, mult, _gs in self._classes:
+                blocks = seq.blocks[rep_g] if seq is not None else ()
+                have = len(blocks)
+                if n_blocks > have:
+                    need += mult * (n_blocks - have)
+                for j in range(first, min(have, n_blocks)):
+                    b = blocks[j]
+                    # References after this plan's releases (a fork's dead copy of the block).
+                    if refs.get(b, 0) - drops.get(b, 0) - pending_drop.get(b, 0) > 1:
+                        need += mult
+                        pending_drop[b] = pending_drop.get(b, 0) + 1
+            if need > before or seq is None:
+                touched.add(ns)
+        # Dead blocks whose every reference this plan releases come back before the step
+        # takes any (the releases are applied first).
+        returning = sum(1 for b, c in drops.items() if refs.get(b, 0) == c)
+        return need, alloc.num_free + returning, max_blocks, dead, touched
+
     def plan(self, batch: Mapping[Hashable, int], *, graph: bool = False, pad_to: int | None = None) -> PagedMetadata:
         """Reserve slots for this step's new tokens and build the step's metadata.
 
@@ -688,59 +741,15 @@ class PagedKVCache(KVPoolBase):
                                      f"tokens, got {n}")
         with self._lock:
             # 1. What the step needs, without changing anything.
+            need, available, max_blocks, dead, touched = self._count(items)
             alloc = self.allocator
-            refs = alloc._ref  # read-only here (the hot loop: a plan visits every row of every class)
-            sliding = [c for c in self._classes if self._keep[c[0]] is not None]
-            need = 0
-            pending_drop: dict[int, int] = {}  # (the class representatives' block ids)
-            max_blocks = 0
-            dead: dict = {}  # (namespace, group) -> block indices out of the group's window
-            drops: dict[int, int] = {}  # block id -> references those releases drop
-            touched = set()  # namespaces that take blocks (new or copy-on-write)
-            for ns, _n in items if sliding else ():
-                seq = self._seqs.get(ns)
-                if seq is None:
-                    continue
-                for rep_g, _mult, gs in sliding:
-                    # Blocks j < end hold only tokens < seq_len - window: O(1) when none died.
-                    end = min((seq.seq_len - self._keep[rep_g][0]) // bs, len(seq.blocks[rep_g]))
-                    if end > seq.released[rep_g]:
-                        for g in gs:
-                            js, _end = dead[ns, g] = self._dead_blocks(seq, g)
-                            for j in js:
-                                b = seq.blocks[g][j]
-                                drops[b] = drops.get(b, 0) + 1
-            for ns, n in items:
-                seq = self._seqs.get(ns)
-                old = seq.seq_len if seq is not None else 0
-                n_blocks = _cdiv(old + n, bs)
-                max_blocks = max(max_blocks, n_blocks)
-                first = old // bs
-                before = need
-                for rep_g, mult, _gs in self._classes:
-                    blocks = seq.blocks[rep_g] if seq is not None else ()
-                    have = len(blocks)
-                    if n_blocks > have:
-                        need += mult * (n_blocks - have)
-                    for j in range(first, min(have, n_blocks)):
-                        b = blocks[j]
-                        # References after this plan's releases (a fork's dead copy of the block).
-                        if refs.get(b, 0) - drops.get(b, 0) - pending_drop.get(b, 0) > 1:
-                            need += mult
-                            pending_drop[b] = pending_drop.get(b, 0) + 1
-                if need > before or seq is None:
-                    touched.add(ns)
+            refs = alloc._ref
             if graph and max_blocks > g_cap["max_blocks"]:
                 raise ValueError(
                     f"batch: a sequence needs {max_blocks} blocks, over graph_capacity max_blocks {g_cap['max_blocks']}"
                 )
-            # Dead blocks whose every reference this plan releases come back before the step
-            # takes any (the releases are applied first, below).
-            returning = sum(1 for b, c in drops.items() if refs.get(b, 0) == c)
-            if need > alloc.num_free + returning:
-                raise CacheFullError(
-                    f"plan needs {need} blocks, only {alloc.num_free + returning} of {self.total_blocks} are free"
-                )
+            if need > available:
+                raise CacheFullError(f"plan needs {need} blocks, only {available} of {self.total_blocks} are free")
             for (ns, g), (js, end) in dead.items():  # released even if a shared allocator refuses below
                 seq = self._seqs[ns]
                 if js:

@@ -1,6 +1,8 @@
 """Decode context parallel for the paged pool (``PagedKVCache(..., context_parallel=cp)``).
 
 Tokens mode, as vLLM's decode context parallel: q, k, v are replicated on every rank;
+``plan`` is the same call on every rank (one all-reduce of a flag: does the step fit on
+every rank);
 block ``j`` of a sequence (tokens ``j * bs ..``) belongs to rank ``j % N``, which alone
 stores it, in its own arena of about ``max_bytes / N``. Per layer each rank attends every
 query over its blocks of the history (all older than the step's first token, so no
@@ -23,7 +25,7 @@ import torch
 from kvarena.attention.ops import attend, merge, store
 from kvarena.attention.spec import check_bool
 from kvarena.cache._meta import upload
-from kvarena.cache.arena import _check_int
+from kvarena.cache.arena import CacheFullError, _check_int
 from kvarena.cache.paged import PagedKVCache, PagedMetadata, _cdiv
 
 __all__ = ["ContextParallelPagedKVCache"]
@@ -133,7 +135,8 @@ class ContextParallelPagedKVCache(PagedKVCache):
 
     # ------------------------------------------------------------------ plan
     def plan(self, batch: Mapping[Hashable, int], *, graph: bool = False, pad_to: int | None = None) -> PagedMetadata:
-        """Every rank calls it with the same batch (no collective). The metadata's rows are
+        """Every rank calls it with the same batch (one all-reduce of a flag: a step that does
+        not fit on some rank is a CacheFullError on all of them). The metadata's rows are
         the step's replicated rows: ``slot_mapping`` -1 where another rank stores the
         token, ``block_table`` / ``seq_lens`` this rank's blocks of the history."""
         check_bool("graph", graph)
@@ -147,8 +150,16 @@ class ContextParallelPagedKVCache(PagedKVCache):
             local = {ns: self._owned(old, old + n) for (ns, n), old in zip(items, olds)}
             hist = [self._owned(0, old) for old in olds]
             owned = {ns: m for ns, m in local.items() if m}
+            # Ranks hold different blocks, so one can be full while the others are not:
+            # agree first (one tiny all-reduce per step), or the others would go on into the
+            # layer's collectives alone.
+            need, available = self._count(list(owned.items()))[:2] if owned else (0, 0)
+            fits = self._cp.all_fit(need <= available, self.device)
+            if not fits:
+                raise CacheFullError(f"plan: rank {self._cp.rank} needs {need} blocks and has {available} free; some "
+                                     "rank of the group cannot take this step (nothing changed on any rank)")
             if owned:
-                super().plan(owned)  # all-or-nothing; CacheFullError leaves everything as it was
+                super().plan(owned)  # all-or-nothing
             for ns, _n in items:
                 if ns not in self._seqs:  # a rank with no block of it yet: an empty local sequence
                     self._seqs[ns] = self._new_seq()
