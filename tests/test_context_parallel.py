@@ -42,6 +42,17 @@ def _check(what: str, got: torch.Tensor, want: torch.Tensor, dtype) -> None:
         raise AssertionError(f"{what}: relative error {err:.3e} > {TOL[dtype]:.0e} (finite: {bool(torch.isfinite(got).all())})")
 
 
+def _raises(make, exc, needle: str) -> None:
+    """``make()`` raises ``exc`` whose message contains ``needle`` (pytest.raises is not
+    there in the workers' plain scenario functions)."""
+    try:
+        make()
+    except exc as e:
+        assert needle in str(e), str(e)
+    else:
+        raise AssertionError(f"no {exc.__name__} naming {needle}")
+
+
 def _pools(cp, per: dict, slab_tokens: int, slots: int, dtype, **kw):
     lay = KVLayout(num_layers=L, num_kv_heads=H_KV, head_dim=D, dtype=dtype)
     policy = CachePolicy("slab_kv", slots * lay.block_bytes(slab_tokens), per_component=per)
@@ -122,11 +133,11 @@ def case_comm_bytes_formula(cp):
     assert cp.stats.calls == 4
 
 
-def case_gradients_equal_single_process(cp):
-    """Denoising-step gradients (commit=False) w.r.t. q, k, v: the rank's rows of the
-    single-process gradients."""
+def _gradient_rollout(cp, seed: int, each_chunk=None) -> None:
+    """Four chunks: denoising-step gradients (commit=False) w.r.t. the rank's q, k, v rows
+    equal the rank's rows of the single-process gradients; then a clean pass commits."""
     ref, pool = _pools(cp, {"sinks": 1, "window": 2}, 5, 8, torch.float64)
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(seed)
     for c in range(4):
         m_ref, m = ref.plan({"a": c}), pool.plan({"a": c})
         q = torch.randn(1, 5, H_Q, D, generator=g, dtype=torch.float64)
@@ -139,9 +150,17 @@ def case_gradients_equal_single_process(cp):
         for name, got, want in (("dq", qs.grad, qa.grad), ("dk", ks.grad, ka.grad), ("dv", vs.grad, va.grad)):
             _check(f"chunk {c} {name}", got, cp.shard(want), torch.float64)
         with torch.no_grad():
+            cp.stats.reset()
             for layer in range(L):  # commit so the next chunk has history
                 ref.forward(q, k, v, m_ref, layer, backend="torch")
                 pool.forward(cp.shard(q), cp.shard(k), cp.shard(v), m, layer, backend="torch")
+        if each_chunk is not None:
+            each_chunk()
+
+
+def case_gradients_equal_single_process(cp):
+    """Heads mode: gradients through the all-to-alls."""
+    _gradient_rollout(cp, 5)
 
 
 def case_errors(cp):
@@ -160,12 +179,7 @@ def case_errors(cp):
         (lambda: SlabKVCache(pol, layout=lay, slab_tokens=cp.world_size - 1,
                              context_parallel=ContextParallel(mode="tokens")), ValueError, "slab_tokens"),
     ):
-        try:
-            make()
-        except exc as e:
-            assert needle in str(e), str(e)
-        else:
-            raise AssertionError(f"no {exc.__name__} naming {needle}")
+        _raises(make, exc, needle)
     pool = SlabKVCache(pol, layout=lay, slab_tokens=4, context_parallel=cp)
     m = pool.plan({"a": 0})
     q = torch.randn(1, 4, H_Q, D, dtype=torch.float64)  # the whole chunk, not the rank's rows
@@ -229,32 +243,17 @@ def case_tokens_short_first_chunk_fp32(cp):
 
 
 def case_tokens_gradients_and_bytes(cp):
-    """Denoising-step gradients w.r.t. the rank's q, k, v rows equal the single-process ones
-    (the merge weights carry a gradient on each partial lse); bytes per layer == the q
-    all-gather plus the partial out / lse rows, with K/V never sent."""
+    """Tokens mode: gradients equal the single-process ones (the merge weights carry a
+    gradient on each partial lse); bytes per layer == the q all-gather plus the partial
+    out / lse rows, with K/V never sent."""
     tcp = _tokens(cp)
-    ref, pool = _pools(tcp, {"sinks": 1, "window": 2}, 5, 8, torch.float64)
     n, t_r = tcp.world_size, tcp.split_sizes(5)[tcp.rank]
-    g = torch.Generator().manual_seed(13)
-    for c in range(4):
-        m_ref, m = ref.plan({"a": c}), pool.plan({"a": c})
-        q = torch.randn(1, 5, H_Q, D, generator=g, dtype=torch.float64)
-        k, v = (torch.randn(1, 5, H_KV, D, generator=g, dtype=torch.float64) for _ in range(2))
-        w = torch.randn(1, 5, H_Q, D, generator=g, dtype=torch.float64)
-        qa, ka, va = (x.clone().requires_grad_() for x in (q, k, v))
-        (ref.forward(qa, ka, va, m_ref, 0, commit=False, backend="torch") * w).sum().backward()
-        qs, ks, vs = (tcp.shard(x).clone().requires_grad_() for x in (q, k, v))
-        tcp.stats.reset()
-        (pool.forward(qs, ks, vs, m, 0, commit=False, backend="torch") * tcp.shard(w)).sum().backward()
-        for name, got, want in (("dq", qs.grad, qa.grad), ("dk", ks.grad, ka.grad), ("dv", vs.grad, va.grad)):
-            _check(f"chunk {c} {name}", got, tcp.shard(want), torch.float64)
-        with torch.no_grad():
-            tcp.stats.reset()
-            for layer in range(L):  # commit so the next chunk has history
-                ref.forward(q, k, v, m_ref, layer, backend="torch")
-                pool.forward(tcp.shard(q), tcp.shard(k), tcp.shard(v), m, layer, backend="torch")
-        want = (n - 1) * t_r * H_Q * D * 8 + (5 - t_r) * H_Q * (D * 8 + 8)
+    want = (n - 1) * t_r * H_Q * D * 8 + (5 - t_r) * H_Q * (D * 8 + 8)
+
+    def bytes_per_layer():
         assert tcp.stats.per_layer == {0: want, 1: want}, (tcp.stats.per_layer, want)
+
+    _gradient_rollout(tcp, 13, bytes_per_layer)
 
 
 def case_tokens_errors(cp):
@@ -337,12 +336,7 @@ def case_paged_errors(cp):
         (lambda: PagedKVCache(pol, layout=lay, block_size=4, context_parallel=tcp).plan({"a": 2}, pad_to=4),
          ValueError, "pad_to"),
     ):
-        try:
-            make()
-        except exc as e:
-            assert needle in str(e), str(e)
-        else:
-            raise AssertionError(f"no {exc.__name__} naming {needle}")
+        _raises(make, exc, needle)
     # A step only rank 0 cannot hold (2N + 1 blocks, 2 per rank): every rank refuses it,
     # unchanged, so none goes on into a collective alone.
     n = tcp.world_size

@@ -1182,14 +1182,7 @@ class SlabKVCache(KVPoolBase):
         from kvarena.attention.ops import merge
 
         cp = self._cp
-        fresh = torch.compiler.is_compiling() or (
-            type(meta) is SlabMetadata and meta._owner == self._cache_id and meta._epoch == self._epoch
-        )
-        if not fresh:
-            self.check_metadata(meta)
-        check_bool("commit", commit)
-        layer = self._check_layer(layer)
-        spec = self._call_spec(layer, options)
+        layer, spec = self._cp_checks(meta, layer, commit, options)
         b, t_r, t = meta.num_seqs, meta.n_tokens, meta.q_tokens
         self._check_qkv(q, k, v, (b, t_r), f"rank {cp.rank}'s {t_r} of the chunk's {t} rows, [B, T_r, H, D]", layer)
         q_all = cp.gather_rows(q, t, layer)  # [B, T, H_q, D]
@@ -1203,12 +1196,9 @@ class SlabKVCache(KVPoolBase):
         out = acc_o.reshape(b, t_r, h, d)
         return (out, acc_l.reshape(b, t_r, h)) if spec.return_lse else out
 
-    def _forward_heads(self, q, k, v, meta, layer, commit, options):
-        """Context parallel, heads mode: this rank's rows -> its heads of every row, the
-        local pool, and back. Everything a rank can refuse on its own is checked before
-        the first collective (the others would wait in it)."""
-        cp = self._cp
-        n = cp.world_size
+    def _cp_checks(self, meta, layer, commit, options):
+        """What a rank can refuse on its own, before its first collective (the other ranks
+        would wait in it): metadata, ``commit``, ``layer`` and the per-call options."""
         fresh = torch.compiler.is_compiling() or (
             type(meta) is SlabMetadata and meta._owner == self._cache_id and meta._epoch == self._epoch
         )
@@ -1216,7 +1206,15 @@ class SlabKVCache(KVPoolBase):
             self.check_metadata(meta)
         check_bool("commit", commit)
         layer = self._check_layer(layer)
-        spec = self._call_spec(layer, options)
+        return layer, self._call_spec(layer, options)
+
+    def _forward_heads(self, q, k, v, meta, layer, commit, options):
+        """Context parallel, heads mode: this rank's rows -> its heads of every row, the
+        local pool, and back. Everything a rank can refuse on its own is checked before
+        the first collective (the others would wait in it)."""
+        cp = self._cp
+        n = cp.world_size
+        layer, spec = self._cp_checks(meta, layer, commit, options)
         b, t = meta.num_seqs, meta.n_tokens
         t_r = cp.split_sizes(t)[cp.rank]
         lay = self.layout
