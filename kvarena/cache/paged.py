@@ -365,12 +365,8 @@ class PagedKVCache(KVPoolBase):
                            for lay, lim, n in zip(layers, self._limits, self._group_used)],
             }
 
-    # The pool's own block traffic, counted per group (the allocator may be shared).
-    def _take(self, group: int, n: int) -> list[int]:
-        got = self.allocator.alloc(n)
-        self._group_used[group] += n
-        return got
-
+    # The pool's own block traffic is counted per group (the allocator may be shared):
+    # takes add to _group_used where the plan / allocate hand the blocks out.
     def _drop(self, group: int, blocks: list[int]) -> None:
         if blocks:
             self._group_used[group] -= len(self.allocator.decref(blocks))
