@@ -18,6 +18,7 @@ lengths and builds the step's metadata for the replicated rows.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Mapping
 
 import torch
@@ -63,8 +64,6 @@ class ContextParallelPagedKVCache(PagedKVCache):
             raise ValueError("layout.groups: layer groups are not served with context_parallel")
         bs = 16 if block_size is None else _check_int("block_size", block_size, 1)
         blocks = policy.max_bytes // layout.block_bytes(bs)
-        import dataclasses
-
         local = dataclasses.replace(policy, max_bytes=-(-blocks // cp.world_size) * layout.block_bytes(bs))
         super().__init__(local, layout=layout, block_size=bs, device=device, attention=attention,
                          max_seqs=max_seqs, max_blocks_per_seq=max_blocks_per_seq)
