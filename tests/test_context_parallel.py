@@ -259,14 +259,21 @@ def case_tokens_gradients_and_bytes(cp):
 def case_tokens_errors(cp):
     tcp = _tokens(cp)
     ref, pool = _pools(tcp, {"sinks": 1, "window": 2}, 5, 8, torch.float64)
-    for batch, needle in (({"a": range(0, 2)}, "a run of chunks"), ({"a": (0, cp.world_size - 1)}, "n_tokens >=")):
-        try:
-            pool.plan(batch)
-        except ValueError as e:
-            assert needle in str(e), str(e)
-        else:
-            raise AssertionError(f"plan({batch}) did not raise")
+    # Each refused on every rank (the chunk's own lengths are checked, not the rank's share,
+    # which two lengths can have in common).
+    for batch, needle in (({"a": range(0, 2)}, "a run of chunks"), ({"a": (0, cp.world_size - 1)}, "n_tokens >="),
+                          ({"a": (0, 6)}, "longer than a slab (5)"), ({"a": (1, 4)}, "only chunk 0 may be shorter")):
+        _raises(lambda batch=batch: pool.plan(batch), ValueError, needle)
     assert "a" not in pool and pool.used_bytes == 0
+    pool.plan({"a": (0, 4)})
+    _raises(lambda: pool.plan({"a": (0, 5)}), ValueError, "chunk 0 was planned with 4 tokens")
+    # Token counts in the chunks' own sizes (as the single-process pool answers them).
+    assert pool.chunks_for_tokens("a", 4, 10) == (range(1, 3), 10)
+    assert pool.slabs_per_rollout(first_chunk_tokens=4) == ref.slabs_per_rollout(first_chunk_tokens=4)
+    lay = KVLayout(num_layers=1, num_kv_heads=H_KV, head_dim=D, dtype=torch.float64)
+    rope = AttentionSpec(rope_cos=torch.ones(64, D // 2), rope_sin=torch.zeros(64, D // 2))
+    _raises(lambda: SlabKVCache(CachePolicy("slab_kv", 1 << 16, per_component={"window": 2}), layout=lay,
+                                slab_tokens=4, attention=rope, context_parallel=tcp), ValueError, "rope_cos")
 
 
 def case_paged_decode_prefill_fork_truncate(cp):
@@ -312,11 +319,12 @@ def case_paged_decode_prefill_fork_truncate(cp):
     ref.truncate("b", n - 5)
     for _ in range(3):
         step({"b": 1, "c": 2})
-    for ns in ("a", "b", "c"):
+    n = tcp.world_size
+    for ns, first in (("a", 0), ("b", 1 % n), ("c", 0)):  # block 0 on rank (creation count % N); a fork: its source's
         assert pool.seq_len(ns) == ref.seq_len(ns)
         held = len(pool.block_ids(ns))
         total = -(-ref.seq_len(ns) // 4)
-        assert held == len(range(tcp.rank, total, tcp.world_size)), (ns, held, total)
+        assert held == len(range((tcp.rank - first) % n, total, n)), (ns, held, total)
     for ns in ("a", "b", "c"):
         pool.free_namespace(ns)
     assert pool.used_bytes == 0
@@ -350,6 +358,11 @@ def case_paged_errors(cp):
         raise AssertionError(f"rank {tcp.rank}: a step that does not fit on rank 0 went through")
     assert "a" not in small and small.used_bytes == 0
     small.plan({"a": 2 * n * 4})  # fits everywhere
+    # 2N one-block sequences fit 2N blocks: block 0 of each goes to the next rank in turn.
+    spread = PagedKVCache(CachePolicy("paged_kv", 2 * n * lay.block_bytes(4)), layout=lay, block_size=4,
+                          context_parallel=tcp)
+    spread.plan({f"s{i}": 3 for i in range(2 * n)})
+    assert spread.allocator.num_used == 2
     pool = PagedKVCache(pol, layout=lay, block_size=4, context_parallel=tcp)
     m = pool.plan({"a": 3})
     q = torch.randn(3, H_Q, D, dtype=torch.float64, requires_grad=True)

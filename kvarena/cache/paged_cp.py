@@ -2,16 +2,17 @@
 
 Tokens mode, as vLLM's decode context parallel: q, k, v are replicated on every rank;
 ``plan`` is the same call on every rank (one all-reduce of a flag: does the step fit on
-every rank);
-block ``j`` of a sequence (tokens ``j * bs ..``) belongs to rank ``j % N``, which alone
-stores it, in its own arena of about ``max_bytes / N``. Per layer each rank attends every
+every rank); block ``j`` of a sequence (tokens ``j * bs ..``) belongs to rank ``(j + o) %
+N``, which alone stores it, in its own arena of ``ceil(blocks / N)`` blocks; ``o`` is the
+sequence's creation count modulo ``N`` (a fork takes its source's), so the first blocks of
+many short sequences do not all land on rank 0. Per layer each rank attends every
 query over its blocks of the history (all older than the step's first token, so no
 mask), every rank attends the step's own keys causally (replicated, small), and the
 partial ``(out, lse)`` of the ranks are all-gathered and merged in a fixed order (own
 keys, then rank 0 .. N-1): the output is replicated and the same bits on every rank.
 
 A rank's pool is an ordinary :class:`PagedKVCache` over its blocks (local block ``i`` of
-a sequence is its global block ``i * N + rank``), so fork (blocks shared by reference
+a sequence is its ``i``-th owned global block), so fork (blocks shared by reference
 count, copy-on-write) and truncate work on it unchanged; this class keeps the global
 lengths and builds the step's metadata for the replicated rows.
 """
@@ -62,6 +63,9 @@ class ContextParallelPagedKVCache(PagedKVCache):
             raise ValueError("layout: context_parallel needs the model's KVLayout")
         if layout.groups is not None:
             raise ValueError("layout.groups: layer groups are not served with context_parallel")
+        if layout.is_fp8:
+            raise ValueError("layout.dtype: fp8 storage is not served with context_parallel (the step's own keys "
+                             "are attended from the given k / v, the single-process pool reads them back quantized)")
         bs = 16 if block_size is None else _check_int("block_size", block_size, 1)
         blocks = policy.max_bytes // layout.block_bytes(bs)
         local = dataclasses.replace(policy, max_bytes=-(-blocks // cp.world_size) * layout.block_bytes(bs))
@@ -71,6 +75,8 @@ class ContextParallelPagedKVCache(PagedKVCache):
             self._check_cp_spec(spec, f"attention[{i}]")
         self._cp = cp
         self._glen: dict[Hashable, int] = {}
+        self._first: dict[Hashable, int] = {}  # namespace -> the rank holding its block 0
+        self._made = 0  # namespaces created (the next one's first rank, modulo N)
 
     @staticmethod
     def _check_cp_spec(spec, where: str) -> None:
@@ -88,12 +94,13 @@ class ContextParallelPagedKVCache(PagedKVCache):
         """The pool's :class:`~kvarena.distributed.ContextParallel`."""
         return self._cp
 
-    def _owned(self, a: int, b: int) -> int:
-        """Tokens in ``[a, b)`` of a sequence that this rank stores (blocks ``j % N == rank``)."""
+    def _owned(self, a: int, b: int, first: int) -> int:
+        """Tokens in ``[a, b)`` of a sequence whose block 0 is on rank ``first`` that this
+        rank stores (blocks ``(j + first) % N == rank``). O(blocks in the range)."""
         bs, n, r = self.block_size, self._cp.world_size, self._cp.rank
         out = 0
         for j in range(a // bs, _cdiv(b, bs)):
-            if j % n == r:
+            if (j + first) % n == r:
                 out += min(b, (j + 1) * bs) - max(a, j * bs)
         return out
 
@@ -108,11 +115,13 @@ class ContextParallelPagedKVCache(PagedKVCache):
         with self._lock:
             super().free_namespace(namespace)
             self._glen.pop(namespace, None)
+            self._first.pop(namespace, None)
 
     def fork(self, src: Hashable, dst: Hashable) -> None:
         with self._lock:
             super().fork(src, dst)
             self._glen[dst] = self._glen[src]
+            self._first[dst] = self._first[src]  # the same blocks on the same ranks
 
     def check_truncate(self, namespace: Hashable, n_tokens: int) -> None:
         with self._lock:
@@ -126,7 +135,7 @@ class ContextParallelPagedKVCache(PagedKVCache):
     def truncate(self, namespace: Hashable, n_tokens: int) -> None:
         with self._lock:
             self.check_truncate(namespace, n_tokens)
-            super().truncate(namespace, self._owned(0, n_tokens))
+            super().truncate(namespace, self._owned(0, n_tokens, self._first[namespace]))
             self._glen[namespace] = n_tokens
 
     def allocate(self, namespace: Hashable, n_blocks: int) -> bool:
@@ -146,8 +155,16 @@ class ContextParallelPagedKVCache(PagedKVCache):
         items = [(ns, _check_int(f"batch[{ns!r}]", n, 1)) for ns, n in batch.items()]
         with self._lock:
             olds = [self._glen.get(ns, 0) for ns, _n in items]
-            local = {ns: self._owned(old, old + n) for (ns, n), old in zip(items, olds)}
-            hist = [self._owned(0, old) for old in olds]
+            made, firsts = self._made, []
+            for ns, _n in items:  # a new namespace's block 0 goes to the next rank in turn
+                if ns in self._first:
+                    firsts.append(self._first[ns])
+                else:
+                    firsts.append(made % self._cp.world_size)
+                    made += 1
+            local = {ns: self._owned(old, old + n, f) for (ns, n), old, f in zip(items, olds, firsts)}
+            # The history this rank holds: its pool's own length (no walk over the history).
+            hist = [self._seqs[ns].seq_len if ns in self._seqs else 0 for ns, _n in items]
             owned = {ns: m for ns, m in local.items() if m}
             # Ranks hold different blocks, so one can be full while the others are not:
             # agree first (one tiny all-reduce per step), or the others would go on into the
@@ -162,12 +179,14 @@ class ContextParallelPagedKVCache(PagedKVCache):
             for ns, _n in items:
                 if ns not in self._seqs:  # a rank with no block of it yet: an empty local sequence
                     self._seqs[ns] = self._new_seq()
-            for (ns, n), old in zip(items, olds):
+            for (ns, n), old, f in zip(items, olds, firsts):
                 self._glen[ns] = old + n
+                self._first[ns] = f
                 self._seqs[ns].version = self._stamp()
-            return self._cp_meta(items, olds, hist)
+            self._made = made
+            return self._cp_meta(items, olds, hist, firsts)
 
-    def _cp_meta(self, items, olds, hist) -> PagedMetadata:
+    def _cp_meta(self, items, olds, hist, firsts) -> PagedMetadata:
         bs, n_ranks, rank = self.block_size, self._cp.world_size, self._cp.rank
         seqs = [self._seqs[ns] for ns, _n in items]
         nseq = len(items)
@@ -178,9 +197,11 @@ class ContextParallelPagedKVCache(PagedKVCache):
         cols = max(1, max(_cdiv(self._glen[ns], bs * n_ranks) + 1 for ns, _n in items))
         self._ensure_cols(cols)
         self._flush()  # a fork's table entries, when this rank stored nothing this step (no local plan)
-        packed = upload([s.row for s in seqs] + hist + olds + cu, torch.int32, self.device)
-        rows, hist_t, olds_t, cu_t = (packed[:nseq], packed[nseq:2 * nseq], packed[2 * nseq:3 * nseq],
-                                     packed[3 * nseq:])
+        # Per row: the first global block this rank holds ((rank - first) mod N).
+        mine0 = [(rank - f) % n_ranks for f in firsts]
+        packed = upload([s.row for s in seqs] + hist + olds + mine0 + cu, torch.int32, self.device)
+        rows, hist_t, olds_t, mine0_t = (packed[i * nseq:(i + 1) * nseq] for i in range(4))
+        cu_t = packed[4 * nseq:]
         table = self._table[0, :, :cols].index_select(0, rows.long())  # [B, cols]: this rank's blocks
         dev = self.device
         q_lens = cu_t[1:] - cu_t[:-1]
@@ -188,8 +209,9 @@ class ContextParallelPagedKVCache(PagedKVCache):
         i = torch.arange(total_q, device=dev)
         pos = i - cu_t[:-1].long()[row_of] + olds_t.long()[row_of]  # global position of each row
         blk = pos // bs
-        mine = blk % n_ranks == rank
-        lcol = (blk // n_ranks).clamp(max=cols - 1)
+        off = blk - mine0_t.long()[row_of]  # blocks past this rank's first one
+        mine = (off >= 0) & (off % n_ranks == 0)
+        lcol = (off // n_ranks).clamp(min=0, max=cols - 1)
         slots = torch.where(mine, table.long()[row_of, lcol] * bs + pos % bs, torch.full_like(pos, -1))
         # The step's own keys: row b's are rows cu[b] .. of the given k/v, one-token pages.
         j = torch.arange(max_q, device=dev)[None, :]

@@ -48,7 +48,7 @@ from kvarena.cache._meta import (
     region_of_arena,
     upload,
 )
-from kvarena.cache._pool import KVPoolBase
+from kvarena.cache._pool import KVPoolBase, layer_specs
 from kvarena.cache.arena import ArenaRegion, CacheFullError, KVArena, KVLayout, _check_int
 
 __all__ = ["Slab", "SlabKVCache", "SlabMetadata", "SlabSnapshot"]
@@ -430,6 +430,9 @@ class SlabKVCache(KVPoolBase):
                 raise ValueError(f"slab_tokens: tokens mode gives every rank a share of each chunk; expected an int >= "
                                  f"the world size {n}, got {st!r}")
             local_st = cp.split_sizes(st)[cp.rank]
+            if any(spec.rope_cos is not None for spec in (layer_specs(self._attention, layout.num_layers) or ())):
+                raise ValueError("rope_cos: RoPE on read is not served in context parallel tokens mode (a rank's rows "
+                                 "would rotate at their positions in its share); heads mode serves it")
             slabs = policy.max_bytes // (bb or layout.block_bytes(st))
             per.pop("slab_tokens", None)
             self._cp, self._cp_st, self._cp_n0 = cp, st, {}
@@ -541,6 +544,8 @@ class SlabKVCache(KVPoolBase):
         with self._lock:
             r = self._rollouts.get(namespace)
             n0 = None if r is None else r.n0
+            if self._cp is not None and self._cp.mode == "tokens":  # the chunks' own sizes, not the rank's share
+                st, n0 = self._cp_st, None if r is None else self._cp_n0.get(namespace, self._cp_st)
         if n0 is None:
             if start != 0:
                 raise ValueError(f"current_start: namespace {namespace!r} holds no chunk yet, so its first call starts "
@@ -597,6 +602,13 @@ class SlabKVCache(KVPoolBase):
         exactly the rollouts a budget must hold.
         """
         self._require_arena("slabs_per_rollout")
+        if self._cp is not None and self._cp.mode == "tokens" and first_chunk_tokens is not None:
+            # Whole-chunk visibility: the rank's share of chunk 0 holds the same slabs.
+            n0 = _check_int("first_chunk_tokens", first_chunk_tokens, self._cp.world_size)
+            if n0 > self._cp_st:
+                raise ValueError(f"first_chunk_tokens: expected {self._cp.world_size} to slab_tokens ({self._cp_st}), "
+                                 f"got {n0}")
+            first_chunk_tokens = self._cp.split_sizes(n0)[self._cp.rank]
         _s, w = self._rule(first_chunk_tokens or self.slab_tokens)
         if w is None or self.training_mode:
             return None
@@ -852,6 +864,15 @@ class SlabKVCache(KVPoolBase):
                 if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < cp.world_size):
                     raise ValueError(f"batch[{ns!r}]: tokens mode needs at least one row of the chunk per rank: "
                                      f"n_tokens >= the world size {cp.world_size}, got {n!r}")
+                # The checks the rank's plan would make on its share, made on the chunk itself:
+                # two different lengths can share a rank's share, and the ranks must agree.
+                if n is not None and n > self._cp_st:
+                    raise ValueError(f"batch[{ns!r}]: a chunk of {n} tokens is longer than a slab ({self._cp_st})")
+                if n is not None and c != 0 and n != self._cp_st:
+                    raise ValueError(f"batch[{ns!r}]: only chunk 0 may be shorter than slab_tokens ({self._cp_st}), "
+                                     f"chunk {c} has {n}")
+                if n is not None and c == 0 and ns in self._cp_n0 and n != self._cp_n0[ns]:
+                    raise ValueError(f"batch[{ns!r}]: chunk 0 was planned with {self._cp_n0[ns]} tokens, not {n}")
                 if n is not None:
                     t = n
                 elif c == 0:  # a known chunk 0 keeps its length; a new one is a whole slab
@@ -1218,7 +1239,7 @@ class SlabKVCache(KVPoolBase):
         b, t = meta.num_seqs, meta.n_tokens
         t_r = cp.split_sizes(t)[cp.rank]
         lay = self.layout
-        if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[2] % n or q.shape[2] % lay.num_kv_heads:
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[2] % (lay.num_kv_heads * n):
             got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
             raise ValueError(f"q: expected this rank's [B, T_r, H_q, D] shard with H_q a multiple of the world size "
                              f"{n} and of num_kv_heads {lay.num_kv_heads * n}, got {got}")
