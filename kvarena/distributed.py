@@ -134,7 +134,7 @@ class ContextParallel:
         sizes = self.split_sizes(x.shape[dim])
         return x.narrow(dim, sum(sizes[: self.rank]), sizes[self.rank])
 
-    # ------------------------------------------------------------------ heads mode
+    # ------------------------------------------------------------------ collectives
     def _a2a(self, flat: torch.Tensor, out_splits: list[int], in_splits: list[int], layer: int) -> torch.Tensor:
         if self.world_size == 1:
             return flat
@@ -161,12 +161,8 @@ class ContextParallel:
         b, t_r, h = x.shape[:3]
         rest = tuple(x.shape[3:])
         hs = h // n
-        per = hs * math.prod(rest)
         send = x.reshape(b, t_r, n, hs, *rest).movedim(2, 0).contiguous()  # [N, B, T_r, H/N, *rest]
-        sizes = self.split_sizes(n_rows)
-        recv = self._a2a(send.reshape(-1), [b * t * per for t in sizes], [b * t_r * per] * n, layer)
-        parts = [p.view(b, t, hs, *rest) for p, t in zip(recv.split([b * t * per for t in sizes]), sizes)]
-        return torch.cat(parts, dim=1)  # [B, T, H/N, *rest]
+        return self._rows_from_all(send.reshape(-1), b, t_r, (hs, *rest), n_rows, layer)  # [B, T, H/N, *rest]
 
     def to_tokens(self, y: torch.Tensor, layer: int) -> torch.Tensor:
         """``[B, T, H / N, *rest]`` head shards -> ``[B, T_r, H, *rest]`` sequence shards."""
@@ -215,13 +211,16 @@ class ContextParallel:
         n = self.world_size
         if n == 1:
             return x
-        b, t_r, rest = x.shape[0], x.shape[1], tuple(x.shape[2:])
-        per = math.prod(rest)
+        b, t_r = x.shape[0], x.shape[1]
+        return self._rows_from_all(x.reshape(-1).repeat(n), b, t_r, tuple(x.shape[2:]), n_rows, layer)
+
+    def _rows_from_all(self, send: torch.Tensor, b: int, t_r: int, item: tuple, n_rows: int, layer: int):
+        """Send ``send`` (``N`` equal parts of ``[B, T_r, *item]``, part ``s`` to rank ``s``)
+        and join what every rank sent here along the rows: ``[B, T, *item]``."""
+        per = math.prod(item)
         sizes = self.split_sizes(n_rows)
-        send = x.reshape(-1).repeat(n)  # the shard once per destination
-        recv = self._a2a(send, [b * t * per for t in sizes], [b * t_r * per] * n, layer)
-        parts = [p.view(b, t, *rest) for p, t in zip(recv.split([b * t * per for t in sizes]), sizes)]
-        return torch.cat(parts, dim=1)
+        recv = self._a2a(send, [b * t * per for t in sizes], [b * t_r * per] * self.world_size, layer)
+        return torch.cat([p.view(b, t, *item) for p, t in zip(recv.split([b * t * per for t in sizes]), sizes)], 1)
 
     def __repr__(self) -> str:
         return f"ContextParallel(mode={self.mode!r}, world_size={self.world_size}, rank={self.rank})"
