@@ -124,6 +124,19 @@ class KVPoolBase:
         # the current epoch is fresh without looking at its namespaces (O(1) per layer).
         self._epoch = next_version()
 
+    #: The metadata class the pool's ``plan`` returns (subclasses).
+    META_TYPE: type = object
+
+    def _require_current(self, meta) -> None:
+        """Raise unless ``meta`` is this pool's and still current: O(1) when it was planned at
+        the current epoch, else :meth:`check_metadata` (host data only: no sync). Skipped
+        while torch.compile traces: dynamo would guard on the epoch and recompile after
+        every plan."""
+        if torch.compiler.is_compiling():
+            return
+        if not (type(meta) is self.META_TYPE and meta._owner == self._cache_id and meta._epoch == self._epoch):
+            self.check_metadata(meta)
+
     def _stamp(self) -> int:
         """A new version for a changed namespace; also moves the pool's epoch."""
         self._epoch = next_version()

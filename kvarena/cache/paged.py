@@ -931,6 +931,7 @@ class PagedKVCache(KVPoolBase):
                 raise StaleMetadataError(f"meta: stale, namespace {ns!r} was {what} since this plan")
 
     CLASS_NAME = "paged_kv"
+    META_TYPE = PagedMetadata
     FORWARD_OPTIONS = frozenset(
         ("backend", "scale", "softcap", "return_lse", "num_splits", "deterministic", "window_left",
          "sink_tokens", "chunk_size", "sink_logits")
@@ -996,13 +997,7 @@ class PagedKVCache(KVPoolBase):
                 "forward: this PagedKVCache has no layout (block bookkeeping only); "
                 "construct it with layout=KVLayout(...) to store and attend"
             )
-        # Host-side freshness (O(1) unless a plan moved the epoch). Skipped while torch.compile
-        # traces: dynamo would guard on the epoch and recompile after every plan.
-        fresh = torch.compiler.is_compiling() or (
-            type(meta) is PagedMetadata and meta._owner == self._cache_id and meta._epoch == self._epoch
-        )
-        if not fresh:
-            self.check_metadata(meta)  # raises unless still current (host data: no sync)
+        self._require_current(meta)
         layer = self._check_layer(layer)
         spec = self._call_spec(layer, options)
         group = self._layer_group[layer]

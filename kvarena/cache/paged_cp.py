@@ -232,11 +232,7 @@ class ContextParallelPagedKVCache(PagedKVCache):
         q ``[total_q, H_q, D]``, k / v ``[total_q, H_kv, D]``, replicated (equal on every
         rank), rows as in ``meta``.
         """
-        fresh = torch.compiler.is_compiling() or (
-            type(meta) is PagedMetadata and meta._owner == self._cache_id and meta._epoch == self._epoch
-        )
-        if not fresh:
-            self.check_metadata(meta)
+        self._require_current(meta)
         if meta.cp_own is None:
             raise ValueError("meta: not planned by a context-parallel PagedKVCache")
         layer = self._check_layer(layer)

@@ -345,6 +345,7 @@ class SlabKVCache(KVPoolBase):
     ) -> None:
         self._init_pool(policy, attention)
         self._cp = None
+        self._cp_n0: dict = {}  # context parallel, tokens mode: namespace -> chunk 0's tokens
         if context_parallel is not None:
             policy, layout, slab_tokens = self._context_parallel(context_parallel, policy, layout, arena, slab_tokens)
             self.policy = policy  # this rank's share of the budget
@@ -435,7 +436,7 @@ class SlabKVCache(KVPoolBase):
                                  "would rotate at their positions in its share); heads mode serves it")
             slabs = policy.max_bytes // (bb or layout.block_bytes(st))
             per.pop("slab_tokens", None)
-            self._cp, self._cp_st, self._cp_n0 = cp, st, {}
+            self._cp, self._cp_st = cp, st
             local = dataclasses.replace(policy, max_bytes=slabs * layout.block_bytes(local_st), block_bytes=0,
                                         per_component=per)
             return local, layout, local_st
@@ -853,8 +854,6 @@ class SlabKVCache(KVPoolBase):
         if not isinstance(batch, Mapping) or not batch:
             raise TypeError(f"batch: expected a non-empty mapping of namespace -> chunk, got {batch!r}")
         with self._lock:
-            for ns in [ns for ns in self._cp_n0 if ns not in self._rollouts]:  # cleared since
-                del self._cp_n0[ns]
             local, sizes, new_n0 = {}, set(), {}
             for ns, item in batch.items():
                 c, n = item if isinstance(item, tuple) and len(item) == 2 else (item, None)
@@ -1121,6 +1120,7 @@ class SlabKVCache(KVPoolBase):
                 )
 
     CLASS_NAME = "slab_kv"
+    META_TYPE = SlabMetadata
     FORWARD_OPTIONS = frozenset(("backend", "scale", "softcap", "return_lse", "num_splits", "deterministic"))
     NOT_FORWARD_OPTIONS = {
         **{name: _VISIBILITY for name in ("window_left", "sink_tokens", "chunk_size", "causal")},
@@ -1220,11 +1220,7 @@ class SlabKVCache(KVPoolBase):
     def _cp_checks(self, meta, layer, commit, options):
         """What a rank can refuse on its own, before its first collective (the other ranks
         would wait in it): metadata, ``commit``, ``layer`` and the per-call options."""
-        fresh = torch.compiler.is_compiling() or (
-            type(meta) is SlabMetadata and meta._owner == self._cache_id and meta._epoch == self._epoch
-        )
-        if not fresh:
-            self.check_metadata(meta)
+        self._require_current(meta)
         check_bool("commit", commit)
         layer = self._check_layer(layer)
         return layer, self._call_spec(layer, options)
@@ -1256,13 +1252,7 @@ class SlabKVCache(KVPoolBase):
 
     def _forward_local(self, q, k, v, meta, layer, commit, options):
         region = self._require_arena("forward")
-        # Host-side freshness (O(1) unless a plan moved the epoch). Skipped while torch.compile
-        # traces: dynamo would guard on the epoch and recompile after every plan.
-        fresh = torch.compiler.is_compiling() or (
-            type(meta) is SlabMetadata and meta._owner == self._cache_id and meta._epoch == self._epoch
-        )
-        if not fresh:
-            self.check_metadata(meta)  # raises unless still current
+        self._require_current(meta)
         check_bool("commit", commit)
         layer = self._check_layer(layer)
         spec = self._call_spec(layer, options)
@@ -1428,6 +1418,7 @@ class SlabKVCache(KVPoolBase):
         """Free every slab of ``namespace`` (unknown: no-op)."""
         with self._lock:
             r = self._rollouts.pop(namespace, None)
+            self._cp_n0.pop(namespace, None)
             if r is not None:
                 self._stamp()
             if r is not None and (r.chunks or r.retired):
