@@ -17,7 +17,7 @@ import torch
 from kvarena.attention.ops import check_head_dim, resolve_backend
 from kvarena.attention.spec import AttentionSpec
 from kvarena.cache._meta import check_forward_tensor, next_version
-from kvarena.cache.arena import KVLayout
+from kvarena.cache.arena import KVLayout, _check_index
 from kvarena.cache.keys import CachePolicy
 
 __all__ = ["KVPoolBase", "layer_specs"]
@@ -195,11 +195,7 @@ class KVPoolBase:
         return self._specs[self._check_layer(layer)]
 
     def _check_layer(self, layer) -> int:
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise TypeError(f"layer: expected an int, got {type(layer).__name__}")
-        if not 0 <= layer < len(self._specs):
-            raise ValueError(f"layer: expected 0 <= layer < {len(self._specs)}, got {layer}")
-        return layer
+        return _check_index("layer", layer, len(self._specs))
 
     def _call_spec(self, layer: int, overrides: dict) -> AttentionSpec:
         """The layer's spec with ``forward``'s overrides applied (validated)."""

@@ -88,9 +88,11 @@ def _check_pos_int(name: str, value, minimum: int = 1) -> int:
 
 
 def _check_index(name: str, value, size: int) -> int:
-    """``value`` if it is an int in ``[0, size)``; else TypeError / ValueError naming ``name``."""
+    """``value`` if it is an int in ``[0, size)``; else TypeError / ValueError naming ``name``.
+
+    Shared by the layouts, the arena regions and the KV pools (a layer or group index)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {value!r}")
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
     if not 0 <= value < size:
         raise ValueError(f"{name}: expected 0 <= {name} < {size}, got {value}")
     return value
@@ -670,13 +672,7 @@ class ArenaRegion:
         self.allocator = BlockAllocator(self.num_blocks)
 
     def _layer(self, layer) -> int:
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise TypeError(f"layer: expected an int, got {type(layer).__name__}")
-        if not 0 <= layer < self.layout.num_layers:
-            raise ValueError(
-                f"layer: expected 0 <= layer < {self.layout.num_layers}, got {layer}"
-            )
-        return layer
+        return _check_index("layer", layer, self.layout.num_layers)
 
     def k(self, layer: int) -> torch.Tensor:
         """Keys of ``layer``: strided view ``[num_blocks, block_tokens, H_kv, D]``."""

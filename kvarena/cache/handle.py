@@ -184,7 +184,7 @@ class CacheHandle:
         ``{"paged_kv": {"free_out_of_window": True, "rollback_tokens": 64,
         "graph_capacity": (8, 256)}}`` (a layout with layer groups, ``KVLayout(groups=)``,
         then releases its sliding groups' old blocks). The arguments the handle sets
-        itself (``layout``, ``arena``, ``region``, ``device``, ``block_size``,
+        itself (``policy``, ``layout``, ``arena``, ``region``, ``device``, ``block_size``,
         ``slab_tokens``, ``attention``) are a ValueError here.
 
     Attributes
