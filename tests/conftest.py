@@ -23,19 +23,9 @@ def seed():
     return 1234
 
 
-def _needs_check(item) -> bool:
-    return "perf_run" in getattr(item, "fixturenames", ())
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """The tests that wait for ``kvarena check --perf`` run last, so the check (started in
-    the background below) overlaps the rest of the suite (tests/_check_run.py)."""
-    items[:] = [i for i in items if not _needs_check(i)] + [i for i in items if _needs_check(i)]
-
-
 def pytest_collection_finish(session):
-    """Start ``kvarena check --perf`` now when a collected test needs it."""
-    if any(_needs_check(item) for item in session.items):
+    """Start ``kvarena check --perf`` now when a collected test needs it (tests/_check_run.py)."""
+    if any("perf_run" in getattr(item, "fixturenames", ()) for item in session.items):
         import _check_run
 
         _check_run.start()
