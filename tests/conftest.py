@@ -21,17 +21,3 @@ def seed():
     """A fixed torch seed for the test; returns it so messages can quote it."""
     torch.manual_seed(1234)
     return 1234
-
-
-def pytest_collection_finish(session):
-    """Start ``kvarena check --perf`` now when a collected test needs it (tests/_check_run.py)."""
-    if any("perf_run" in getattr(item, "fixturenames", ()) for item in session.items):
-        import _check_run
-
-        _check_run.start()
-
-
-def pytest_sessionfinish(session, exitstatus):
-    import _check_run
-
-    _check_run.stop()

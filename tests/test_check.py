@@ -11,20 +11,26 @@ import os
 import subprocess
 import sys
 
-import _check_run
 import pytest
 
 from kvarena import check
 
 
+def _env_without_interpreter() -> dict:
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
 @pytest.fixture(scope="module")
-def perf_run():
+def perf_run(tmp_path_factory):
     """One ``kvarena check --perf`` run (every config as launched and with every flag on,
-    both targets) shared by the tests below; started in the background at collection."""
-    res, out_json = _check_run.result()
-    assert os.path.exists(out_json), res.stdout[-4000:] + res.stderr[-4000:]
-    with open(out_json) as f:
-        return res, json.load(f)
+    both targets) shared by the tests below."""
+    out_json = tmp_path_factory.mktemp("check") / "perf.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "kvarena", "check", "--perf", "--json", str(out_json)],
+        env=_env_without_interpreter(), capture_output=True, text=True, timeout=900,
+    )
+    assert out_json.exists(), res.stdout[-4000:] + res.stderr[-4000:]
+    return res, json.loads(out_json.read_text())
 
 
 def _case(row: dict) -> tuple:
