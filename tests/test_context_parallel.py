@@ -380,8 +380,6 @@ def case_triton_kernels_all_three(cp):
     parallel (the step's own keys as one-token pages), slab heads and tokens modes, fp32,
     denoising and clean passes, against the single-process torch path. Two ranks only
     (interpreter time)."""
-    if cp.world_size != 2:
-        return "skip: the interpreter cases run on 2 ranks (about 9 s more for 3)"
     g = torch.Generator().manual_seed(31)
     tcp = _tokens(cp)
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.float32)
@@ -417,8 +415,6 @@ def case_triton_kernels_all_three(cp):
 def case_compiles_fullgraph(cp):
     """``torch.compile(fullgraph=True)`` traces a tokens-mode slab forward (functional
     collectives, merge, custom ops) and matches the single-process pool. Two ranks only."""
-    if cp.world_size != 2:
-        return "skip: one compile (about 5 s) on 2 ranks is enough"
     tcp = _tokens(cp)
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, dtype=torch.float32)
     sp = CachePolicy("slab_kv", 8 * lay.block_bytes(6), per_component={"window": 2})
@@ -453,6 +449,11 @@ def case_benchmark_runs(cp):
 
 
 SCENARIOS = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
+# Run on 2 ranks only (CI time): what 3 ranks add (three-way uneven splits, empty shards, a
+# real sub-group, one rank short of blocks) is in the other scenarios; these repeat the
+# 2-rank case (the interpreter and the compile cost about 9 s and 5 s more on 3).
+TWO_RANKS_ONLY = {"benchmark_runs", "compiles_fullgraph", "errors", "gradients_equal_single_process",
+                  "multi_chunk_run", "tokens_errors", "triton_kernels_all_three"}
 
 
 # ---------------------------------------------------------------------------- harness
@@ -464,8 +465,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         cp = ContextParallel()
         for name, fn in SCENARIOS.items():
+            if world > 2 and name in TWO_RANKS_ONLY:
+                results[name] = "skip: runs on 2 ranks (what 3 add is covered by the other scenarios)"
+                continue
             try:
-                results[name] = fn(cp) or "ok"
+                fn(cp)
+                results[name] = "ok"
             except BaseException:  # noqa: BLE001 - reported to the test
                 results[name] = traceback.format_exc()
             dist.barrier()

@@ -123,7 +123,9 @@ def _expected_live(pool, kinds, group: int, old: int, new: int) -> int:
 @pytest.mark.parametrize(
     "name,backend",
     [("gemma3", "torch"), ("gptoss", "torch"), ("shapes", "torch"),
-     pytest.param("gptoss", "triton", marks=interpreter), pytest.param("shapes", "triton", marks=interpreter)],
+     # The kernels see a group only as its table and strided views: one interpreter case
+     # (two groups of other shapes, sinks, a full group) covers them (CI time).
+     pytest.param("shapes", "triton", marks=interpreter)],
 )
 def test_hybrid_generation_equals_dense_masks_and_holds_the_formula(name, backend) -> None:
     """Prefill, then decode to 10x the window: every layer equal to
