@@ -1,8 +1,10 @@
 """Helpers and fixtures shared by several test modules (imported by them, not a plugin).
 
 The one home of the tests' tolerances (``TOL``, ``LSE_TOL`` and the named exceptions),
-of the comparators (``assert_close``, ``assert_lse_close``, ``assert_attention_close``)
-and of the NaN-poisoned paged-attention case builder (``paged_case``, ``paged_case_ref``).
+of the comparators (``assert_close``, ``assert_lse_close``, ``assert_attention_close``),
+of the NaN-poisoned paged-attention case builder (``paged_case``, ``paged_case_ref``) and
+of the kernel lane (``DEVICE``, ``kernel_lane``, ``GPU``, ``TRITON``, ``gpu_test``: the
+tests ``-m gpu`` selects).
 
 A fixture here applies only to a module that imports it; ``per_test_seed`` (fixture name
 ``seed``) then overrides conftest's fixed ``seed`` in that module.
@@ -21,6 +23,31 @@ import pytest
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# ------------------------------------------------------------------- the kernel lane
+# A test marked ``gpu`` runs Triton kernels on tensors it builds on DEVICE: on CUDA where
+# there is one (bench/gpu.sh selects them with -m gpu), else through the Triton
+# interpreter on CPU tensors (conftest sets TRITON_INTERPRET=1 where there is no CUDA).
+kernel_lane = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs CUDA or the Triton interpreter (TRITON_INTERPRET=1)",
+)
+#: The marks of a kernel-lane test or parameter: ``pytestmark = [*GPU]``, ``marks=GPU``.
+GPU = (pytest.mark.gpu, kernel_lane)
+#: The ``backend="triton"`` parameter of a test parametrized over backends.
+TRITON = pytest.param("triton", marks=GPU, id="triton")
+#: Interpreter-only behaviour (a test that patches what the interpreter runs): not gpu.
+interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+
+
+def gpu_test(func):
+    """Decorator: a kernel-lane test (marked ``gpu``, skipped off the kernel lane)."""
+    return pytest.mark.gpu(kernel_lane(func))
+
+
+def device_for(backend: str) -> str:
+    """Where a test parametrized over backends builds its tensors: DEVICE for "triton"."""
+    return DEVICE if backend == "triton" else "cpu"
 
 # ------------------------------------------------------------------- tolerances
 # The project standard for an op's output: relative L2 error ||out - ref|| / ||ref|| against

@@ -16,11 +16,9 @@ interpreter (whose own fp32 -> fp8 cast is wrong; the store kernel rounds explic
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from _helpers import TOL, assert_close, one_torch_thread  # noqa: F401 - autouse fixture
+from _helpers import TOL, TRITON, assert_close, device_for, interpreter_only, one_torch_thread  # noqa: F401
 
 from kvarena import AttentionSpec, CachePolicy, KVLayout, PagedKVCache, paged_attention, store_kv
 from kvarena.attention.reference import dequantize_fp8, paged_attention_ref
@@ -31,15 +29,14 @@ FP8 = torch.float8_e4m3fn
 INV448 = float(torch.tensor(1 / 448, dtype=torch.float32))
 #: Attention output against unquantized K/V (see the module docstring).
 FULL_PRECISION_BOUND = 0.05
-interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
-BACKENDS = ["torch", pytest.param("triton", marks=interpreter)]
+BACKENDS = ["torch", TRITON]
 
 
 def _expected_scales(x: torch.Tensor) -> torch.Tensor:
     """The documented rule, restated: max(fp32(amax) * fp32(1/448), 2**-126); NaN rows NaN."""
     x = x.float()
     amax = x.abs().nan_to_num(nan=0.0).amax(-1)
-    sc = torch.maximum(amax * torch.tensor(INV448), torch.tensor(2.0**-126))
+    sc = torch.maximum(amax * torch.tensor(INV448, device=x.device), torch.tensor(2.0**-126, device=x.device))
     return torch.where(x.isnan().any(-1), float("nan"), sc)
 
 
@@ -47,10 +44,10 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8)
 
 
-def _poisoned(nb: int, bs: int, h: int, d: int):
+def _poisoned(nb: int, bs: int, h: int, d: int, device="cpu"):
     """fp8 caches full of NaN bytes and NaN scales: a read of an unwritten slot shows."""
-    k = torch.full((nb, bs, h, d), 0x7F, dtype=torch.uint8).view(FP8)
-    ks = torch.full((nb, bs, h), float("nan"))
+    k = torch.full((nb, bs, h, d), 0x7F, dtype=torch.uint8, device=device).view(FP8)
+    ks = torch.full((nb, bs, h), float("nan"), device=device)
     return k, k.clone(), ks, ks.clone()
 
 
@@ -123,9 +120,10 @@ def test_store_bytes_and_scales_equal_torch_cast(backend, dtype) -> None:
         # The interpreter flushes bf16 denormals to 0 as it loads them (a GPU's cvt keeps
         # them); the fp32 case covers denormal inputs in the kernel.
         k[2, 0] = 0.0
-    k, v = k.to(dtype), v.to(dtype)
-    kc, vc, ks, vs = _poisoned(5, 3, 2, 24)
-    slots = torch.tensor([14, 0, 7, 3, -1, 9, 11, 1, 5])  # row 4 (with the NaN) skipped
+    dev = device_for(backend)
+    k, v = k.to(dev, dtype), v.to(dev, dtype)
+    kc, vc, ks, vs = _poisoned(5, 3, 2, 24, dev)
+    slots = torch.tensor([14, 0, 7, 3, -1, 9, 11, 1, 5], device=dev)  # row 4 (with the NaN) skipped
     store_kv(k, v, kc, vc, slots, backend=backend, k_scale=ks, v_scale=vs)
     live = slots >= 0
     blk, row = slots[live] // 3, slots[live] % 3
@@ -139,7 +137,7 @@ def test_store_bytes_and_scales_equal_torch_cast(backend, dtype) -> None:
         fin = ~want_sc.isnan()
         assert torch.equal(_bytes(got[fin]), _bytes(want[fin])), f"{name} bytes"
         # Untouched slots keep their poison (nothing else written).
-        written = torch.zeros(15, dtype=torch.bool)
+        written = torch.zeros(15, dtype=torch.bool, device=dev)
         written[slots[live]] = True
         assert bool((_bytes(cache).flatten(0, 1)[~written] == 0x7F).all())
         # Round trip: within 2**-4 of each value plus half the smallest subnormal step.
@@ -155,10 +153,11 @@ def test_store_bytes_and_scales_equal_torch_cast(backend, dtype) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_static_scales_saturate_and_are_only_read(backend) -> None:
-    kc, vc, _, _ = _poisoned(2, 4, 1, 8)
-    ks, vs = torch.tensor(0.5), torch.tensor(2.0)
-    k = torch.tensor([[[1.0, -1.0, 300.0, -500.0, 0.1, 1e-4, float("inf"), 0.0]]])
-    store_kv(k, k.clone(), kc, vc, torch.tensor([5]), backend=backend, k_scale=ks, v_scale=vs)
+    dev = device_for(backend)
+    kc, vc, _, _ = _poisoned(2, 4, 1, 8, dev)
+    ks, vs = torch.tensor(0.5, device=dev), torch.tensor(2.0, device=dev)
+    k = torch.tensor([[[1.0, -1.0, 300.0, -500.0, 0.1, 1e-4, float("inf"), 0.0]]], device=dev)
+    store_kv(k, k.clone(), kc, vc, torch.tensor([5], device=dev), backend=backend, k_scale=ks, v_scale=vs)
     assert float(ks) == 0.5 and float(vs) == 2.0
     want_k = (k / 0.5).clamp(-448, 448).to(FP8)  # 300 / 0.5 = 600 saturates to 448
     assert torch.equal(_bytes(kc[1, 1]), _bytes(want_k[0]))
@@ -169,9 +168,11 @@ def test_static_scales_saturate_and_are_only_read(backend) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_nan_inputs_store_signed_nan_bytes(backend) -> None:
     """A NaN keeps its sign (0x7F / 0xFF, torch's cast) on both backends, with static scales."""
-    kc, vc, _, _ = _poisoned(1, 4, 1, 8)
-    x = torch.tensor([[[float("nan"), -float("nan"), 1.0, -2.0, 0.0, -0.0, 3.0, 448.0]]])
-    store_kv(x, x, kc, vc, torch.tensor([2]), backend=backend, k_scale=torch.tensor(1.0), v_scale=torch.tensor(1.0))
+    dev = device_for(backend)
+    kc, vc, _, _ = _poisoned(1, 4, 1, 8, dev)
+    x = torch.tensor([[[float("nan"), -float("nan"), 1.0, -2.0, 0.0, -0.0, 3.0, 448.0]]], device=dev)
+    store_kv(x, x, kc, vc, torch.tensor([2], device=dev), backend=backend, k_scale=torch.tensor(1.0, device=dev),
+             v_scale=torch.tensor(1.0, device=dev))
     assert torch.equal(_bytes(kc[0, 2, 0]), _bytes(x.clamp(-448, 448).to(FP8)[0, 0]))
 
 
@@ -181,15 +182,17 @@ def test_a_visible_nan_key_poisons_exactly_its_rows(backend, splits) -> None:
     """A stored row holding an inf gets an inf scale and reads back NaN: every query row that
     sees it is NaN with a NaN lse, split or not (a split partial with a NaN sum was once
     reported empty and its keys dropped); rows of the other kv heads stay finite."""
+    dev = device_for(backend)
     torch.manual_seed(0)
     k, v = torch.randn(40, 3, 40), torch.randn(40, 3, 40)
     k[2, 2, 5] = float("inf")
-    kc, vc, ks, vs = _poisoned(4, 16, 3, 40)
-    store_kv(k, v, kc, vc, torch.arange(40), k_scale=ks, v_scale=vs)
+    kc, vc, ks, vs = _poisoned(4, 16, 3, 40, dev)
+    store_kv(k.to(dev), v.to(dev), kc, vc, torch.arange(40, device=dev), k_scale=ks, v_scale=vs)
     assert torch.isinf(ks[0, 2, 2])
-    q = torch.randn(3, 6, 40)
-    out, lse = paged_attention(q, kc, vc, torch.tensor([[0, 1, 2, 3]], dtype=torch.int32),
-                               torch.tensor([40], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32),
+    q = torch.randn(3, 6, 40).to(dev)
+    out, lse = paged_attention(q, kc, vc, torch.tensor([[0, 1, 2, 3]], dtype=torch.int32, device=dev),
+                               torch.tensor([40], dtype=torch.int32, device=dev),
+                               torch.tensor([0, 3], dtype=torch.int32, device=dev),
                                backend=backend, num_splits=splits, return_lse=True, k_scale=ks, v_scale=vs)
     assert bool(out[:, 4:].isnan().all()) and bool(lse[:, 4:].isnan().all())
     assert bool(out[:, :4].isfinite().all()) and bool(lse[:, :4].isfinite().all())
@@ -213,8 +216,9 @@ def test_grad_on_caches_or_scales_and_aliased_scales_are_refused() -> None:
 # --------------------------------------------------------------------------- functional attention
 
 
-def _paged_fp8_case(lens, q_lens, *, dtype, group, h_kv=2, d=80, bs=48, static=False, seed=0):
-    """fp8 caches written by store_kv (torch path) in scattered blocks; the rest poisoned."""
+def _paged_fp8_case(lens, q_lens, *, dtype, group, h_kv=2, d=80, bs=48, static=False, seed=0, device="cpu"):
+    """fp8 caches written by store_kv (torch path) in scattered blocks; the rest poisoned.
+    Built on the CPU, then moved to ``device`` (the same bytes)."""
     g = torch.Generator().manual_seed(seed)
     per = [-(-n // bs) for n in lens]
     nb = sum(per) + 3
@@ -235,12 +239,12 @@ def _paged_fp8_case(lens, q_lens, *, dtype, group, h_kv=2, d=80, bs=48, static=F
         full_v.append(v)
     q = torch.randn(sum(q_lens), h_kv * group, d, generator=g).to(dtype)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return dict(q=q, kc=kc, vc=vc, ks=ks, vs=vs, table=table, lens=torch.tensor(lens, dtype=torch.int32), cu=cu,
-                full_k=full_k, full_v=full_v)
+    c = dict(q=q, kc=kc, vc=vc, ks=ks, vs=vs, table=table, lens=torch.tensor(lens, dtype=torch.int32), cu=cu)
+    return {**{n: t.to(device) for n, t in c.items()}, "full_k": full_k, "full_v": full_v}
 
 
 def _dense_full(c, spec: AttentionSpec) -> torch.Tensor:
-    """fp64 attention over the UNQUANTIZED K/V (the full-precision reference)."""
+    """fp64 attention over the UNQUANTIZED K/V (the full-precision reference, on the CPU)."""
     outs = []
     cu = c["cu"].tolist()
     for b in range(len(c["full_k"])):
@@ -249,7 +253,7 @@ def _dense_full(c, spec: AttentionSpec) -> torch.Tensor:
         kc = c["full_k"][b].double()[:, None].transpose(0, 1).reshape(n, 1, *c["full_k"][b].shape[1:])
         vc = c["full_v"][b].double()[:, None].transpose(0, 1).reshape(n, 1, *c["full_v"][b].shape[1:])
         table = torch.arange(n, dtype=torch.int32)[None]
-        q = c["q"][cu[b] : cu[b + 1]].double()
+        q = c["q"][cu[b] : cu[b + 1]].cpu().double()
         outs.append(paged_attention_ref(q, kc, vc, table, torch.tensor([n], dtype=torch.int32),
                                         torch.tensor([0, q.shape[0]], dtype=torch.int32), spec=spec))
         del bs
@@ -271,7 +275,8 @@ def test_paged_attention_equals_attention_over_what_was_stored(backend, spec_id,
     spec = SPECS[spec_id]
     if backend == "triton" and (group == 5 or static) and spec_id != "causal":
         pytest.skip("interpreter time: the GQA-5 and static-scale cases run once (causal)")
-    c = _paged_fp8_case([1, 17, 100], [1, 5, 1], dtype=dtype, group=group, static=static, seed=3)
+    c = _paged_fp8_case([1, 17, 100], [1, 5, 1], dtype=dtype, group=group, static=static, seed=3,
+                        device=device_for(backend))
     kd, vd = (dequantize_fp8(c["kc"], c["ks"], torch.float64), dequantize_fp8(c["vc"], c["vs"], torch.float64))
     ref = paged_attention_ref(c["q"].double(), kd, vd, c["table"], c["lens"], c["cu"], spec=spec)
     for splits in (1, 3) if backend == "triton" else (None,):
@@ -285,7 +290,7 @@ def test_paged_attention_equals_attention_over_what_was_stored(backend, spec_id,
             assert_close(out, _dense_full(c, spec), dtype, "fp8 vs full precision", tol=FULL_PRECISION_BOUND)
 
 
-@interpreter
+@interpreter_only
 @pytest.mark.parametrize("decode", ["native", "shift"])
 @pytest.mark.parametrize(("bs", "q_len", "spec_id"), [(64, 7, "full"), (48, 5, "window-sinks-softcap")],
                          ids=["large-block-path", "page-path-guarded"])
@@ -335,13 +340,15 @@ def test_functional_errors() -> None:
 # --------------------------------------------------------------------------- pools
 
 
-def _paged_pools(input_dtype, *, static=False, blocks=24, bs=16):
+def _paged_pools(input_dtype, *, static=False, blocks=24, bs=16, device=None):
     lay8 = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=FP8, input_dtype=input_dtype,
                     scales=0.05 if static else "token")
     layf = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32)
     spec = AttentionSpec(window_left=40, sink_tokens=2)
-    p8 = PagedKVCache(CachePolicy("paged_kv", lay8.block_bytes(bs) * blocks), layout=lay8, block_size=bs, attention=spec)
-    pf = PagedKVCache(CachePolicy("paged_kv", layf.block_bytes(bs) * blocks), layout=layf, block_size=bs, attention=spec)
+    p8 = PagedKVCache(CachePolicy("paged_kv", lay8.block_bytes(bs) * blocks), layout=lay8, block_size=bs, attention=spec,
+                      device=device)
+    pf = PagedKVCache(CachePolicy("paged_kv", layf.block_bytes(bs) * blocks), layout=layf, block_size=bs, attention=spec,
+                      device=device)
     for p in (p8, pf):  # poison: unwritten slots are NaN bytes and NaN scales / NaN floats
         p._region.data.view(torch.uint8).fill_(0x7F if p is p8 else 0xFF)
         if p._region.scales is not None:
@@ -353,7 +360,7 @@ def _stored_values(p8, ns, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 copies of the K/V the fp8 pool holds for ``ns`` at ``layer`` (its bytes x its scales)."""
     r = p8._region
     ks, vs = r.kv_scales(layer)
-    ids = torch.tensor(p8.block_ids(ns))
+    ids = torch.tensor(p8.block_ids(ns), device=r.data.device)
     n = p8.seq_len(ns)
     kd = dequantize_fp8(r.k(layer)[ids], ks[ids] if ks.dim() else ks, torch.float32).flatten(0, 1)[:n]
     vd = dequantize_fp8(r.v(layer)[ids], vs[ids] if vs.dim() else vs, torch.float32).flatten(0, 1)[:n]
@@ -370,7 +377,8 @@ def test_paged_pool_prefill_decode_fork_cow(backend, input_dtype, static) -> Non
     block: bytes AND scales), decode both branches 3 steps; NaN-poisoned unused slots.
     """
     torch.manual_seed(11)
-    p8, pf = _paged_pools(input_dtype, static=static)
+    dev = device_for(backend)
+    p8, pf = _paged_pools(input_dtype, static=static, device=dev)
     steps = [{"a": 37}, "fork", {"a": 1, "b": 1}, {"a": 1, "b": 1}, {"b": 1}]
     if backend == "triton":
         steps = steps[:3]
@@ -382,8 +390,8 @@ def test_paged_pool_prefill_decode_fork_cow(backend, input_dtype, static) -> Non
         m8, mf = p8.plan(step), pf.plan(step)
         n = m8.total_q
         for layer in range(2):
-            q = torch.randn(n, 4, 32).to(input_dtype)
-            k, v = torch.randn(n, 2, 32).to(input_dtype), torch.randn(n, 2, 32).to(input_dtype)
+            q = torch.randn(n, 4, 32).to(dev, input_dtype)
+            k, v = torch.randn(n, 2, 32).to(dev, input_dtype), torch.randn(n, 2, 32).to(dev, input_dtype)
             with torch.no_grad():
                 out8 = p8.forward(q, k, v, m8, layer, backend=backend)
             # The twin stores exactly what the fp8 pool now holds at those positions.
@@ -409,14 +417,14 @@ def test_paged_pool_refuses_grad_and_other_input_dtypes() -> None:
         p8.forward(q.detach().float(), k, k, m, 0)
 
 
-def _slab_pools(input_dtype, per):
+def _slab_pools(input_dtype, per, device=None):
     st = 6
     lay8 = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=FP8, input_dtype=input_dtype)
     layf = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
     pools = []
     for lay in (lay8, layf):
         pol = CachePolicy("slab_kv", lay.block_bytes(st) * 12, per_component=per)
-        p = SlabKVCache(pol, layout=lay, slab_tokens=st)
+        p = SlabKVCache(pol, layout=lay, slab_tokens=st, device=device)
         p._region.data.view(torch.uint8).fill_(0x7F if lay.is_fp8 else 0xFF)
         if p._region.scales is not None:
             p._region.scales.fill_(float("nan"))
@@ -432,14 +440,15 @@ def test_slab_rollout_equals_a_float_pool_of_the_stored_values(backend, per) -> 
     clean pass (commit=True, stored then read back quantized). Token windows read the
     scales through the same page views as the bytes."""
     torch.manual_seed(5)
-    p8, pf = _slab_pools(torch.float32, per)
+    dev = device_for(backend)
+    p8, pf = _slab_pools(torch.float32, per, dev)
     chunks = 6 if backend == "torch" else 3
     for c in range(chunks):
         for commit in (False, True):
             m8, mf = p8.plan({"r": c}), pf.plan({"r": c})
             for layer in range(2):
-                q = torch.randn(1, 6, 4, 16)
-                k, v = torch.randn(1, 6, 2, 16), torch.randn(1, 6, 2, 16)
+                q = torch.randn(1, 6, 4, 16).to(dev)
+                k, v = torch.randn(1, 6, 2, 16).to(dev), torch.randn(1, 6, 2, 16).to(dev)
                 out8 = p8.forward(q, k, v, m8, layer, commit=commit, backend=backend)
                 if commit:
                     kd, vd = (_slab_stored(p8, c, layer, j) for j in (0, 1))

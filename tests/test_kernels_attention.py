@@ -19,7 +19,7 @@ import sys
 
 import pytest
 import torch
-from _helpers import DEVICE, assert_close, assert_lse_close, paged_case, paged_case_ref
+from _helpers import DEVICE, assert_close, assert_lse_close, gpu_test, paged_case, paged_case_ref
 
 import kvarena.kernels.paged_attention as pa
 from kvarena.attention import AttentionSpec, paged_attention
@@ -176,6 +176,7 @@ def test_covering_array_covers_all_pairs():
     assert len(COVERING) <= 80, len(COVERING)
 
 
+@gpu_test
 @pytest.mark.parametrize("index", range(len(COVERING)), ids=[_case_id(c) for c in COVERING])
 def test_attention_matches_reference(index, nan_prefilled):
     c = COVERING[index]
@@ -210,6 +211,7 @@ EDGES = {
 }
 
 
+@gpu_test
 @pytest.mark.parametrize("name", list(EDGES))
 def test_attention_edge_cases(name, nan_prefilled):
     e = EDGES[name]
@@ -231,6 +233,7 @@ def test_attention_edge_cases(name, nan_prefilled):
         assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
 
 
+@gpu_test
 def test_loose_host_maxima(nan_prefilled):
     """max_seqlen_q/k may over-bound the real lengths (CUDA-graph capacity): same result."""
     case = make_case(dtype=torch.float16, group=4, head_dim=32, block_size=16, mode="ragged",
@@ -257,6 +260,7 @@ def split_modes(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "_MODES", {**_MODES, **_SPLIT_MODES})
 
 
+@gpu_test
 @pytest.mark.parametrize(
     "dtype,group,mode,opts",
     [
@@ -282,6 +286,7 @@ def test_split_matches_unsplit(dtype, group, mode, opts, split_modes, nan_prefil
     assert_close(out, ref_out, dtype, "num_splits=3, no lse")
 
 
+@gpu_test
 def test_deterministic_split_is_batch_invariant(monkeypatch, split_modes):
     """Fixed keys per split: a sequence's output is bitwise the same alone or in a batch."""
     monkeypatch.setattr(pa, "_DET_SPLIT_KEYS", 128)  # 300 keys -> 3 splits in the interpreter
@@ -437,6 +442,7 @@ def test_triton_backend_on_cpu_without_interpreter_raises():
     assert res.returncode == 0 and "RAISED" in res.stdout, res.stdout + res.stderr
 
 
+@gpu_test
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_launcher_without_lse_output(num_splits):
     """lse=None (WRITE_LSE off; the public op always asks for it) still writes every row."""
@@ -463,6 +469,7 @@ _LAYOUT_KEYS = ("dtype", "group", "head_dim")
 _REST_KEYS = [k for k in FACTORS if k not in _LAYOUT_KEYS]
 
 
+@gpu_test
 @pytest.mark.skipif(_FULL_STRIDE < 1, reason="full cross-product only with KVARENA_FULL_GRID=N (GPU script)")
 @pytest.mark.parametrize(
     "layout", list(itertools.product(*(FACTORS[k] for k in _LAYOUT_KEYS))),

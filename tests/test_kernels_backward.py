@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import DEVICE, paged_case
+from _helpers import DEVICE, gpu_test, paged_case
 
 from kvarena.attention import AttentionSpec, ops
 from kvarena.kernels import paged_attention_bwd as bwd
@@ -33,11 +33,11 @@ def _visible(q_pos: int, t: int, spec: AttentionSpec, kv_lo: int) -> bool:
 
 
 def dense_reference(case, given, mode, spec, do, dlse):
-    """fp64 (out, lse) and the gradients of ``sum(out * do) + sum(lse * dlse)``."""
-    q = case["q"].detach().double().requires_grad_(True)
-    gk = given[0].detach().double().requires_grad_(True)
-    gv = given[1].detach().double().requires_grad_(True)
-    kc, vc, table = case["k_cache"].double(), case["v_cache"].double(), case["block_table"]
+    """fp64 (out, lse) and the gradients of ``sum(out * do) + sum(lse * dlse)`` (on the CPU)."""
+    q = case["q"].detach().cpu().double().requires_grad_(True)
+    gk = given[0].detach().cpu().double().requires_grad_(True)
+    gv = given[1].detach().cpu().double().requires_grad_(True)
+    kc, vc, table = case["k_cache"].cpu().double(), case["v_cache"].cpu().double(), case["block_table"].cpu()
     lens, cu = case["seq_lens"].tolist(), case["cu_seqlens_q"].tolist()
     starts = case["kv_start"].tolist() if case["kv_start"] is not None else [0] * len(lens)
     h_q, d = q.shape[1], q.shape[2]
@@ -84,13 +84,13 @@ def dense_reference(case, given, mode, spec, do, dlse):
         lses.append(lse.transpose(0, 1))
     out, lse = torch.cat(outs), torch.cat(lses)
     dl = torch.where(torch.isneginf(lse), 0.0, lse)
-    loss = (out * do.double()).sum() + (dl * dlse.double()).sum()
+    loss = (out * do.cpu().double()).sum() + (dl * dlse.cpu().double()).sum()
     loss.backward()
     return q.grad, gk.grad, gv.grad
 
 
 def _rel(got, ref):
-    got, ref = got.double(), ref.double()
+    got, ref = got.cpu().double(), ref.cpu().double()
     assert torch.isfinite(got).all(), "NaN/inf in a gradient"
     return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
 
@@ -107,6 +107,7 @@ CASES = [
 ]
 
 
+@gpu_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("lens", "q_lens", "kv_start", "opts", "mode"), [pytest.param(*c[1:], id=c[0]) for c in CASES])
 def test_backward_kernels_match_dense_fp64_autograd(seed, dtype, lens, q_lens, kv_start, opts, mode):
@@ -120,7 +121,7 @@ def test_backward_kernels_match_dense_fp64_autograd(seed, dtype, lens, q_lens, k
     total_q, h_q, d = q.shape
     if mode == bwd.GIVEN_AT_QUERIES:
         # The rows' own keys as stored in the cache (the forward reads them from there).
-        gk = torch.empty(total_q, h_kv, d, dtype=dtype)
+        gk = torch.empty(total_q, h_kv, d, dtype=dtype, device=DEVICE)
         gv = torch.empty_like(gk)
         bs = case["k_cache"].shape[1]
         for b, (n, q0, q1) in enumerate(zip(lens, case["cu_seqlens_q"][:-1].tolist(), case["cu_seqlens_q"][1:].tolist())):
@@ -129,8 +130,8 @@ def test_backward_kernels_match_dense_fp64_autograd(seed, dtype, lens, q_lens, k
                 blk = int(case["block_table"][b, t // bs])
                 gk[q0 + i], gv[q0 + i] = case["k_cache"][blk, t % bs], case["v_cache"][blk, t % bs]
     else:
-        gk = torch.randn(len(lens), 6, h_kv, d, generator=gen).to(dtype)
-        gv = torch.randn(len(lens), 6, h_kv, d, generator=gen).to(dtype)
+        gk = torch.randn(len(lens), 6, h_kv, d, generator=gen).to(DEVICE, dtype)
+        gv = torch.randn(len(lens), 6, h_kv, d, generator=gen).to(DEVICE, dtype)
     args = (q, case["k_cache"], case["v_cache"], case["block_table"], case["seq_lens"], case["cu_seqlens_q"],
             case["kv_start"])
     fwd_spec = spec.replace(return_lse=True)
@@ -138,8 +139,8 @@ def test_backward_kernels_match_dense_fp64_autograd(seed, dtype, lens, q_lens, k
         out, lse = ops.attend(*args, spec=fwd_spec, max_seqlen_q=max(q_lens), max_seqlen_k=max(lens), backend="triton")
     else:
         out, lse = ops._history_and_own(*args, (gk, gv), fwd_spec, max(q_lens), max(lens))
-    do = torch.randn(out.shape, generator=gen).to(dtype)
-    dlse = torch.randn(lse.shape, generator=gen)
+    do = torch.randn(out.shape, generator=gen).to(DEVICE, dtype)
+    dlse = torch.randn(lse.shape, generator=gen).to(DEVICE)
     dq, dk, dv = bwd.paged_attention_bwd(do, q, out, lse, dlse, *args[1:], spec=spec, max_seqlen_q=max(q_lens),
                                          given=(gk, gv), given_mode=mode)
     rq, rk, rv = dense_reference(case, (gk, gv), mode, spec, do, dlse)
@@ -249,6 +250,7 @@ def test_training_step_at_wan_shapes_allocates_no_score_sized_tensor():
     assert torch_rec.largest >= 4680 * 4680 * 12, "the yardstick should materialize scores"
 
 
+@gpu_test
 def test_slab_training_step_composes_with_checkpoint(seed):
     """torch.utils.checkpoint recomputes the layer's forward in backward with the same
     metadata (no plan in between): the gradients equal the plain run's."""
@@ -258,15 +260,15 @@ def test_slab_training_step_composes_with_checkpoint(seed):
 
     layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=24, dtype=torch.float32)
     policy = CachePolicy("slab_kv", max_bytes=4 * layout.block_bytes(5), per_component={"sinks": 1, "window": 2})
-    pool = SlabKVCache(policy, layout=layout, slab_tokens=5)
+    pool = SlabKVCache(policy, layout=layout, slab_tokens=5, device=DEVICE)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for c in range(2):
             meta = pool.plan({"v": c})
-            pool.forward(*(torch.randn(1, 5, h, 24, generator=gen) for h in (4, 2, 2)), meta, 0, commit=True)
+            pool.forward(*(torch.randn(1, 5, h, 24, generator=gen).to(DEVICE) for h in (4, 2, 2)), meta, 0, commit=True)
     meta = pool.plan({"v": 2})
-    x = [torch.randn(1, 5, h, 24, generator=gen) for h in (4, 2, 2)]
-    w = torch.randn(1, 5, 4, 24, generator=gen)
+    x = [torch.randn(1, 5, h, 24, generator=gen).to(DEVICE) for h in (4, 2, 2)]
+    w = torch.randn(1, 5, 4, 24, generator=gen).to(DEVICE)
 
     def layer(q, k, v):
         return pool.forward(q, k, v, meta, 0, commit=False, backend="triton")
@@ -281,6 +283,7 @@ def test_slab_training_step_composes_with_checkpoint(seed):
         assert torch.equal(a, b), f"d{name} differs under checkpoint"
 
 
+@gpu_test
 @pytest.mark.parametrize("commit", [False, True], ids=["denoise", "commit"])
 def test_compiled_training_step_keeps_the_triton_backward(monkeypatch, seed, commit):
     """torch.compile(fullgraph=True) of a layer's forward + loss: the graph calls the Triton
@@ -305,13 +308,13 @@ def test_compiled_training_step_keeps_the_triton_backward(monkeypatch, seed, com
 
     layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=24, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
-    x = [torch.randn(1, 5, h, 24, generator=gen) for h in (4, 2, 2)]
-    w = torch.randn(1, 5, 4, 24, generator=gen)
-    hist = [[torch.randn(1, 5, h, 24, generator=gen) for h in (4, 2, 2)] for _ in range(2)]
+    x = [torch.randn(1, 5, h, 24, generator=gen).to(DEVICE) for h in (4, 2, 2)]
+    w = torch.randn(1, 5, 4, 24, generator=gen).to(DEVICE)
+    hist = [[torch.randn(1, 5, h, 24, generator=gen).to(DEVICE) for h in (4, 2, 2)] for _ in range(2)]
     grads = {}
     for mode in ("eager", "compiled"):
         policy = CachePolicy("slab_kv", max_bytes=4 * layout.block_bytes(5), per_component={"sinks": 1, "window": 2})
-        pool = SlabKVCache(policy, layout=layout, slab_tokens=5)
+        pool = SlabKVCache(policy, layout=layout, slab_tokens=5, device=DEVICE)
         with torch.no_grad():
             for c in range(2):
                 pool.forward(*hist[c], pool.plan({"v": c}), 0, commit=True)

@@ -21,7 +21,7 @@ import sys
 
 import pytest
 import torch
-from _helpers import DEVICE, LSE_TOL, assert_attention_close, paged_case, paged_case_ref
+from _helpers import DEVICE, LSE_TOL, assert_attention_close, gpu_test, paged_case, paged_case_ref
 
 import kvarena.kernels.paged_attention as pa
 from kvarena.attention import AttentionSpec
@@ -88,12 +88,14 @@ _MASKS = {
 }
 
 
+@gpu_test
 @pytest.mark.parametrize("name", list(_MASKS))
 def test_masks_at_tile_edges(name, tiny_tiles):
     c = make([70, 19, 0], [9, 4, 2], group=3, seed=1)  # + a seq_len-0 row that owns 2 queries
     check(c, **_MASKS[name])
 
 
+@gpu_test
 @pytest.mark.parametrize("kv_start", [[7, 0, 0], [21, 19, 0], [66, 3, 0]],
                          ids=["past_sinks", "inside_tile_and_all_hidden", "inside_window"])
 def test_kv_start(kv_start, tiny_tiles):
@@ -106,6 +108,7 @@ def test_kv_start(kv_start, tiny_tiles):
 # ------------------------------------------------------------------- GQA packing and blocks
 
 
+@gpu_test
 @pytest.mark.parametrize("group,h_kv,q_lens", [(17, 1, [3, 1]), (3, 2, [7, 6]), (5, 1, [4, 1])],
                          ids=["group_gt_block_m", "partial_last_tile", "rows_not_multiple"])
 def test_gqa_packing(group, h_kv, q_lens, tiny_tiles):
@@ -117,12 +120,14 @@ def test_gqa_packing(group, h_kv, q_lens, tiny_tiles):
     check(c, strided_out=True)
 
 
+@gpu_test
 @pytest.mark.parametrize("block_size", [1, 3])
 def test_block_size_not_dividing_tile(block_size, tiny_tiles):
     c = make([37, 5], [6, 5], group=2, h_kv=2, block_size=block_size, seed=4)
     check(c, chunk_size=3, window_left=10, sink_tokens=4)
 
 
+@gpu_test
 def test_slab_block_straddled_by_tiles(tiny_tiles):
     """A 4680-token slab (4680 % 16 = 8): the tiles around the block edge straddle it."""
     c = make([4700], [20], kv_start=[2], group=2, block_size=4680, seed=5)
@@ -135,6 +140,7 @@ def test_slab_block_straddled_by_tiles(tiny_tiles):
 # ------------------------------------------------------------------- split-KV
 
 
+@gpu_test
 def test_splits_beyond_key_tiles(tiny_tiles):
     """More splits than tiles: most splits are empty (lse -inf) for every row; no NaN."""
     c = make([50, 3, 0, 20], [2, 3, 1, 1], kv_start=[0, 0, 0, 20], group=2, seed=6)
@@ -143,6 +149,7 @@ def test_splits_beyond_key_tiles(tiny_tiles):
         check(c, num_splits=n, strided_out=True)
 
 
+@gpu_test
 def test_deterministic_with_empty_rows(tiny_tiles, monkeypatch):
     """Fixed 16-key splits with a seq_len-0 row and a hidden one; batch-invariant bitwise."""
     monkeypatch.setattr(pa, "_DET_SPLIT_KEYS", 16)
@@ -159,6 +166,7 @@ def test_deterministic_with_empty_rows(tiny_tiles, monkeypatch):
 # ------------------------------------------------------------------- numerics
 
 
+@gpu_test
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")  # tanh saturating
 def test_fp16_scores_beyond_fp16_range(tiny_tiles):
     """|q.k| > 65504 (fp16's max): the dot accumulates in fp32 and the scale comes after."""
@@ -172,6 +180,7 @@ def test_fp16_scores_beyond_fp16_range(tiny_tiles):
 # ------------------------------------------------------------------- store_kv
 
 
+@gpu_test
 def test_store_kv_slot_ids_beyond_int32():
     """int64 slot ids >= 2**31 address block 1 (not a negative, skipped slot).
 
@@ -259,6 +268,7 @@ def large_path(monkeypatch):
     return seen
 
 
+@gpu_test
 @pytest.mark.parametrize("num_splits", [1, 3, 7])
 def test_large_blocks_not_a_tile_multiple(num_splits, tiny_tiles, large_path):
     """Slab-like launches (non-causal, kv_start) over 70-row blocks (70 = 4 x 16 + 6): the
@@ -271,6 +281,7 @@ def test_large_blocks_not_a_tile_multiple(num_splits, tiny_tiles, large_path):
     assert large_path and all(large_path), "the launch did not take the large-block path"
 
 
+@gpu_test
 @pytest.mark.parametrize(("window_left", "sink_tokens"), [(100, 75), (150, 3), (0, 0), (69, 140)])
 def test_large_blocks_windows_and_sinks_crossing_block_edges(window_left, sink_tokens, tiny_tiles, large_path):
     """Decode rows (one position per sequence, no guard) with windows and sink ranges that
@@ -281,6 +292,7 @@ def test_large_blocks_windows_and_sinks_crossing_block_edges(window_left, sink_t
     assert large_path and all(large_path)
 
 
+@gpu_test
 def test_deterministic_mode_keeps_one_path_whatever_the_batch(tiny_tiles, large_path, monkeypatch):
     """A decode row alone could take the large-block path, batched with a causal multi-row
     sequence the page path (the guard depends on the batch): the two tile orders would round
@@ -299,6 +311,7 @@ def test_deterministic_mode_keeps_one_path_whatever_the_batch(tiny_tiles, large_
 # ------------------------------------------------------------------- one launch for a denoising step
 
 
+@gpu_test
 def test_denoising_step_is_one_launch_over_history_and_own_kv(monkeypatch):
     """commit=False on the Triton path: the cached history and the given k/v are two key
     sources of ONE launch (no partial outputs, no merge). Checked against the torch path
@@ -317,11 +330,11 @@ def test_denoising_step_is_one_launch_over_history_and_own_kv(monkeypatch):
     st = 70  # slab rows >= BLOCK_N: the large-block path
     lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, dtype=torch.bfloat16)
     pool = SlabKVCache(CachePolicy("slab_kv", lay.block_bytes(st) * 6, per_component={"window": 2, "sinks": 1}),
-                       layout=lay, slab_tokens=st)
+                       layout=lay, slab_tokens=st, device=DEVICE)
     gen = torch.Generator().manual_seed(14)
 
     def rnd(t, h):
-        return torch.randn(1, t, h, 16, generator=gen).to(torch.bfloat16)
+        return torch.randn(1, t, h, 16, generator=gen).to(DEVICE, torch.bfloat16)
 
     for c, n in ((0, 40), (1, st), (2, st), (3, st)):
         meta = pool.plan({"v": (c, n)})

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import DEVICE, MERGE_LSE_TOL, MERGE_TOL, assert_close, assert_lse_close
+from _helpers import DEVICE, GPU, MERGE_LSE_TOL, MERGE_TOL, assert_close, assert_lse_close
 
 from kvarena.attention import merge_attention_states, store_kv
 from kvarena.attention.reference import merge_attention_states_ref, store_kv_ref
 
-pytestmark = pytest.mark.interpreter
+pytestmark = [pytest.mark.interpreter, *GPU]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

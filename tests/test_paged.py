@@ -4,11 +4,10 @@ truncate, all-or-nothing planning, stale/foreign metadata, CUDA-graph buffers, b
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
-from _helpers import assert_close, one_torch_thread, run_threads  # noqa: F401 - autouse fixture
+from _helpers import DEVICE, GPU, assert_close, device_for, gpu_test, one_torch_thread, run_threads  # noqa: F401
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -86,7 +85,8 @@ def run_step(cache: PagedKVCache, hist: History, batch: dict, dtype, what: str, 
         q = torch.randn(n, H_Q, lay.head_dim).to(dtype)
         k = torch.randn(n, lay.num_kv_heads, lay.head_dim).to(dtype)
         v = torch.randn(n, lay.num_kv_heads, lay.head_dim).to(dtype)
-        out = cache.forward(q, k, v, meta, layer, backend=backend, **attn)
+        out = cache.forward(q.to(cache.device), k.to(cache.device), v.to(cache.device), meta, layer, backend=backend,
+                            **attn)
         start = 0
         for ns, cnt in batch.items():
             rows = slice(start, start + cnt)
@@ -579,11 +579,11 @@ def test_concurrent_namespaces_from_threads(seed) -> None:
 
 
 @pytest.mark.interpreter
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (TRITON_INTERPRET=1)")
+@gpu_test
 def test_pool_metadata_drives_the_triton_kernels(seed) -> None:
     """The Triton path (interpreted on CPU) on the pool's metadata: prefill, fork + CoW,
     and CUDA-graph padding rows (seq_len 0 with a query) give the dense result / 0."""
-    cache = _cache(graph_capacity=(3, 4))
+    cache = _cache(graph_capacity=(3, 4), device=DEVICE)
     hist = History(2)
     run_step(cache, hist, {"a": 5, "b": 3}, torch.float32, "triton prefill", backend="triton", window_left=4)
     cache.fork("a", "c")
@@ -591,31 +591,31 @@ def test_pool_metadata_drives_the_triton_kernels(seed) -> None:
     run_step(cache, hist, {"c": 2, "a": 1}, torch.float32, "triton fork", backend="triton")
     meta = cache.plan({"b": 1, "c": 1}, graph=True)
     q, k, v = torch.randn(3, H_Q, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16)
-    out = cache.forward(q, k, v, meta, 0, backend="triton")
+    out = cache.forward(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), meta, 0, backend="triton")
     for i, ns in enumerate("bc"):
         kh, vh = hist.append(ns, 0, k[i : i + 1], v[i : i + 1])
         assert_close(out[i : i + 1], dense_causal(q[i : i + 1], kh, vh), torch.float32, f"triton graph row {ns}")
     assert torch.all(out[2] == 0)
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=(pytest.mark.interpreter, *GPU))])
 def test_padded_plan_equals_the_packed_one(seed, backend) -> None:
     """plan(pad_to=S): q/k/v/out stay [B * S] (new tokens last in each row, left padding);
     padding is never stored and the real rows equal a packed plan of the same tokens."""
-    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs TRITON_INTERPRET=1")
+    dev = device_for(backend)
     dtype = torch.float64 if backend == "torch" else torch.float32
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, dtype=dtype)
 
     def pool():
         return PagedKVCache(CachePolicy("paged_kv", lay.block_bytes(4) * 32), layout=lay, block_size=4,
-                            attention=AttentionSpec(backend=backend))
+                            attention=AttentionSpec(backend=backend), device=dev)
 
     padded, packed = pool(), pool()
     s = 7
     for news in ([7, 3, 5], [1, 1, 0], [2, 0, 1]):  # prefill, decode with an idle row, a ragged step
         q = torch.randn(3, s, 4, 16, dtype=dtype)
         k, v = torch.randn(3, s, 2, 16, dtype=dtype), torch.randn(3, s, 2, 16, dtype=dtype)
+        q, k, v = q.to(dev), k.to(dev), v.to(dev)
         meta = padded.plan({f"r{i}": n for i, n in enumerate(news)}, pad_to=s)
         assert meta.total_q == 3 * s and meta.num_tokens == sum(news) and meta.pad_to == s
         out = padded.forward(q.reshape(-1, 4, 16), k.reshape(-1, 2, 16), v.reshape(-1, 2, 16), meta, 0)
@@ -634,6 +634,6 @@ def test_padded_plan_equals_the_packed_one(seed, backend) -> None:
     with pytest.raises(ValueError, match="do not fit pad_to"):
         padded.plan({"r0": 8}, pad_to=s)
     meta = padded.plan({"r0": 1}, pad_to=2)
-    kg = torch.randn(2, 2, 16, dtype=dtype, requires_grad=True)
+    kg = torch.randn(2, 2, 16, dtype=dtype).to(dev).requires_grad_()
     with pytest.raises(ValueError, match="padded plan"):
-        padded.forward(torch.randn(2, 4, 16, dtype=dtype), kg, kg, meta, 0)
+        padded.forward(torch.randn(2, 4, 16, dtype=dtype).to(dev), kg, kg, meta, 0)

@@ -8,16 +8,13 @@ view before each step: an output that read one would not be finite.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from _helpers import assert_close, one_torch_thread  # noqa: F401 - autouse fixture
+from _helpers import GPU, assert_close, device_for, one_torch_thread  # noqa: F401 - autouse fixture
 
 from kvarena import AttentionSpec, CacheFullError, CachePolicy, KVLayout, PagedKVCache, SlabKVCache
 from kvarena.cache.arena import LayerGroup, group_layers
 
-interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 BS, W, H_Q = 4, 9, 4  # block size, sliding window_left, query heads
 
 
@@ -35,12 +32,13 @@ def _pattern(name: str):
     raise AssertionError(name)
 
 
-def _pool(name: str, blocks: int = 160, *, dtype=torch.float64, free=True, rollback=0, graph=None):
+def _pool(name: str, blocks: int = 160, *, dtype=torch.float64, free=True, rollback=0, graph=None, device=None):
     kinds, groups, _ = _pattern(name)
     lay = KVLayout(num_layers=len(kinds), num_kv_heads=2, head_dim=16, dtype=dtype, groups=groups)
     specs = [AttentionSpec(window_left=w, sink_tokens=s) for w, s in kinds]
     pool = PagedKVCache(CachePolicy("paged_kv", lay.block_bytes(BS) * blocks), layout=lay, block_size=BS,
-                        attention=specs, free_out_of_window=free, rollback_tokens=rollback, graph_capacity=graph)
+                        attention=specs, free_out_of_window=free, rollback_tokens=rollback, graph_capacity=graph,
+                        device=device)
     _poison_free(pool)
     return pool, kinds
 
@@ -89,7 +87,8 @@ def _step(pool, kinds, hist: dict, batch: dict, backend="torch", dtype=torch.flo
         h_kv, d = pool.layout.layer_shape(layer)
         q = torch.randn(rows, H_Q, d, dtype=torch.float64)
         k, v = torch.randn(rows, h_kv, d, dtype=torch.float64), torch.randn(rows, h_kv, d, dtype=torch.float64)
-        out = pool.forward(q.to(dtype), k.to(dtype), v.to(dtype), meta, layer, backend=backend)
+        dev = pool.device
+        out = pool.forward(q.to(dev, dtype), k.to(dev, dtype), v.to(dev, dtype), meta, layer, backend=backend)
         at = 0
         for ns, cnt in batch.items():
             if pad_to is not None:  # a padded row's new tokens are its last cnt rows
@@ -125,7 +124,7 @@ def _expected_live(pool, kinds, group: int, old: int, new: int) -> int:
     [("gemma3", "torch"), ("gptoss", "torch"), ("shapes", "torch"),
      # The kernels see a group only as its table and strided views: one interpreter case
      # (two groups of other shapes, sinks, a full group) covers them (CI time).
-     pytest.param("shapes", "triton", marks=interpreter)],
+     pytest.param("shapes", "triton", marks=GPU)],
 )
 def test_hybrid_generation_equals_dense_masks_and_holds_the_formula(name, backend) -> None:
     """Prefill, then decode to 10x the window: every layer equal to
@@ -134,7 +133,7 @@ def test_hybrid_generation_equals_dense_masks_and_holds_the_formula(name, backen
     bs) + 1)."""
     torch.manual_seed(0)
     dtype = torch.float64 if backend == "torch" else torch.float32
-    pool, kinds = _pool(name, dtype=dtype)
+    pool, kinds = _pool(name, dtype=dtype, device=device_for(backend))
     hist = {"a": History(pool), "b": History(pool)}
     lens = {"a": 0, "b": 0}
 

@@ -8,15 +8,12 @@ an output that read one would not be finite.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from _helpers import assert_close, one_torch_thread  # noqa: F401 - autouse fixture
+from _helpers import TRITON, assert_close, device_for, one_torch_thread  # noqa: F401 - autouse fixture
 
 from kvarena import AttentionSpec, CacheFullError, CachePolicy, KVLayout, PagedKVCache
 
-interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 BS, W, S = 4, 9, 2  # block size, window_left, sink tokens
 H_Q, H_KV, D = 4, 2, 16
 
@@ -66,7 +63,8 @@ def _step(pool, hist: dict, batch: dict, backend: str = "torch", graph: bool = F
     for layer, lw in ((0, W), (1, W - 3)):
         q = torch.randn(rows, H_Q, D, dtype=torch.float64)
         k, v = torch.randn(rows, H_KV, D, dtype=torch.float64), torch.randn(rows, H_KV, D, dtype=torch.float64)
-        out = pool.forward(q.to(dtype), k.to(dtype), v.to(dtype), meta, layer, backend=backend)
+        dev = pool.device
+        out = pool.forward(q.to(dev, dtype), k.to(dev, dtype), v.to(dev, dtype), meta, layer, backend=backend)
         at = 0
         for ns, cnt in batch.items():
             h = hist[ns]
@@ -83,13 +81,13 @@ def _held(pool, ns) -> int:
     return sum(b != -1 for b in pool.block_ids(ns))
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=interpreter)])
+@pytest.mark.parametrize("backend", ["torch", TRITON])
 def test_long_generation_holds_a_bounded_window(backend) -> None:
     """Prefill then decode to 10x the window: every step equal to the window rule, with
     released (NaN-poisoned) blocks never read; blocks held <= sinks + window + 1 block."""
     torch.manual_seed(0)
     dtype = torch.float64 if backend == "torch" else torch.float32
-    pool = _pool(dtype=dtype)
+    pool = _pool(dtype=dtype, device=device_for(backend))
     hist = {"a": History(), "b": History()}
     bound = -(-S // BS) + -(-(W + 1) // BS) + 1
     _step(pool, hist, {"a": 7, "b": 13}, backend, dtype=dtype)

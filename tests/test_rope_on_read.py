@@ -12,11 +12,10 @@ positions the contract defines, then attends densely:
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
-from _helpers import TOL, assert_close, one_torch_thread  # noqa: F401 - autouse fixture
+from _helpers import DEVICE, GPU, TOL, TRITON, assert_close, device_for, gpu_test, one_torch_thread  # noqa: F401
 
 from kvarena import AttentionSpec, CachePolicy, KVLayout, PagedKVCache, paged_attention
 from kvarena.attention.reference import (
@@ -28,8 +27,7 @@ from kvarena.attention.reference import (
 from kvarena.attention.rope import rope_table, wan_rope_table
 from kvarena.cache.slab import SlabKVCache
 
-interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
-BACKENDS = ["torch", pytest.param("triton", marks=interpreter)]
+BACKENDS = ["torch", TRITON]
 
 
 def _rot(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool):
@@ -130,6 +128,10 @@ def test_paged_attention_rotates_like_explicit_rope(backend, interleaved, bs, dt
         i = torch.arange(cu[b], cu[b + 1])
         qr[i] = _rot(qr[i], q_pos[b] + torch.arange(len(i)), cos, sin, interleaved)
     ref = paged_attention_ref(qr, kr, vd, table, sl, cu, causal=causal)
+    dev = device_for(backend)  # the reference above stays on the CPU
+    q, k_in, v_in, table, sl, cu, cos, sin, q_pos, shift = (
+        t.to(dev) for t in (q, k_in, v_in, table, sl, cu, cos, sin, q_pos, shift))
+    kw = {n: t.to(dev) for n, t in kw.items()}
     out = paged_attention(q.to(dtype), k_in, v_in, table, sl, cu, causal=causal, backend=backend, rope_cos=cos,
                           rope_sin=sin, rope_interleaved=interleaved, rope_q_pos=q_pos, rope_k_shift=shift, **kw)
     assert_close(out, ref, dtype, f"rope {backend} bs={bs} interleaved={interleaved}")
@@ -179,21 +181,23 @@ def test_functional_errors_and_gradients() -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_paged_pool_stores_unrotated_and_rotates_on_read(backend) -> None:
     torch.manual_seed(2)
+    dev = device_for(backend)
     d, h_q, h_kv = 16, 4, 2
     cos, sin = rope_table(64, d)
     lay = KVLayout(num_layers=1, num_kv_heads=h_kv, head_dim=d, dtype=torch.float32)
-    spec = AttentionSpec(window_left=20, sink_tokens=2, rope_cos=cos, rope_sin=sin)
-    pool = PagedKVCache(CachePolicy("paged_kv", lay.block_bytes(8) * 12), layout=lay, block_size=8, attention=spec)
+    spec = AttentionSpec(window_left=20, sink_tokens=2, rope_cos=cos.to(dev), rope_sin=sin.to(dev))
+    pool = PagedKVCache(CachePolicy("paged_kv", lay.block_bytes(8) * 12), layout=lay, block_size=8, attention=spec,
+                        device=dev)
     keys, vals = torch.zeros(0, h_kv, d), torch.zeros(0, h_kv, d)
     steps = [23, 1, 1, 6, 1] if backend == "torch" else [13, 1]
     for n in steps:
         m = pool.plan({"a": n})
         q, k, v = torch.randn(n, h_q, d), torch.randn(n, h_kv, d), torch.randn(n, h_kv, d)
-        out = pool.forward(q, k, v, m, 0, backend=backend)
+        out = pool.forward(q.to(dev), k.to(dev), v.to(dev), m, 0, backend=backend)
         keys, vals = torch.cat([keys, k]), torch.cat([vals, v])
         total = keys.shape[0]
         ids = torch.tensor(pool.block_ids("a"))
-        assert torch.equal(pool._region.k(0)[ids].flatten(0, 1)[:total], keys), "the arena holds un-rotated keys"
+        assert torch.equal(pool._region.k(0).cpu()[ids].flatten(0, 1)[:total], keys), "the arena holds un-rotated keys"
         kr = _rot(keys, torch.arange(total), cos, sin, False)
         for i in range(n):
             p = total - n + i
@@ -219,10 +223,10 @@ def test_paged_pool_stores_unrotated_and_rotates_on_read(backend) -> None:
 ST = 6  # a chunk of 3 "frames" of 2 tokens
 
 
-def _slab(per, spec, *, dtype=torch.float64, st=ST, slots=16, h_kv=2, d=16):
+def _slab(per, spec, *, dtype=torch.float64, st=ST, slots=16, h_kv=2, d=16, device=None):
     lay = KVLayout(num_layers=1, num_kv_heads=h_kv, head_dim=d, dtype=dtype)
     pol = CachePolicy("slab_kv", lay.block_bytes(st) * slots, per_component=per)
-    return SlabKVCache(pol, layout=lay, slab_tokens=st, attention=spec)
+    return SlabKVCache(pol, layout=lay, slab_tokens=st, attention=spec, device=device)
 
 
 def _visible(e: int, S: int, W: int) -> torch.Tensor:  # noqa: N803
@@ -237,7 +241,7 @@ _TOKEN_WINDOW = ({"sink_tokens": 2, "window_tokens": 8}, 2, 8)
     (table, positions, *win, "torch")
     for table in ("1d", "wan3d") for positions in ("absolute", "virtual")
     for win in (({"sinks": 1, "window": 2}, ST, 2 * ST), _TOKEN_WINDOW)
-] + [pytest.param("wan3d", "virtual", *_TOKEN_WINDOW, "triton", marks=interpreter)],
+] + [pytest.param("wan3d", "virtual", *_TOKEN_WINDOW, "triton", marks=GPU)],
     ids=lambda x: x if isinstance(x, str) else None)
 def test_slab_rollout_positions(table, positions, per, S, W, backend) -> None:  # noqa: N803
     """24 chunks past recycling, each a denoising step (commit=False, own k/v given) and a
@@ -246,13 +250,14 @@ def test_slab_rollout_positions(table, positions, per, S, W, backend) -> None:  
     ``wan3d``: Wan's table with 2-token frames (H = 1, W = 2): the frame index moves, the
     width channels repeat every frame."""
     torch.manual_seed(4)
+    dev = device_for(backend)
     d, h_q, h_kv = 16, 4, 2
     n_pos = 1000 if positions == "absolute" else S + W + ST
     cos, sin = rope_table(n_pos, d) if table == "1d" else wan_rope_table(n_pos // 2, 1, 2, d)
-    spec = AttentionSpec(rope_cos=cos, rope_sin=sin, rope_interleaved=True, rope_positions=positions,
+    spec = AttentionSpec(rope_cos=cos.to(dev), rope_sin=sin.to(dev), rope_interleaved=True, rope_positions=positions,
                          backend=backend)
     dt = torch.float64 if backend == "torch" else torch.float32  # the interpreter: fp32, small slabs
-    pool = _slab(per, spec, dtype=dt)
+    pool = _slab(per, spec, dtype=dt, device=dev)
     keys, vals = torch.zeros(0, h_kv, d, dtype=torch.float64), torch.zeros(0, h_kv, d, dtype=torch.float64)
     for c in range(24 if backend == "torch" else 21):
         s0, e = c * ST, (c + 1) * ST
@@ -268,7 +273,7 @@ def test_slab_rollout_positions(table, positions, per, S, W, backend) -> None:  
         want = _dense(_rot(q[0], qpos, cos, sin, True), _rot(kk[vis], kpos, cos, sin, True), vv[vis])
         for commit in (False, True):
             meta = pool.plan({"r": c})
-            out = pool.forward(q.to(dt), k.to(dt), v.to(dt), meta, 0, commit=commit)
+            out = pool.forward(q.to(dev, dt), k.to(dev, dt), v.to(dev, dt), meta, 0, commit=commit)
             assert_close(out[0], want, dt, f"chunk {c} commit={commit} ({positions}, {backend})")
         keys, vals = kk, vv
     if positions == "absolute":
@@ -308,7 +313,7 @@ def test_slab_multichunk_step_and_short_first_chunk() -> None:
         assert_close(den, run.double(), torch.float64, f"run commit=False ({positions})")
 
 
-@interpreter
+@gpu_test
 @pytest.mark.parametrize("positions", ["absolute", "virtual"])
 def test_slab_triton_one_launch_denoising_step(positions) -> None:
     """64-token slabs in bf16: the denoising step attends to the history and its own k/v in
@@ -316,8 +321,8 @@ def test_slab_triton_one_launch_denoising_step(positions) -> None:
     torch.manual_seed(8)
     st, d, h_q, h_kv = 64, 16, 2, 1
     cos, sin = rope_table(400, d)
-    spec = AttentionSpec(rope_cos=cos, rope_sin=sin, rope_positions=positions, backend="triton")
-    pool = _slab({"sinks": 1, "window": 2}, spec, dtype=torch.bfloat16, st=st, slots=6, h_kv=h_kv, d=d)
+    spec = AttentionSpec(rope_cos=cos.to(DEVICE), rope_sin=sin.to(DEVICE), rope_positions=positions, backend="triton")
+    pool = _slab({"sinks": 1, "window": 2}, spec, dtype=torch.bfloat16, st=st, slots=6, h_kv=h_kv, d=d, device=DEVICE)
     keys, vals = torch.zeros(0, h_kv, d), torch.zeros(0, h_kv, d)
     for c in range(4):
         q = torch.randn(1, st, h_q, d).bfloat16()
@@ -328,7 +333,7 @@ def test_slab_triton_one_launch_denoising_step(positions) -> None:
         qpos = torch.arange(c * st, (c + 1) * st) if positions == "absolute" else torch.arange(len(vis) - st, len(vis))
         want = _dense(_rot(q[0], qpos, cos, sin, False), _rot(kk[vis], kpos, cos, sin, False), vv[vis])
         for commit in (False, True):
-            out = pool.forward(q, k, v, pool.plan({"r": c}), 0, commit=commit)
+            out = pool.forward(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), pool.plan({"r": c}), 0, commit=commit)
             assert_close(out[0], want, torch.bfloat16, f"triton chunk {c} commit={commit} ({positions})")
         keys, vals = kk, vv
     assert math.isfinite(float(out.float().abs().max()))

@@ -9,21 +9,18 @@ column dropped before ``@ V``; lse over both.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from _helpers import assert_close, assert_lse_close, one_torch_thread, paged_case  # noqa: F401
+from _helpers import DEVICE, assert_close, assert_lse_close, gpu_test, one_torch_thread, paged_case  # noqa: F401
 
 import kvarena
 from kvarena import paged_attention
 
-TRITON = os.environ.get("TRITON_INTERPRET") == "1"
-
 
 def _oracle(case: dict, sink: torch.Tensor, *, causal=True, window_left=None, scale=None):
-    q, k_cache, v_cache = case["q"], case["k_cache"], case["v_cache"]
-    table, lens = case["block_table"], case["seq_lens"].tolist()
+    """On the CPU whatever the case's device (autograd reaches the case's q through .cpu())."""
+    q, k_cache, v_cache = case["q"].cpu(), case["k_cache"].cpu(), case["v_cache"].cpu()
+    table, lens, sink = case["block_table"].cpu(), case["seq_lens"].tolist(), sink.cpu()
     cu = case["cu_seqlens_q"].tolist() if case["cu_seqlens_q"] is not None else list(range(len(lens) + 1))
     starts = case["kv_start"].tolist() if case["kv_start"] is not None else [0] * len(lens)
     h_q, d = q.shape[1], q.shape[2]
@@ -83,13 +80,13 @@ def test_torch_path_matches_oracle(seed, lens, q_lens, group, block_size, window
 
 
 @pytest.mark.interpreter
-@pytest.mark.skipif(not TRITON, reason="needs TRITON_INTERPRET=1")
+@gpu_test
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["unsplit", "split3"])
 @pytest.mark.parametrize("lens, q_lens, group, block_size, window_left, kv_start", CASES)
 def test_triton_matches_oracle(seed, lens, q_lens, group, block_size, window_left, kv_start, num_splits) -> None:
     case = paged_case(lens, q_lens, dtype=torch.float32, group=group, h_kv=2, head_dim=16, block_size=block_size,
                       seed=seed, kv_start=kv_start)
-    sink = _sink(case["q"].shape[1])
+    sink = _sink(case["q"].shape[1]).to(DEVICE)
     out, lse = paged_attention(**case, window_left=window_left, sink_logits=sink, return_lse=True, backend="triton",
                                num_splits=num_splits)
     ref, ref_lse = _oracle(case, sink, window_left=window_left)
@@ -121,17 +118,17 @@ def test_gradients_reach_the_sink_on_the_torch_path(seed) -> None:
 
 
 @pytest.mark.interpreter
-@pytest.mark.skipif(not TRITON, reason="needs TRITON_INTERPRET=1")
+@gpu_test
 def test_triton_backward_with_fixed_sinks(seed) -> None:
     """The Triton backward reads the forward's lse, which includes the sink: dq exact."""
     case = paged_case([13, 6], [3, 2], dtype=torch.float32, group=2, h_kv=2, head_dim=16, block_size=5, seed=seed)
     q = case.pop("q").clone().requires_grad_()
-    sink = _sink(4)
-    w = torch.randn(q.shape)
+    sink = _sink(4).to(DEVICE)
+    w = torch.randn(q.shape).to(DEVICE)
     out = paged_attention(q, **case, sink_logits=sink, backend="triton")
     (dq,) = torch.autograd.grad((out * w).sum(), (q,))
     ref, _ = _oracle(dict(case, q=q), sink)
-    (want,) = torch.autograd.grad((ref * w.double()).sum(), (q,))
+    (want,) = torch.autograd.grad((ref * w.cpu().double()).sum(), (q,))
     assert_close(dq, want, torch.float32, "dq")
     with pytest.raises(ValueError, match="backend: 'triton' has no backward.*sink_logits"):
         paged_attention(q, **case, sink_logits=sink.clone().requires_grad_(), backend="triton")

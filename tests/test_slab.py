@@ -4,11 +4,9 @@ stale/foreign metadata and bad input."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from _helpers import assert_close, one_torch_thread, run_threads  # noqa: F401 - autouse fixture
+from _helpers import DEVICE, assert_close, gpu_test, one_torch_thread, run_threads  # noqa: F401 - autouse fixture
 
 from kvarena.cache._meta import StaleMetadataError
 from kvarena.cache.arena import CacheFullError, KVArena, KVLayout, RegionSpec
@@ -519,18 +517,18 @@ def test_failed_first_append_makes_no_arena() -> None:
 
 
 @pytest.mark.interpreter
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (TRITON_INTERPRET=1)")
+@gpu_test
 def test_rollout_on_the_triton_path(seed) -> None:
     """Slab metadata (kv_start of a short chunk 0, empty history, sinks + window) through the
     Triton kernels (interpreted on CPU) equals dense attention."""
-    cache = _cache(window=2, sinks=1)
+    cache = _cache(window=2, sinks=1, device=DEVICE)
     truth = {}
     for c in range(4):
         meta = cache.plan({"a": (0, SHORT)} if c == 0 else {"a": c})
         t = meta.n_tokens
         for commit in (False, True):
             q, k, v = _rand(1, t, H_Q), _rand(1, t, 2), _rand(1, t, 2)
-            out = cache.forward(q, k, v, meta, 0, commit=commit, backend="triton")
+            out = cache.forward(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), meta, 0, commit=commit, backend="triton")
             hist = [truth[i] for i in visible(c, 1, 2) if i != c]
             ref = dense(q[0], torch.cat([h[0] for h in hist] + [k[0]]), torch.cat([h[1] for h in hist] + [v[0]]))
             assert_close(out[0], ref, torch.float32, f"triton chunk {c} commit={commit}")

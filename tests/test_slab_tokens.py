@@ -9,11 +9,10 @@ rollouts start with a 1-frame chunk 0.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
-from _helpers import assert_close, one_torch_thread  # noqa: F401 - autouse fixture
+from _helpers import DEVICE, assert_close, gpu_test, one_torch_thread  # noqa: F401 - autouse fixture
 
 from kvarena.cache.arena import KVLayout
 from kvarena.cache.keys import CachePolicy
@@ -21,7 +20,6 @@ from kvarena.cache.slab import SlabKVCache
 
 ST = 6  # slab_tokens: a 3-frame chunk of 2-token frames
 H_Q, H_KV, D, LAYERS = 4, 2, 16, 2
-interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
 
 def _pool(per: dict, slots: int = 16, *, training: bool = False, dtype=torch.float64, device="cpu") -> SlabKVCache:
@@ -78,7 +76,7 @@ def _step(pool, truth, ns, batch_spec, n0, chunks, S, W, *, commit, backend=None
     for layer in range(LAYERS):
         q = torch.randn(1, t, H_Q, D, dtype=dtype)
         k, v = torch.randn(1, t, H_KV, D, dtype=dtype), torch.randn(1, t, H_KV, D, dtype=dtype)
-        out = pool.forward(q, k, v, meta, layer, commit=commit, **opts)
+        out = pool.forward(q.to(pool.device), k.to(pool.device), v.to(pool.device), meta, layer, commit=commit, **opts)
         keys, values = truth.with_run(layer, s0, k[0], v[0])
         for c in chunks:
             s, e = _bounds(n0, c)
@@ -327,13 +325,13 @@ def test_hundred_chunk_rollout_is_bounded_and_never_moves(seed) -> None:
             assert s.k.data_ptr() == ptr and bool((s.k[0] == s.chunk_index).all()), f"chunk {s.chunk_index} moved"
 
 
-@interpreter
+@gpu_test
 @pytest.mark.interpreter
 def test_token_rules_and_runs_on_the_triton_path(seed) -> None:
     """Pages of 2 tokens, an I2V sink and a 2-chunk run through the Triton kernels (interpreted)."""
     S, W, n0 = 2, 10, 2  # noqa: N806
     dtype = torch.float32
-    pool, truth = _pool({"sink_tokens": S, "window_tokens": W}, dtype=dtype), Truth()
+    pool, truth = _pool({"sink_tokens": S, "window_tokens": W}, dtype=dtype, device=DEVICE), Truth()
     _step(pool, truth, "a", (range(0, 2), n0 + ST), n0, [0, 1], S, W, commit=True, backend="triton", dtype=dtype,
           what="triton run")
     for c in (2, 3, 4):
