@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvarena.benchmark.cases import BASELINE, cases, providers_for
+from kvarena.benchmark.cases import BASELINE, BASELINES, NO_OUTPUT, cases, providers_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,15 +76,45 @@ def test_every_provider_row_present_or_skipped_with_reason(quick_run):
                 assert r["median_ms"] > 0 and r["p20_ms"] <= r["median_ms"] <= r["p80_ms"]
             else:
                 assert r["status"] == "skipped" and r["reason"], f"{case.name} / {prov} skipped without a reason"
-        # kvarena and the kind's baseline always run on CPU; every other provider that
-        # ran agrees with kvarena on the same data (bf16 inputs, fp32 accumulation).
+        # kvarena and the kind's primary baseline always run on CPU; every other provider
+        # that ran agrees with each baseline that ran (bf16 inputs, fp32 accumulation) and
+        # has a time ratio to each.
         assert rows[(case.name, "kvarena")]["status"] == "ok"
         base = rows[(case.name, BASELINE[case.kind])]
         assert base["status"] == "ok" and base["vs_baseline"] == pytest.approx(1.0)
-        for prov in providers_for(case)[1:]:
+        ran = [b for b in BASELINES[case.kind] if rows[(case.name, b)]["status"] == "ok"]
+        for prov in providers_for(case):
             r = rows[(case.name, prov)]
-            if r["status"] == "ok":
-                assert r["max_rel_err"] is not None and r["max_rel_err"] < 3e-2, (case.name, prov, r["max_rel_err"])
+            if r["status"] != "ok":
+                continue
+            if prov in BASELINES[case.kind]:  # a baseline has ratios to itself and those before it
+                assert prov in r["vs"] and set(r["vs"]) <= set(ran), (case.name, prov, r["vs"])
+            else:
+                assert set(r["vs"]) == set(ran), (case.name, prov, r["vs"])
+            if prov in NO_OUTPUT:
+                continue
+            compared = {b: e for b, e in r["err_vs"].items()}
+            want = {b for b in ran if b not in NO_OUTPUT and b != prov}
+            if prov not in BASELINES[case.kind]:
+                assert set(compared) == want, (case.name, prov, compared)
+            assert all(e is not None and e < 3e-2 for e in compared.values()), (case.name, prov, compared)
+
+
+def test_jsonl_has_every_row_once(quick_run):
+    """results.jsonl: the run's metadata, its ceilings and one line per kernel row, written
+    as each row finished (what a killed GPU run keeps)."""
+    _, out, results = quick_run
+    recs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert recs[0]["type"] == "meta" and recs[0]["data"]["set"] == "quick"
+    kernel = [(r["data"]["case"], r["data"]["provider"]) for r in recs if r["type"] == "kernel"]
+    assert kernel == [(r["case"], r["provider"]) for r in results["kernels"]]
+    assert {"ceilings", "recycle", "overhead"} <= {r["type"] for r in recs}
+
+
+def test_goal_rows_come_first_in_both_sets():
+    for set_name in ("quick", "gpu"):
+        goal = [c.goal for c in cases(set_name)]
+        assert any(goal) and goal == sorted(goal, reverse=True), f"{set_name}: goal rows are not first: {goal}"
 
 
 def test_recycle_moves_no_retained_kv(quick_run):
@@ -138,3 +168,31 @@ def test_overhead_rows(quick_run):
                      "paged_attention validated, impl stubbed", "attend trusted, impl stubbed",
                      "slab.plan (new chunk)", "slab.forward commit (per layer)", "slab.forward commit, ops stubbed"):
             assert what in ok, f"batch {batch}: no {what!r} row ({[r for r in rows if r['batch'] == batch]})"
+
+
+def test_report_of_a_killed_run_keeps_every_finished_row(quick_run, tmp_path, capsys):
+    """A run killed mid-write leaves a truncated last line: ``kvarena bench --report``
+    still prints every finished row (and only those) as markdown."""
+    from kvarena.cli import main
+
+    _, out, results = quick_run
+    lines = (out / "results.jsonl").read_text().splitlines()
+    kernel_at = [i for i, line in enumerate(lines) if '"type": "kernel"' in line]
+    cut = kernel_at[len(kernel_at) // 2]
+    (tmp_path / "results.jsonl").write_text("\n".join(lines[:cut]) + "\n" + lines[cut][: len(lines[cut]) // 2])
+    assert main(["bench", "--report", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    finished = [json.loads(line)["data"] for line in lines[:cut] if '"type": "kernel"' in line]
+    table = [line.split(" | ") for line in text.splitlines() if line.startswith("| ") and not line.startswith("| case")]
+    shown = [(cells[0].removeprefix("| ").removesuffix(" *"), cells[1]) for cells in table]
+    assert len(shown) == len(finished) == len(kernel_at) // 2
+    assert sorted(shown) == sorted((row["case"], row["provider"]) for row in finished)
+    assert f"commit {results['meta']['commit']}" in text
+
+
+def test_report_of_a_missing_run_is_a_usage_error(tmp_path, capsys):
+    from kvarena.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--report", str(tmp_path)])
+    assert exc.value.code == 2 and "--report" in capsys.readouterr().err

@@ -6,6 +6,12 @@ Examples
 ``kvarena bench --device cuda``                docs/contract.md's shapes (about 3 minutes on an H200)
 ``kvarena bench --cases decode-b16,wan1.3b``   only cases whose name contains one of these
 ``kvarena bench --sections recycle``           only the recycling comparison
+``kvarena bench --warmup-only --jobs 8``       compile every case's kernels, in 8 processes
+``kvarena bench --report bench/out``           the tables again, from results.jsonl (markdown)
+
+Every finished row is appended to ``results.jsonl`` at once (a run killed from outside
+keeps all but the row in flight); ``results.json`` / ``.csv`` / ``.png`` are written
+after each section and at the end.
 
 This module imports no torch at import time: ``kvarena.cli`` imports it to build the
 parser.
@@ -74,6 +80,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated substrings; keep cases whose name contains one")
     parser.add_argument("--providers", type=_providers, default=None,
                         help="comma-separated provider names to run (default: all)")
+    parser.add_argument("--skip-providers", type=_providers, default=None,
+                        help="comma-separated provider names reported as skipped (e.g. gather_flex,flex_contiguous)")
+    parser.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto",
+                        help="kvarena's backend (default auto: Triton on CUDA, PyTorch on CPU; triton on CPU "
+                             "needs TRITON_INTERPRET=1)")
+    parser.add_argument("--cpu-reps", type=positive_int, default=None,
+                        help="CPU timing: at most this many timed calls per row (default 20)")
+    parser.add_argument("--warmup-only", action="store_true",
+                        help="run each selected case's kvarena call once (compiling its kernels into Triton's "
+                             "cache), time nothing, write nothing")
+    parser.add_argument("--jobs", type=positive_int, default=1,
+                        help="--warmup-only: worker processes (compiles are CPU-bound: one per core)")
+    parser.add_argument("--report", type=Path, default=None, metavar="DIR",
+                        help="print markdown tables of DIR/results.jsonl (a finished or killed run) and exit")
     parser.add_argument("--sections", type=_sections, default=",".join(_SECTIONS),
                         help=f"comma-separated subset of {','.join(_SECTIONS)} (default: all)")
     parser.add_argument("--out", type=output_dir, default=None,
@@ -109,6 +129,14 @@ def run(args: argparse.Namespace) -> int:
     """
     from kvarena.benchmark import cases as C
 
+    if args.report is not None:
+        from kvarena.benchmark.report import markdown_from_jsonl
+
+        path = args.report / "results.jsonl"
+        if not path.is_file():
+            raise UsageError("--report", f"{path} does not exist (a bench run writes it into its --out)")
+        print(markdown_from_jsonl(path))
+        return 0
     # --sections, --providers, --device, --out, --threads, --budget-s were checked by the parser.
     sections = args.sections
     if args.quick and args.set_name not in (None, "quick"):
@@ -129,6 +157,10 @@ def run(args: argparse.Namespace) -> int:
                      if (not providers or p in providers) and p not in c.skip_providers]
             print(f"{c.name:28s} {c.kind:7s} kv_tokens={c.kv_tokens:<8d} providers={','.join(provs)}")
         return 0
+    if args.warmup_only:
+        from kvarena.benchmark.warmup import warm_up
+
+        return warm_up(case_list, device, jobs=args.jobs, backend=args.backend, log=_log)
     if set_name == "gpu" and device.type != "cuda":
         _log("kvarena bench: note: the gpu set on a CPU materializes GiB-sized score tensors; "
              "use --quick (or --cases) unless you mean it")
@@ -158,6 +190,9 @@ def run(args: argparse.Namespace) -> int:
                      "recycle": None, "recycle_tokens": None, "overhead": None, "notes": []}
     results["meta"]["argv"] = sys.argv[1:]
     results["meta"]["KVARENA_DEBUG"] = os.environ.get("KVARENA_DEBUG")
+    results["meta"]["backend"] = args.backend
+    jsonl = report.JsonLines(out_dir / "results.jsonl")
+    jsonl.write("meta", results["meta"])
     if device.type == "cpu":
         results["notes"].append("CPU run: kvarena runs its PyTorch path (no Triton); throughput targets "
                                 "in docs/contract.md apply to the GPU run only")
@@ -172,8 +207,11 @@ def run(args: argparse.Namespace) -> int:
         _log(f"kvarena bench: {len(case_list)} cases ({set_name} set) on {device}; measuring ceilings ...")
         ceil = measure_ceilings(device, quick=set_name == "quick")
         results["ceilings"] = ceil
+        jsonl.write("ceilings", ceil)
+        timing = {} if args.cpu_reps is None else {"cpu_reps": args.cpu_reps}
         rows = run_kernels(case_list, device, ceilings=ceil, deadline=deadline, show_progress=show,
-                           providers=providers)
+                           providers=providers, skip=args.skip_providers or (), backend=args.backend,
+                           on_row=lambda row: jsonl.write("kernel", row), **timing)
         results["kernels"] = rows
         print(report.format_table(rows, ceil), flush=True)
         for r in rows:
@@ -197,12 +235,14 @@ def run(args: argparse.Namespace) -> int:
                     results[key] = {"status": "skipped", "reason": f"error: {type(exc).__name__}: {exc}"}
                     exit_code = 1
             print("\n" + report.format_recycle(results[key]), flush=True)
+            jsonl.write(key, results[key])
             checkpoint()
     if "overhead" in sections:
         from kvarena.benchmark.overhead import run_overhead
 
         reps, warm = (10, 2) if set_name == "quick" else (50, 5)
         results["overhead"] = run_overhead(device, reps=reps, warm=warm, deadline=deadline)
+        jsonl.write("overhead", {"rows": results["overhead"]})
         print("\n" + report.format_overhead(results["overhead"]), flush=True)
     results["meta"]["elapsed_s"] = time.monotonic() - t_start
     paths = report.write_all(out_dir, results)

@@ -10,11 +10,18 @@ run here (library not installed, backend refused, ...).
 What each provider times
 ------------------------
 kvarena
-    The per-layer call the pools make (``ops.attend`` / ``ops.store`` with a validated
-    spec): Triton on CUDA, the PyTorch path on CPU. The public op runs once, untimed, to
-    check the data (as FlashInfer's ``plan`` before the timed ``run``); the overhead table
-    (:mod:`kvarena.benchmark.overhead`) reports what its checks cost per call. Host maxima
-    are passed, so the call never reads the device.
+    The per-layer call the pools make, with the spec and path the pool launches: decode
+    as ``PagedKVCache.forward`` attends (``ops.attend``); a chunk's ``commit`` step as
+    ``SlabKVCache.forward(commit=True)`` (``ops.store`` of the chunk into its slab, then
+    ``ops.attend`` non-causal over the visible slabs), its ``denoise`` step as
+    ``forward(commit=False)`` (``ops.attend_history_and_own``: the history and the step's
+    own K/V in one launch); ``guarded`` chunks as ``paged_attention(chunk_size=chunk)``.
+    Triton on CUDA (or with ``backend="triton"`` under the interpreter), the PyTorch path
+    on CPU. The public op runs once, untimed, to check the data (as FlashInfer's ``plan``
+    before the timed ``run``); the overhead table (:mod:`kvarena.benchmark.overhead`)
+    reports what its checks cost per call. Host maxima are passed, so the call never reads
+    the device. ``-pool<L>`` decode cases time ``PagedKVCache.forward`` itself on the last
+    layer of a real ``L``-layer arena (checks, store and attend).
 gather_sdpa[_flash|_efficient]
     Gather the block table's pages into contiguous K/V (``index_select``), then
     ``scaled_dot_product_attention``; the suffixed ones force one backend through
@@ -22,7 +29,15 @@ gather_sdpa[_flash|_efficient]
     without a paged kernel pays.
 sdpa_contiguous
     SDPA on K/V that are already contiguous (gathered once, untimed): docs/contract.md's 0.9x
-    target baseline for chunk attention. On CUDA it forces the flash backend.
+    target baseline for chunk attention, where CUDA forces the flash backend; decode takes
+    SDPA's own dispatch. GQA heads are expanded beforehand (untimed) where a forced backend
+    cannot take them.
+sdpa_cudnn
+    The same with the cuDNN backend (CUDA only).
+copy (decode)
+    ``dst.copy_(src)`` of half the K/V bytes the step reads: as many bytes moved (read +
+    write) as the step reads, so ``copy time / kvarena time`` is the fraction of this run's
+    copy bandwidth.
 gather_flex, flex_contiguous
     FlexAttention (compiled on CUDA, eager on CPU where it materializes the scores).
 flash_attn
@@ -91,6 +106,12 @@ class CaseData:
         dequantized to the case's dtype, for the other providers).
     rope : ``(q, k_cache, cos, sin)`` un-rotated q and keys and the interleaved table, or
         None (RoPE cases; ``q``/``k_cache`` then hold them rotated, for the other providers).
+    own_kv : ``(k, v)`` each ``[B, chunk, H_kv, D]``: the newest slab's keys gathered
+        (chunk cases): the step's own K/V of a denoising step, what a commit stores. RoPE
+        cases: the un-rotated keys.
+    own_slots : int32 ``[B * chunk]``: the arena slots of the newest slab (chunk cases).
+    pool_step : the timed ``PagedKVCache.forward`` of a ``-pool<L>`` decode case (keyword
+        arguments: the forward's per-call options).
     """
 
     case: Case
@@ -105,6 +126,9 @@ class CaseData:
     new_v: torch.Tensor | None = None
     kv8: tuple | None = None
     rope: tuple | None = None
+    own_kv: tuple | None = None
+    own_slots: torch.Tensor | None = None
+    pool_step: Callable[..., torch.Tensor] | None = None
     _contig: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _bt_long: torch.Tensor | None = field(default=None, repr=False)
 
@@ -160,6 +184,8 @@ def make_data(case: Case, device: str | torch.device, *, seed: int = 0) -> CaseD
     assumed contiguity would read the wrong keys and show up in the error column.
     """
     device = torch.device(device)
+    if case.layers:
+        return _pool_data(case, device, seed)
     dtype = _dtype(case.dtype)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     b, page, d = case.batch, case.page, case.head_dim
@@ -218,7 +244,9 @@ def make_data(case: Case, device: str | torch.device, *, seed: int = 0) -> CaseD
                 k_rot[ids] = apply_rope(k_cache[ids].float(), pos[:, :, None], cos, sin, True).to(dtype)
             qpos = torch.arange(case.kv_tokens - case.chunk, case.kv_tokens, device=device).repeat(b)
             q, k_cache = apply_rope(q.float(), qpos[:, None], cos, sin, True).to(dtype), k_rot
-        return CaseData(case, device, q, k_cache, v_cache, block_table, seq_lens, cu, kv8=kv8, rope=rope)
+        own_kv, own_slots = _newest_slab(case, block_table, rope[1] if rope else k_cache, v_cache)
+        return CaseData(case, device, q, k_cache, v_cache, block_table, seq_lens, cu, kv8=kv8, rope=rope,
+                        own_kv=own_kv, own_slots=own_slots)
     if case.kind == "train":
         # The last page of each row stands for the step's own keys, given as new_k/new_v.
         q = randn(b * case.chunk, case.h_q, d)
@@ -227,6 +255,57 @@ def make_data(case: Case, device: str | torch.device, *, seed: int = 0) -> CaseD
     new_k = randn(b * case.chunk, case.h_kv, d)
     new_v = randn(b * case.chunk, case.h_kv, d)
     return CaseData(case, device, None, k_cache, v_cache, block_table, seq_lens, cu, new_k, new_v)
+
+
+def _newest_slab(case: Case, block_table, k_cache, v_cache):
+    """The newest slab of every row (its last ``chunk`` keys): ``((k, v), slots)``, the
+    keys ``[B, chunk, H_kv, D]`` gathered contiguous and their arena slots ``[B * chunk]``."""
+    b, page = block_table.shape[0], k_cache.shape[1]
+    pages = block_table[:, -(case.chunk // page):].reshape(-1).long()
+    kv = tuple(c.index_select(0, pages).reshape(b, case.chunk, *c.shape[2:]) for c in (k_cache, v_cache))
+    rows = torch.arange(page, device=pages.device)
+    slots = (pages[:, None] * page + rows).reshape(-1).to(torch.int32)
+    return kv, slots
+
+
+def _pool_data(case: Case, device: torch.device, seed: int) -> CaseData:
+    """A decode step on the last layer of a real ``case.layers``-layer ``PagedKVCache``.
+
+    Every sequence holds ``context - 1`` tokens (planned, their bytes filled at random
+    across the whole arena) and the step adds one; ``pool_step`` is the pool's forward of
+    that step, and ``k_cache`` / ``block_table`` are the layer's own views and the plan's
+    table, which the other providers gather from.
+    """
+    from kvarena.cache.arena import KVArena, KVLayout, RegionSpec
+    from kvarena.cache.keys import CachePolicy
+    from kvarena.cache.paged import PagedKVCache
+
+    dtype = _dtype(case.dtype)
+    torch.manual_seed(seed)
+    b, page, layer = case.batch, case.block_size, case.layers - 1
+    layout = KVLayout(case.layers, case.h_kv, case.head_dim, dtype)
+    blocks = b * -(-case.context // page)
+    budget = layout.block_bytes(page) * (blocks + 1)
+    arena = KVArena({"paged_kv": RegionSpec(layout, page, budget)}, device=device)
+    pool = PagedKVCache(CachePolicy("paged_kv", budget), layout=layout, block_size=page, arena=arena,
+                        region="paged_kv")
+    names = [f"seq{i}" for i in range(b)]
+    pool.plan(dict.fromkeys(names, case.context - 1))  # the history: bytes filled below, never attended
+    region = arena["paged_kv"]
+    for i in range(case.layers):
+        region.k(i).normal_()
+        region.v(i).normal_()
+    meta = pool.plan(dict.fromkeys(names, 1))
+    q = torch.randn(b, case.h_q, case.head_dim, device=device, dtype=dtype)
+    kn = torch.randn(b, case.h_kv, case.head_dim, device=device, dtype=dtype)
+    vn = torch.randn_like(kn)
+
+    def step(**options):
+        return pool.forward(q, kn, vn, meta, layer, **options)
+
+    step()  # stores the new token, so that the others gather the same keys
+    return CaseData(case, device, q, region.k(layer), region.v(layer), meta.block_table, meta.seq_lens, None,
+                    pool_step=step)
 
 
 def work_of(case: Case) -> dict[str, float]:
@@ -257,9 +336,8 @@ def work_of(case: Case) -> dict[str, float]:
 # --- providers ---------------------------------------------------------------------------
 
 
-def _kvarena(case: Case, data: CaseData, *, plain: bool = False) -> Bench:
+def _kvarena(case: Case, data: CaseData, *, plain: bool = False, backend: str = "auto") -> Bench:
     from kvarena.attention import ops
-    from kvarena.attention.spec import AttentionSpec
 
     # Timed as the pools call it per layer: the public op runs once here (its checks, which
     # read the lengths and the block table, reject bad data before anything is timed), then
@@ -268,50 +346,146 @@ def _kvarena(case: Case, data: CaseData, *, plain: bool = False) -> Bench:
     if case.kind == "store":
         slab = int(data.block_table[0, -1])  # the slot a ring would recycle next
         slots = (slab * case.chunk + torch.arange(case.chunk, device=data.device)).to(torch.int32)
-        ops.store_kv(data.new_k, data.new_v, data.k_cache, data.v_cache, slots)
-        backend = ops.resolve_backend("auto", data.device, data.k_cache.dtype, False, what="k_cache")
+        ops.store_kv(data.new_k, data.new_v, data.k_cache, data.v_cache, slots, backend=backend)
+        store_backend = ops.resolve_backend(backend, data.device, data.k_cache.dtype, False, what="k_cache")
 
         def fn():
-            ops.store(data.new_k, data.new_v, data.k_cache, data.v_cache, slots, backend)
+            ops.store(data.new_k, data.new_v, data.k_cache, data.v_cache, slots, store_backend)
             return data.k_cache[slab]
 
         return Bench(fn, to_ref=lambda out: out.reshape(data.new_k.shape), note="per-layer call (checked once)")
     if case.kind == "train":
-        return _kvarena_train(case, data)
-    spec = AttentionSpec(chunk_size=case.chunk if case.kind == "chunk" else None)  # block-causal chunks
-    q = data.q
-    note = "per-layer call (checked once)"
-    rope_kw = {}
-    if data.rope is not None and not plain:
-        q, k_raw, cos, sin = data.rope
-        spec = spec.replace(rope_cos=cos, rope_sin=sin, rope_interleaved=True)
-        rope_kw = dict(rope_cos=cos, rope_sin=sin, rope_interleaved=True)
-        note += ", RoPE on read (un-rotated keys)"
-    b = data.block_table.shape[0]
-    cu = data.cu_seqlens_q if data.cu_seqlens_q is not None else torch.arange(b + 1, dtype=torch.int32,
-                                                                                device=data.device)
-    kw = dict(max_seqlen_q=data.q_len, max_seqlen_k=case.kv_tokens)
-    args = (q, data.k_cache if not rope_kw else k_raw, data.v_cache, data.block_table, data.seq_lens)
-    fp8 = not plain and data.kv8 is not None
-    if fp8:
-        args = (q, data.kv8[0], data.kv8[1], data.block_table, data.seq_lens)
-        kw["k_scale"], kw["v_scale"] = data.kv8[2], data.kv8[3]
-        note += ", fp8 KV + per-token scales"
-    ops.paged_attention(*args, cu, chunk_size=spec.chunk_size, **kw, **rope_kw)
-    backend = ops.resolve_backend(spec.backend, data.device, data.q.dtype, False)
-    if fp8:
-        kw["kv_scales"] = (kw.pop("k_scale"), kw.pop("v_scale"))
-
-    def fn():
-        return ops.attend(*args, cu, None, spec=spec, backend=backend, **kw)
-
-    return Bench(fn, note=note)
+        return _kvarena_train(case, data, backend)
+    if data.pool_step is not None:
+        # backend="auto" passes no option: the layer's own spec, as a model's forward calls it.
+        options = {} if backend == "auto" else {"backend": backend}
+        data.pool_step(**options)  # checked once (a refused backend raises here)
+        return Bench(lambda: data.pool_step(**options),
+                     note=f"PagedKVCache.forward, layer {case.layers - 1} of {case.layers}")
+    call = _ChunkCall(case, data, plain) if case.kind == "chunk" else _DecodeCall(case, data, plain)
+    call.check(backend)
+    call.backend = ops.resolve_backend(backend, data.device, data.q.dtype, False)
+    return Bench(call.run, note=call.note)
 
 
-def _kvarena_plain(case: Case, data: CaseData) -> Bench:
+class _DecodeCall:
+    """The per-layer attention of a decode step, as ``PagedKVCache.forward`` attends."""
+
+    def __init__(self, case: Case, data: CaseData, plain: bool) -> None:
+        from kvarena.attention.spec import AttentionSpec
+
+        self.spec, self.note = AttentionSpec(), "per-layer call (checked once)"
+        b = data.block_table.shape[0]
+        self.cu = torch.arange(b + 1, dtype=torch.int32, device=data.device)
+        self.kw = dict(max_seqlen_q=1, max_seqlen_k=case.kv_tokens)
+        self.args = (data.q, data.k_cache, data.v_cache, data.block_table, data.seq_lens)
+        self.scales = None
+        if not plain and data.kv8 is not None:
+            self.args = (data.q, data.kv8[0], data.kv8[1], data.block_table, data.seq_lens)
+            self.scales = (data.kv8[2], data.kv8[3])
+            self.note += ", fp8 KV + per-token scales"
+        self.backend = "auto"
+
+    def check(self, backend: str) -> None:
+        from kvarena.attention import ops
+
+        fp8 = {} if self.scales is None else dict(k_scale=self.scales[0], v_scale=self.scales[1])
+        ops.paged_attention(*self.args, self.cu, **self.kw, **fp8, backend=backend)
+
+    def run(self):
+        from kvarena.attention import ops
+
+        return ops.attend(*self.args, self.cu, None, spec=self.spec, backend=self.backend, kv_scales=self.scales,
+                          **self.kw)
+
+
+class _ChunkCall:
+    """One step of a slab chunk, with the spec and path ``SlabKVCache.forward`` launches.
+
+    ``commit``: the chunk's K/V stored into its slab (the newest one here, so the values
+    stay what the others read), then non-causal attention over every visible slab.
+    ``denoise``: the history (all slabs but the newest) from the arena and the newest
+    slab's keys as the step's own K/V, one launch. ``guarded``: the block-causal
+    functional op over the same keys (``chunk_size=chunk``).
+    """
+
+    def __init__(self, case: Case, data: CaseData, plain: bool) -> None:
+        from kvarena.attention.spec import AttentionSpec
+        from kvarena.cache.slab import _op_specs
+
+        self.case, self.data, self.step = case, data, case.step
+        self.spec, self.spec_lse = _op_specs(AttentionSpec())
+        if self.step == "guarded":
+            self.spec = AttentionSpec(chunk_size=case.chunk)
+        self.note = {"commit": "SlabKVCache.forward(commit=True): store + attend",
+                     "denoise": "SlabKVCache.forward(commit=False): history + own k/v",
+                     "guarded": "paged_attention(chunk_size=chunk): the guarded page path"}[self.step]
+        self.q, self.k_cache, self.v_cache = data.q, data.k_cache, data.v_cache
+        self.own, self.scales = data.own_kv, None
+        if data.rope is not None and not plain:
+            self.q, self.k_cache, cos, sin = data.rope
+            self.spec, self.spec_lse = (x.replace(rope_cos=cos, rope_sin=sin, rope_interleaved=True)
+                                        for x in (self.spec, self.spec_lse))
+            self.note += ", RoPE on read (un-rotated keys)"
+        elif data.rope is not None:  # kvarena_plain: the rotated keys the others read
+            self.own, _ = _newest_slab(case, data.block_table, data.k_cache, data.v_cache)
+        if data.kv8 is not None and not plain:
+            self.k_cache, self.v_cache = data.kv8[0], data.kv8[1]
+            self.scales = (data.kv8[2], data.kv8[3])
+            self.note += ", fp8 history + per-token scales"
+        b, page, t = data.block_table.shape[0], data.k_cache.shape[1], case.chunk
+        self.hist = case.kv_tokens - t
+        self.hist_table = data.block_table[:, : self.hist // page].contiguous()
+        self.hist_lens = torch.full((b,), self.hist, dtype=torch.int32, device=data.device)
+        self.own_table = torch.arange(b, dtype=torch.int32, device=data.device)[:, None]
+        self.own_lens = torch.full((b,), t, dtype=torch.int32, device=data.device)
+        self.own_flat = tuple(x.reshape(b * t, *x.shape[2:]) for x in self.own)
+        self.rope_hist = self.rope_own = None
+        if self.spec.rope_cos is not None:
+            # Virtual positions, as the pool plans them: the chunk's queries and its own keys
+            # continue after the history (history key t at table row t).
+            q_pos = torch.full((b,), self.hist, dtype=torch.int32, device=data.device)
+            self.rope_hist, self.rope_own = (q_pos, None), (q_pos, q_pos[:, None].contiguous())
+        self.backend = "auto"
+
+    def check(self, backend: str) -> None:
+        from kvarena.attention import ops
+
+        if self.scales is not None and self.step == "commit":
+            raise ValueError("chunk case: an fp8 cache is benchmarked as a denoising step (the pool stores the "
+                             "commit's clean keys quantized; the others would read other values)")
+        d = self.data
+        fp8 = {} if self.scales is None else dict(k_scale=self.scales[0], v_scale=self.scales[1])
+        rope = {} if self.spec.rope_cos is None else dict(rope_cos=self.spec.rope_cos, rope_sin=self.spec.rope_sin,
+                                                          rope_interleaved=True)
+        ops.paged_attention(self.q, self.k_cache, self.v_cache, d.block_table, d.seq_lens, d.cu_seqlens_q,
+                            chunk_size=self.spec.chunk_size, causal=self.spec.causal, max_seqlen_q=self.case.chunk,
+                            max_seqlen_k=self.case.kv_tokens, backend=backend, **fp8, **rope)
+        if self.step == "commit":
+            ops.store_kv(*self.own_flat, self.k_cache, self.v_cache, d.own_slots, backend=backend)
+
+    def run(self):
+        from kvarena.attention import ops
+
+        d, t = self.data, self.case.chunk
+        if self.step == "denoise":
+            out, _ = ops.attend_history_and_own(
+                self.q, self.k_cache, self.v_cache, self.hist_table, self.hist_lens, d.cu_seqlens_q, None, self.own,
+                own_table=self.own_table, own_lens=self.own_lens, spec=self.spec, spec_lse=self.spec_lse,
+                max_seqlen_q=t, max_seqlen_k=self.hist, backend=self.backend, kv_scales=self.scales,
+                rope_hist=self.rope_hist, rope_own=self.rope_own)
+            return out
+        if self.step == "commit":
+            ops.store(*self.own_flat, self.k_cache, self.v_cache, d.own_slots, self.backend)
+        return ops.attend(self.q, self.k_cache, self.v_cache, d.block_table, d.seq_lens, d.cu_seqlens_q, None,
+                          spec=self.spec, max_seqlen_q=t, max_seqlen_k=self.case.kv_tokens, backend=self.backend,
+                          kv_scales=self.scales)
+
+
+def _kvarena_plain(case: Case, data: CaseData, backend: str = "auto") -> Bench:
     if data.kv8 is None and data.rope is None:
         raise Skip("fp8 and RoPE-on-read cases only")
-    b = _kvarena(case, data, plain=True)
+    b = _kvarena(case, data, plain=True, backend=backend)
     what = f"the {case.dtype} copy of the same values" if data.kv8 is not None else "keys rotated beforehand"
     return Bench(b.fn, note=f"kvarena on {what}")
 
@@ -327,7 +501,7 @@ def _train_inputs(case: Case, data: CaseData):
     return q, k2, v2, do
 
 
-def _kvarena_train(case: Case, data: CaseData) -> Bench:
+def _kvarena_train(case: Case, data: CaseData, backend: str = "auto") -> Bench:
     from kvarena.attention import ops
     from kvarena.attention.spec import AttentionSpec
 
@@ -338,7 +512,7 @@ def _kvarena_train(case: Case, data: CaseData) -> Bench:
     hist_lens = torch.full((b,), hist, dtype=torch.int32, device=data.device)
     cu = data.cu_seqlens_q
     spec = AttentionSpec(causal=False)  # a slab step sees its whole history and itself
-    backend = ops.resolve_backend("auto", data.device, q.dtype, True, triton_grad=True)
+    backend = ops.resolve_backend(backend, data.device, q.dtype, True, triton_grad=True)
     dense_table = torch.arange(b, dtype=torch.int32, device=data.device)[:, None]
     own_lens = torch.full((b,), t, dtype=torch.int32, device=data.device)
 
@@ -374,7 +548,8 @@ def _sdpa_train(case: Case, data: CaseData) -> Bench:
     return Bench(fn, note=f"{backend or 'default'} SDPA fwd + bwd, history gathered once (untimed)")
 
 
-_SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+_SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH",
+                  "cudnn": "CUDNN_ATTENTION"}
 
 
 def _sdpa_ctx(backend: str | None):
@@ -390,10 +565,19 @@ def _sdpa(case: Case, data: CaseData, *, gather: bool, backend: str | None) -> B
 
     if case.kind == "store":
         raise Skip("not a store provider")
+    if backend in ("cudnn", "efficient") and data.device.type != "cuda":
+        raise Skip(f"SDPA's {backend} backend needs CUDA")
     gqa = case.h_q != case.h_kv
     q = data.q_sdpa()
+    note = f"{backend} backend forced" if backend else "default SDPA dispatch"
     if not gather:
         k, v = data.contiguous()
+        if gqa and backend in ("flash", "cudnn"):
+            # Heads expanded once (untimed) rather than relying on enable_gqa support of a
+            # forced backend, which varies by version: the same attention, the same reads.
+            group = case.h_q // case.h_kv
+            k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
+            gqa, note = False, note + ", GQA heads expanded beforehand"
 
     def fn():
         kk, vv = (data.gather(data.k_cache), data.gather(data.v_cache)) if gather else (k, v)
@@ -402,8 +586,21 @@ def _sdpa(case: Case, data: CaseData, *, gather: bool, backend: str | None) -> B
             # a chunk sees sinks + window + itself fully), so no mask and no causal flag.
             return F.scaled_dot_product_attention(q, kk, vv, enable_gqa=gqa)
 
-    note = f"{backend} backend forced" if backend else "default SDPA dispatch"
     return Bench(fn, to_ref=data.from_sdpa, note=note)
+
+
+def _copy(case: Case, data: CaseData) -> Bench:
+    if case.kind != "decode":
+        raise Skip("decode cases only")
+    half = int(work_of(case)["kv_bytes"]) // 2
+    src = torch.empty(half, dtype=torch.uint8, device=data.device).fill_(1)
+    dst = torch.empty_like(src)
+
+    def fn():
+        dst.copy_(src)
+
+    return Bench(fn, to_ref=lambda out: None,
+                 note=f"copy_ of {half / 2**20:.1f} MiB: read + write = the K/V bytes the step reads")
 
 
 _FLEX = {}
@@ -541,16 +738,24 @@ def _store_shift_left(case: Case, data: CaseData) -> Bench:
                  note=f"clones {rolled} retained tokens per K and V per chunk")
 
 
-_BUILDERS: dict[str, Callable[[Case, CaseData], Bench]] = {
+def _contiguous(c: Case, d: CaseData) -> Bench:
+    if c.kind == "train":
+        return _sdpa_train(c, d)
+    # Chunks: the flash backend on CUDA (docs/contract.md's target), the default dispatch
+    # on CPU (the CPU flash kernel when it applies) and for decode.
+    flash = d.device.type == "cuda" and c.kind == "chunk"
+    return _sdpa(c, d, gather=False, backend="flash" if flash else None)
+
+
+_BUILDERS: dict[str, Callable[..., Bench]] = {
     "kvarena": _kvarena,
     "kvarena_plain": _kvarena_plain,
     "gather_sdpa": lambda c, d: _sdpa(c, d, gather=True, backend=None),
     "gather_sdpa_flash": lambda c, d: _sdpa(c, d, gather=True, backend="flash"),
     "gather_sdpa_efficient": lambda c, d: _sdpa(c, d, gather=True, backend="efficient"),
-    # On CUDA the contiguous baseline is the flash backend (docs/contract.md's target); on CPU
-    # the default dispatch (the CPU flash kernel when it applies).
-    "sdpa_contiguous": lambda c, d: (_sdpa_train(c, d) if c.kind == "train" else
-                                     _sdpa(c, d, gather=False, backend="flash" if d.device.type == "cuda" else None)),
+    "sdpa_contiguous": _contiguous,
+    "sdpa_cudnn": lambda c, d: _sdpa(c, d, gather=False, backend="cudnn"),
+    "copy": _copy,
     "gather_flex": lambda c, d: _flex(c, d, gather=True),
     "flex_contiguous": lambda c, d: _flex(c, d, gather=False),
     "flash_attn": _flash_attn,
@@ -558,10 +763,13 @@ _BUILDERS: dict[str, Callable[[Case, CaseData], Bench]] = {
     "copy_": _store_copy,
     "shift_left": _store_shift_left,
 }
+# Providers that take kvarena's backend choice (``kvarena bench --backend``).
+_KVARENA = frozenset({"kvarena", "kvarena_plain"})
 
 
-def build(provider: str, case: Case, data: CaseData) -> Bench:
-    """Build ``provider`` for ``case`` on ``data``.
+def build(provider: str, case: Case, data: CaseData, backend: str = "auto") -> Bench:
+    """Build ``provider`` for ``case`` on ``data``; ``backend`` is kvarena's (``"auto"``,
+    ``"torch"`` or ``"triton"``: the interpreter on CPU), ignored by the other providers.
 
     Raises
     ------
@@ -572,11 +780,13 @@ def build(provider: str, case: Case, data: CaseData) -> Bench:
     """
     if provider not in _BUILDERS:
         raise KeyError(f"provider: expected one of {sorted(_BUILDERS)}, got {provider!r}")
+    if provider in _KVARENA:
+        return _BUILDERS[provider](case, data, backend=backend)
     return _BUILDERS[provider](case, data)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``max |out - ref| / max |ref|`` in fp32 (nan when shapes differ)."""
+    """``max |out - ref| / max |ref|`` in fp32 (nan when shapes differ; NaN anywhere gives nan)."""
     if tuple(out.shape) != tuple(ref.shape):
         return math.nan
     o, r = out.float(), ref.float()

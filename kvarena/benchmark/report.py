@@ -2,6 +2,11 @@
 
 Files written into the output directory:
 
+``results.jsonl``
+    One JSON object per line, appended as the run goes (``{"type": "meta" | "ceilings" |
+    "kernel" | "recycle" | "recycle_tokens" | "overhead", "data": ...}``): a run killed
+    from outside keeps every finished row. ``kvarena bench --report DIR`` prints its
+    tables as markdown.
 ``results.json``
     ``meta`` (commit, device, versions, set, wall time), ``ceilings``, ``kernels`` (one
     row per case x provider), ``recycle``, ``overhead``, ``notes``.
@@ -26,8 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_metadata", "format_table", "format_recycle", "format_overhead", "write_json",
-           "write_csv", "write_plot", "write_all"]
+__all__ = ["run_metadata", "commit_of", "format_table", "format_recycle", "format_overhead", "write_json",
+           "write_csv", "write_plot", "write_all", "JsonLines", "markdown_from_jsonl"]
 
 
 def _git(args: list[str], cwd: Path) -> str | None:
@@ -38,6 +43,22 @@ def _git(args: list[str], cwd: Path) -> str | None:
     return r.stdout.strip() if r.returncode == 0 else None
 
 
+def commit_of(repo: Path) -> tuple[str | None, bool | None]:
+    """``(commit, dirty)`` of the checkout at ``repo``.
+
+    From git where the tree has its ``.git``; else (a working tree copied without it, as
+    onto a lent GPU machine) from ``KVARENA_COMMIT`` or the file ``bench/COMMIT`` written
+    beside the tree before it was copied (``bench/gpu.sh --stamp``), dirty unknown (None).
+    """
+    commit = _git(["rev-parse", "HEAD"], repo)
+    if commit is not None:
+        status = _git(["status", "--porcelain", "--untracked-files=no"], repo)
+        return commit, None if status is None else bool(status)
+    stamp = repo / "bench" / "COMMIT"
+    text = os.environ.get("KVARENA_COMMIT") or (stamp.read_text().strip() if stamp.is_file() else "")
+    return (text or None), None
+
+
 def run_metadata(device, set_name: str) -> dict[str, Any]:
     """Commit, device name, torch/triton/python versions, host, for the reports."""
     import torch
@@ -45,10 +66,11 @@ def run_metadata(device, set_name: str) -> dict[str, Any]:
     import kvarena
 
     repo = Path(kvarena.__file__).resolve().parent.parent
+    commit, dirty = commit_of(repo)
     meta: dict[str, Any] = {
         "kvarena": kvarena.__version__,
-        "commit": _git(["rev-parse", "HEAD"], repo),
-        "dirty": None,
+        "commit": commit,
+        "dirty": dirty,
         "set": set_name,
         "device": str(device),
         "device_name": platform.processor() or platform.machine(),
@@ -60,8 +82,6 @@ def run_metadata(device, set_name: str) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
     }
-    status = _git(["status", "--porcelain", "--untracked-files=no"], repo)
-    meta["dirty"] = None if status is None else bool(status)
     try:
         import triton
 
@@ -101,28 +121,118 @@ def _table(headers: list[str], lines: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def format_table(rows: list[dict], ceilings: dict | None = None) -> str:
-    """The kernel rows as a fixed-width table (skipped rows show their reason)."""
-    headers = ["case", "provider", "ms med [p20-p80]", "GB/s", "TFLOP/s", "%ceil", "vs base",
-               "max rel err", "note / reason"]
+def _kernel_lines(rows: list[dict], baselines: tuple[str, ...]) -> tuple[list[str], list[list[str]]]:
+    from kvarena.benchmark.cases import NO_OUTPUT
+
+    compared = [b for b in baselines if b not in NO_OUTPUT]
+    headers = ["case", "provider", "ms med [p20-p80]", "GB/s", "TFLOP/s", "%ceil"]
+    headers += [f"vs {b}" for b in baselines] + [f"err vs {b}" for b in compared] + ["note / reason"]
     lines = []
     for r in rows:
+        name = r["case"] + (" *" if r.get("goal") else "")
         if r["status"] == "ok":
             t = f"{r['median_ms']:.4g} [{r['p20_ms']:.3g}-{r['p80_ms']:.3g}]"
             frac = _fmt(100 * r["frac_ceiling"], ".1f") if r["frac_ceiling"] is not None else "-"
-            vs = f"{r['vs_baseline']:.2f}x" if r["vs_baseline"] is not None else "-"
-            lines.append([r["case"], r["provider"], t, _fmt(r["gbps"]), _fmt(r["tflops"]), frac, vs,
-                          _fmt(r["max_rel_err"], ".2e"), r["note"]])
+            vs = [f"{r['vs'][b]:.2f}x" if r.get("vs", {}).get(b) is not None else "-" for b in baselines]
+            err = [_fmt(r.get("err_vs", {}).get(b), ".2e") for b in compared]
+            lines.append([name, r["provider"], t, _fmt(r["gbps"]), _fmt(r["tflops"]), frac, *vs, *err, r["note"]])
         else:
-            lines.append([r["case"], r["provider"], "skipped", "", "", "", "", "", r["reason"]])
-    text = _table(headers, lines)
+            lines.append([name, r["provider"], "skipped", "", "", "", *[""] * (len(baselines) + len(compared)),
+                          r["reason"]])
+    return headers, lines
+
+
+def _by_kind(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    kinds = []
+    for r in rows:
+        if r["kind"] not in kinds:
+            kinds.append(r["kind"])
+    return [(k, [r for r in rows if r["kind"] == k]) for k in kinds]
+
+
+def _ceiling_note(ceilings: dict) -> str:
+    return (f"ceilings (this run): copy {ceilings['copy_gbps']:.1f} GB/s (read+write of "
+            f"{_fmt_bytes(ceilings['copy_bytes'])}), matmul {ceilings['matmul_tflops']:.3g} TFLOP/s "
+            f"({ceilings.get('matmul_dtype', 'bfloat16')} {ceilings['matmul_n']}^3). %ceil: decode GB/s / copy, "
+            "chunk and train TFLOP/s / matmul, store GB/s / copy. vs X: X's time / the row's time (same run); "
+            "err vs X: max |out - X's out| / max |X's out|. * marks a goal row.")
+
+
+def format_table(rows: list[dict], ceilings: dict | None = None) -> str:
+    """The kernel rows as fixed-width tables, one per kind, with a ratio and an error
+    column per same-run baseline of the kind (skipped rows show their reason)."""
+    from kvarena.benchmark.cases import BASELINES
+
+    parts = []
+    for kind, kr in _by_kind(rows):
+        headers, lines = _kernel_lines(kr, BASELINES[kind])
+        parts.append(f"{kind}:\n" + _table(headers, lines))
+    text = "\n\n".join(parts)
     if ceilings:
-        text += (f"\nceilings (this run): copy {ceilings['copy_gbps']:.1f} GB/s (read+write of "
-                 f"{_fmt_bytes(ceilings['copy_bytes'])}), matmul {ceilings['matmul_tflops']:.3g} TFLOP/s "
-                 f"({ceilings.get('matmul_dtype', 'bfloat16')} {ceilings['matmul_n']}^3). %ceil: decode GB/s / copy, chunk TFLOP/s / matmul, "
-                 "store GB/s / copy. vs base: baseline time / provider time (decode: gather_sdpa, "
-                 "chunk: sdpa_contiguous, store: shift_left).")
+        text += "\n" + _ceiling_note(ceilings)
     return text
+
+
+def _md(headers: list[str], lines: list[list[str]]) -> str:
+    def cell(x: str) -> str:
+        return x.replace("|", "\\|")
+
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(cell(c) for c in ln) + " |" for ln in lines]
+    return "\n".join(out)
+
+
+class JsonLines:
+    """``results.jsonl``: one ``{"type", "data"}`` object per line, flushed as written.
+    Opening truncates the file (a new run)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.write_text("")
+
+    def write(self, kind: str, data) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"type": kind, "data": _clean(data)}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a ``results.jsonl``; a truncated last line (a kill mid-write) is dropped."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def markdown_from_jsonl(path: Path) -> str:
+    """Markdown tables of a run's ``results.jsonl``: run metadata, the kernel rows per
+    kind (goal rows marked), and the recycle / overhead summaries that finished."""
+    from kvarena.benchmark.cases import BASELINES
+
+    recs = read_jsonl(path)
+    meta = next((r["data"] for r in recs if r["type"] == "meta"), {})
+    ceil = next((r["data"] for r in recs if r["type"] == "ceilings"), None)
+    rows = [r["data"] for r in recs if r["type"] == "kernel"]
+    keys = ("commit", "dirty", "device_name", "device", "sm", "device_memory_gib", "torch", "cuda", "triton",
+            "python", "set", "backend")
+    out = ["run: " + ", ".join(f"{k} {meta.get(k)}" for k in keys if k in meta)]
+    if ceil:
+        out.append(_ceiling_note(ceil))
+    for kind, kr in _by_kind(rows):
+        headers, lines = _kernel_lines(kr, BASELINES[kind])
+        out.append(f"\n{kind} ({sum(r['status'] == 'ok' for r in kr)} of {len(kr)} rows ran)\n\n" + _md(headers, lines))
+    for r in recs:
+        if r["type"] in ("recycle", "recycle_tokens"):
+            out.append("\n```\n" + format_recycle(r["data"]) + "\n```")
+        elif r["type"] == "overhead":
+            out.append("\n```\n" + format_overhead(r["data"]["rows"]) + "\n```")
+    if not rows:
+        out.append("\nno kernel row finished")
+    return "\n".join(out)
 
 
 def format_recycle(rec: dict | None) -> str:
@@ -216,10 +326,18 @@ def _flat_recycle(rec: dict, section: str = "recycle") -> list[dict]:
     return rows
 
 
+def _flat_kernel(row: dict) -> dict:
+    """A kernel row with its per-baseline dicts as ``vs_<baseline>`` / ``err_vs_<baseline>`` columns."""
+    flat = {k: v for k, v in row.items() if k not in ("vs", "err_vs")}
+    flat.update({f"vs_{b}": x for b, x in row.get("vs", {}).items()})
+    flat.update({f"err_vs_{b}": x for b, x in row.get("err_vs", {}).items()})
+    return flat
+
+
 def write_csv(path: Path, results: dict) -> Path:
     """All sections in one CSV (a ``section`` column; metadata on every row)."""
     meta = {f"meta_{k}": v for k, v in results.get("meta", {}).items()}
-    rows = [{"section": "kernels", **r} for r in results.get("kernels", [])]
+    rows = [{"section": "kernels", **_flat_kernel(r)} for r in results.get("kernels", [])]
     rows += _flat_recycle(results.get("recycle"))
     rows += _flat_recycle(results.get("recycle_tokens"), "recycle_tokens")
     rows += [{"section": "overhead", **r} for r in results.get("overhead") or []]
@@ -256,7 +374,13 @@ def write_plot(path: Path, results: dict) -> tuple[Path | None, str]:
         # One line per provider and per batch (decode) / model (chunk): x = keys read.
         groups: dict[tuple, list[dict]] = {}
         for r in kr:
+            # One line per provider and shape family; variants (step, page, fp8, RoPE, a pool
+            # arena) are lines of their own, never joined with the plain points.
             sub = f"b{r['batch']}" if kind == "decode" else r["model"]
+            variant = [r.get("step") or "", "fp8" if r.get("kv_dtype") else "", "rope" if r.get("rope") else "",
+                       f"pool{r['layers']}" if r.get("layers") else "",
+                       f"p{r['page']}" if kind == "chunk" and r["page"] != r["chunk"] else ""]
+            sub = " ".join([sub, *[v for v in variant if v]])
             groups.setdefault((r["provider"], sub), []).append(r)
         metric, label = ("gbps", "KV GB/s") if kind == "decode" else ("tflops", "TFLOP/s")
         for (prov, sub), rs in sorted(groups.items()):

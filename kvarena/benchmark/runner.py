@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvarena.benchmark.cases import BASELINE, Case, providers_for
+from kvarena.benchmark.cases import BASELINES, NO_OUTPUT, Case, providers_for
 from kvarena.benchmark.providers import Skip, build, make_data, rel_err, work_of
 
 __all__ = ["sync", "synced", "time_fn", "measure_ceilings", "run_kernels", "progress", "quantiles"]
@@ -87,7 +87,7 @@ def time_fn(fn: Callable[[], Any], device: torch.device, *, cpu_reps: int = 20,
         fn()  # warmup (caches, lazy init)
         times = []
         start = time.perf_counter()
-        while len(times) < 3 or (len(times) < cpu_reps and time.perf_counter() - start < cpu_budget_s):
+        while len(times) < min(3, cpu_reps) or (len(times) < cpu_reps and time.perf_counter() - start < cpu_budget_s):
             t0 = time.perf_counter()
             fn()
             times.append(1e3 * (time.perf_counter() - t0))
@@ -164,7 +164,11 @@ def _row(case: Case, provider: str) -> dict[str, Any]:
         "head_dim": case.head_dim, "dtype": case.dtype, "page": case.page,
         "status": "skipped", "reason": "", "note": "",
         "median_ms": None, "p20_ms": None, "p80_ms": None, "n": None,
+        "step": case.step, "layers": case.layers, "kv_dtype": case.kv_dtype, "rope": case.rope, "goal": case.goal,
         "gbps": None, "tflops": None, "frac_ceiling": None, "vs_baseline": None, "max_rel_err": None,
+        # Per same-run baseline of the kind (BASELINES): baseline time / this time, and the
+        # max relative error of this row's output against the baseline's.
+        "vs": {}, "err_vs": {},
     }
 
 
@@ -188,8 +192,9 @@ def _metrics(row: dict, case: Case, ceilings: dict) -> None:
 
 def run_kernels(case_list: list[Case], device: torch.device, *, ceilings: dict | None = None,
                 deadline: float = math.inf, show_progress: bool = True,
-                providers: Iterable[str] | None = None, cpu_reps: int = 20,
-                cpu_budget_s: float = 0.25) -> list[dict[str, Any]]:
+                providers: Iterable[str] | None = None, skip: Iterable[str] = (), cpu_reps: int = 20,
+                cpu_budget_s: float = 0.25, backend: str = "auto",
+                on_row: Callable[[dict], None] | None = None) -> list[dict[str, Any]]:
     """Run every provider of every case; one row per (case, provider).
 
     Parameters
@@ -199,73 +204,97 @@ def run_kernels(case_list: list[Case], device: torch.device, *, ceilings: dict |
     ceilings : from :func:`measure_ceilings` (None: no fraction column).
     deadline : ``time.monotonic()`` after which remaining rows are skipped ("time budget").
     show_progress : tqdm bar / plain lines on stderr.
-    providers : restrict to these provider names (kvarena always runs first when listed).
+    providers : restrict to these provider names.
+    skip : provider names reported as skipped ("not run in this run").
+    backend : kvarena's backend (``"auto"``, ``"torch"``, ``"triton"``).
+    on_row : called with each row as soon as it is final (``kvarena bench`` appends it to
+        ``results.jsonl``, so a run killed from outside keeps every finished row).
 
     Returns
     -------
     list of dict
         Rows with ``status`` "ok" or "skipped" (with ``reason``), times in ms, throughput,
-        fraction of the ceiling, ``vs_baseline`` (baseline time / this time, same case)
-        and ``max_rel_err`` against kvarena's output.
+        fraction of the ceiling, ``vs`` / ``err_vs`` (per same-run baseline of the kind:
+        baseline time / this time, and the max relative error against its output; the
+        baselines run first), ``vs_baseline`` / ``max_rel_err`` for the primary one.
     """
     wanted = set(providers) if providers else None
+    skipped = set(skip)
     plan = [(c, [p for p in providers_for(c) if wanted is None or p in wanted]) for c in case_list]
     bar = progress(sum(len(ps) for _, ps in plan), "bench", show_progress)
     rows: list[dict[str, Any]] = []
     try:
         for case, provs in plan:
-            case_rows = [_row(case, p) for p in provs]
+            case_rows = _run_case(case, provs, device, ceilings, deadline, skipped, bar, backend,
+                                  dict(cpu_reps=cpu_reps, cpu_budget_s=cpu_budget_s), on_row)
             rows += case_rows
-            data = None
-            if time.monotonic() < deadline:
-                try:
-                    data = make_data(case, device)
-                except Exception as exc:  # e.g. out of memory
-                    for r in case_rows:
-                        r["reason"] = f"data: {_skip_reason(exc)}"
-            ref = None
-            for r in case_rows:
-                bar.set_postfix_str(f"{case.name} {r['provider']}")
-                if r["provider"] in case.skip_providers:
-                    r["reason"] = "not run on this case (keeps the set within its time budget)"
-                    bar.update()
-                    continue
-                if data is None:
-                    r["reason"] = r["reason"] or "time budget exhausted"
-                    bar.update()
-                    continue
-                if time.monotonic() > deadline:
-                    r["reason"] = "time budget exhausted"
-                    bar.update()
-                    continue
-                try:
-                    b = build(r["provider"], case, data)
-                    r["note"] = b.note
-                    out = b.fn()
-                    sync(device)
-                    got = b.to_ref(out)
-                    if r["provider"] == "kvarena":
-                        ref = got.detach().clone()
-                    elif ref is not None:
-                        r["max_rel_err"] = rel_err(got, ref)
-                    del out, got
-                    r.update(time_fn(b.fn, device, cpu_reps=cpu_reps, cpu_budget_s=cpu_budget_s))
-                    r["status"] = "ok"
-                    _metrics(r, case, ceilings)
-                except Exception as exc:
-                    r["reason"] = _skip_reason(exc)
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                finally:
-                    bar.update()
-            base = next((r for r in case_rows if r["provider"] == BASELINE[case.kind] and r["status"] == "ok"), None)
-            if base is not None:
-                for r in case_rows:
-                    if r["status"] == "ok":
-                        r["vs_baseline"] = base["median_ms"] / r["median_ms"]
-            del data, ref
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     finally:
         bar.close()
     return rows
+
+
+def _run_case(case, provs, device, ceilings, deadline, skipped, bar, backend, timing, on_row) -> list[dict]:
+    """The rows of one case, each handed to ``on_row`` once final."""
+    case_rows = [_row(case, p) for p in provs]
+    data = None
+    if time.monotonic() < deadline:
+        try:
+            data = make_data(case, device)
+        except Exception as exc:  # e.g. out of memory
+            for r in case_rows:
+                r["reason"] = f"data: {_skip_reason(exc)}"
+    baselines = BASELINES[case.kind]
+    outs: dict[str, torch.Tensor] = {}  # baselines' outputs (kvarena's layout)
+    times: dict[str, float] = {}
+    for r in case_rows:
+        prov = r["provider"]
+        bar.set_postfix_str(f"{case.name} {prov}")
+        if prov in case.skip_providers:
+            r["reason"] = "not run on this case (keeps the set within its time budget)"
+        elif prov in skipped:
+            r["reason"] = "not run in this run (--skip-providers)"
+        elif data is None:
+            r["reason"] = r["reason"] or "time budget exhausted"
+        elif time.monotonic() > deadline:
+            r["reason"] = "time budget exhausted"
+        else:
+            try:
+                _measure(r, case, data, device, ceilings, backend, timing, outs, times, baselines)
+            except Exception as exc:
+                r["reason"] = _skip_reason(exc)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        bar.update()
+        if on_row is not None:
+            on_row(r)
+    del data, outs
+    return case_rows
+
+
+def _measure(r, case, data, device, ceilings, backend, timing, outs, times, baselines) -> None:
+    """Build, check and time one provider into row ``r`` (raises to skip it)."""
+    prov = r["provider"]
+    b = build(prov, case, data, backend=backend)
+    r["note"] = b.note
+    out = b.fn()
+    sync(device)
+    got = None if prov in NO_OUTPUT else b.to_ref(out)
+    del out
+    if got is not None:
+        for base, ref in outs.items():
+            r["err_vs"][base] = rel_err(got, ref)
+        if prov in baselines:
+            outs[prov] = got.detach().clone()
+    del got
+    r.update(time_fn(b.fn, device, **timing))
+    r["status"] = "ok"
+    _metrics(r, case, ceilings)
+    if prov in baselines:
+        times[prov] = r["median_ms"]
+    for base, t in times.items():
+        r["vs"][base] = t / r["median_ms"]
+    primary = baselines[0]
+    r["vs_baseline"] = r["vs"].get(primary)
+    r["max_rel_err"] = r["err_vs"].get(primary, next(iter(r["err_vs"].values()), None))
