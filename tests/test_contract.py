@@ -486,6 +486,64 @@ def test_tensor_errors_name_the_argument_on_every_backend(backend) -> None:
                          torch.randn(1, BS, H_KV, D).expand(3, BS, H_KV, D), torch.tensor([0, 1]), backend=backend)
 
 
+def _aliased(case: str):
+    """``store_kv`` arguments (caches and scales) for ``case``, and the buffers they live in."""
+    nb, bs, h = 3, 4, H_KV
+    fp8 = torch.float8_e4m3fn
+    n = nb * bs * h * D
+    buf = torch.zeros(2 * n + 1)
+    kc, vc = buf[:n].view(nb, bs, h, D), buf[n : 2 * n].view(nb, bs, h, D)
+    scales = None
+    if case == "arena-k-and-v-views":  # interleaved, not overlapping: accepted
+        arena = buf[: 2 * n].view(nb, 2, bs, h, D)
+        kc, vc = arena[:, 0], arena[:, 1]
+    elif case == "k-cache-twice":
+        vc = kc
+    elif case == "caches-one-element-apart":
+        vc = buf[1 : n + 1].view(nb, bs, h, D)
+    else:  # fp8 caches with per-token scales
+        raw = torch.zeros(2 * n + 4 * (2 * nb * bs * h + 1), dtype=torch.uint8)
+        buf = raw
+        kc, vc = raw[:n].view(fp8).view(nb, bs, h, D), raw[n : 2 * n].view(fp8).view(nb, bs, h, D)
+        sc = raw[2 * n :].view(torch.float32)
+        ks, vs = sc[: nb * bs * h].view(nb, bs, h), sc[nb * bs * h : 2 * nb * bs * h].view(nb, bs, h)
+        if case == "fp8-k-cache-twice":
+            vc = kc
+        elif case == "scales-one-element-apart":
+            vs = sc[1 : nb * bs * h + 1].view(nb, bs, h)
+        elif case == "scale-inside-the-v-cache":
+            ks = raw[n : n + 4 * nb * bs * h].view(torch.float32).view(nb, bs, h)
+        scales = (ks, vs)
+    return kc, vc, scales, buf
+
+
+@pytest.mark.parametrize(("case", "text"), [
+    pytest.param("k-cache-twice", "^v_cache: overlaps k_cache's memory", id="k-cache-twice"),
+    pytest.param("caches-one-element-apart", "^v_cache: overlaps k_cache's memory", id="caches-one-element-apart"),
+    pytest.param("fp8-k-cache-twice", "^v_cache: overlaps k_cache's memory", id="fp8-k-cache-twice"),
+    pytest.param("scales-one-element-apart", "^v_scale: overlaps k_scale's memory", id="scales-one-element-apart"),
+    pytest.param("scale-inside-the-v-cache", "^k_scale: overlaps v_cache's memory", id="scale-inside-the-v-cache"),
+    pytest.param("arena-k-and-v-views", None, id="arena-k-and-v-views-accepted"),
+])
+def test_store_kv_refuses_overlapping_written_memory(case, text) -> None:
+    """Issue 27 #10: scales one element apart, or k_cache passed again as v_cache, were
+    accepted and the V write overwrote what K wrote. Any overlap of written memory (caches,
+    per-token scales) is a ValueError naming the argument before anything is written; an
+    arena's interleaved K and V views are not an overlap."""
+    kc, vc, scales, buf = _aliased(case)
+    ks, vs = scales if scales is not None else (None, None)
+    k, v = torch.randn(2, H_KV, D), torch.randn(2, H_KV, D)
+    before = buf.clone()
+    call = lambda: kvarena.store_kv(k, v, kc, vc, torch.tensor([1, 6]), k_scale=ks, v_scale=vs)  # noqa: E731
+    if text is None:
+        call()
+        assert torch.equal(kc[0, 1], k[0]) and torch.equal(vc[1, 2], v[1]), "the interleaved views were not written"
+        return
+    with pytest.raises(ValueError, match=text):
+        call()
+    assert torch.equal(buf, before), f"{case}: a refused store wrote {int((buf != before).sum())} elements"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_huge_and_infinite_options_mean_no_limit(backend) -> None:
     """Bug 7: window_left / chunk_size of 2**64 raised OverflowError; softcap=inf gave an

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import TOL, TRITON, assert_close, device_for, interpreter_only, one_torch_thread  # noqa: F401
+from _helpers import GPU, TOL, TRITON, assert_close, device_for, interpreter_only, one_torch_thread  # noqa: F401
 
 from kvarena import AttentionSpec, CachePolicy, KVLayout, PagedKVCache, paged_attention, store_kv
 from kvarena.attention.reference import dequantize_fp8, paged_attention_ref
@@ -116,10 +116,6 @@ def _store_rows(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_store_bytes_and_scales_equal_torch_cast(backend, dtype) -> None:
     k, v = _store_rows(7)
-    if backend == "triton" and dtype == torch.bfloat16:
-        # The interpreter flushes bf16 denormals to 0 as it loads them (a GPU's cvt keeps
-        # them); the fp32 case covers denormal inputs in the kernel.
-        k[2, 0] = 0.0
     dev = device_for(backend)
     k, v = k.to(dev, dtype), v.to(dev, dtype)
     kc, vc, ks, vs = _poisoned(5, 3, 2, 24, dev)
@@ -149,6 +145,30 @@ def test_store_bytes_and_scales_equal_torch_cast(backend, dtype) -> None:
     # (1e-40 everywhere) to slot 7: the smallest scale too, its values rounding to 0.
     assert bool((ks[0, 0] == 2.0**-126).all()) and not _bytes(kc[0, 0]).any()
     assert float(ks[7 // 3, 7 % 3, 0]) == 2.0**-126
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_subnormals_store_bit_exact(backend, seed) -> None:
+    """Issue 27 #11: the interpreter turned bf16 subnormals (|x| < 2**-126) into other values
+    on the way to fp32, so rows made of them stored other bytes than torch's cast (5 rows
+    differed). The store widens bf16 through its bits there: bit for bit on every backend."""
+    dev = device_for(backend)
+    mag = torch.tensor([1e-39, 5e-40, 1e-38, 3e-41, 1e-45, 1.0, 2e-39, 9e-39])  # all but row 5 subnormal
+    k = ((torch.rand(8, 2, 16) * 2 - 1) * mag[:, None, None]).bfloat16()
+    assert bool((k.float().abs() < 2.0**-126).reshape(8, -1)[[0, 1, 2, 3, 6, 7]].all()), "rows not subnormal"
+    k = k.to(dev)
+    kc, vc, ks, vs = _poisoned(3, 4, 2, 16, dev)
+    slots = torch.tensor([3, 0, 11, 5, 7, 1, 9, 2], device=dev)
+    store_kv(k, k.flip(0), kc, vc, slots, backend=backend, k_scale=ks, v_scale=vs)
+    blk, row = slots // 4, slots % 4
+    for name, x, cache, sc in (("k", k, kc, ks), ("v", k.flip(0), vc, vs)):
+        want_sc = _expected_scales(x)
+        assert torch.equal(sc[blk, row], want_sc), f"{name} scales"
+        want = _bytes((x.float() / want_sc[..., None]).clamp(-448, 448).to(FP8))
+        got = _bytes(cache[blk, row])
+        bad = (got != want).flatten(1).any(1)
+        assert not bad.any(), (f"{name}: rows {bad.nonzero().flatten().tolist()} differ from torch's cast: "
+                               f"{got[bad][:1].flatten()[:8].tolist()} != {want[bad][:1].flatten()[:8].tolist()}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -206,7 +226,7 @@ def test_grad_on_caches_or_scales_and_aliased_scales_are_refused() -> None:
         d[name] = d[name].clone().requires_grad_()
         with pytest.raises(ValueError, match="k_cache: fp8 KV caches have no backward"):
             paged_attention(d["q"], d["kc"], d["vc"], d["table"], d["lens"], k_scale=d["ks"], v_scale=d["vs"])
-    with pytest.raises(ValueError, match="v_scale: the same memory as k_scale"):
+    with pytest.raises(ValueError, match="v_scale: overlaps k_scale.s memory"):
         paged_attention(*args, k_scale=c["ks"], v_scale=c["ks"])
     with pytest.raises(TypeError, match="k: fp8 caches take float16, bfloat16 or float32"):
         store_kv(c["q"][:, :2].double(), c["q"][:, :2].double(), c["kc"], c["vc"], torch.tensor([0]),
@@ -436,9 +456,9 @@ def _slab_pools(input_dtype, per, device=None):
 @pytest.mark.parametrize("per", [{"sinks": 1, "window": 2}, {"sink_tokens": 2, "window_tokens": 8}],
                          ids=["chunk-window", "token-window"])
 def test_slab_rollout_equals_a_float_pool_of_the_stored_values(backend, per) -> None:
-    """A rollout past recycling: denoising steps (commit=False, own k/v unquantized) and the
-    clean pass (commit=True, stored then read back quantized). Token windows read the
-    scales through the same page views as the bytes."""
+    """A rollout past recycling: denoising steps (commit=False, own k/v quantized and read
+    back as their commit will store them) and the clean pass (commit=True, stored then read
+    back quantized). Token windows read the scales through the same page views as the bytes."""
     torch.manual_seed(5)
     dev = device_for(backend)
     p8, pf = _slab_pools(torch.float32, per, dev)
@@ -454,13 +474,20 @@ def test_slab_rollout_equals_a_float_pool_of_the_stored_values(backend, per) -> 
                     kd, vd = (_slab_stored(p8, c, layer, j) for j in (0, 1))
                     outf = pf.forward(q, kd, vd, mf, layer, commit=True, backend="torch")
                 else:
-                    outf = pf.forward(q, k, v, mf, layer, commit=False, backend="torch")
+                    outf = pf.forward(q, _round_trip(k), _round_trip(v), mf, layer, commit=False, backend="torch")
                 assert_close(out8, outf.double(), torch.float32, f"slab chunk {c} commit={commit} layer {layer}")
     got = p8.get("r")
     assert got and got[-1].k.dtype == torch.float32
     last = max(p8._rollouts["r"].chunks)
     assert torch.equal(got[-1].k[0], _slab_stored(p8, last, 0, 0)[0]), "get() returns the stored values"
     assert p8.used_bytes == pf.used_bytes * p8.layout.token_bytes // pf.layout.token_bytes
+
+
+def _round_trip(x: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """What a store of ``x`` reads back (the documented rule, restated): per-row scales, or a
+    static ``scale``; dequantized in fp32, in x's dtype."""
+    sc = _expected_scales(x)[..., None] if scale is None else torch.tensor(scale, device=x.device)
+    return ((x.float() / sc).clamp(-448, 448).to(FP8).float() * sc).to(x.dtype)
 
 
 def _slab_stored(p8, chunk: int, layer: int, j: int) -> torch.Tensor:
@@ -472,8 +499,42 @@ def _slab_stored(p8, chunk: int, layer: int, j: int) -> torch.Tensor:
     return dequantize_fp8(x, sc, torch.float32)[None]
 
 
-def test_slab_get_keeps_small_rows_in_half_precision() -> None:
-    """get() dequantizes in fp32 then casts: an fp16 scale would flush rows below ~1e-5."""
+# Every (scales, run) on the torch path; in the interpreter, each scale kind and the run once.
+_DENOISE_CASES = [
+    pytest.param(backend, scales, run, id=f"{backend}-{sid}-{rid}", marks=GPU if backend == "triton" else ())
+    for backend in ("torch", "triton")
+    for scales, sid in (("token", "token-scales"), (0.02, "static-scales"))
+    for run, rid in ((1, "one-chunk"), (2, "two-chunk-run"))
+    if backend == "torch" or not (scales != "token" and run == 2)
+]
+
+
+@pytest.mark.parametrize(("backend", "scales", "run"), _DENOISE_CASES)
+def test_slab_denoising_step_equals_its_commit(backend, scales, run, seed) -> None:
+    """Issue 27 #9: with fp32 inputs commit=False attended its own chunk unquantized while the
+    commit attends what it stored (2.9% apart, relative L2). The denoising step now attends
+    its own k/v through the store's quantization: the two agree to fp32's tolerance, with
+    per-token and static scales, for one chunk and a two-chunk run, torch and Triton."""
+    dev = device_for(backend)
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, dtype=FP8, input_dtype=torch.float32, scales=scales)
+    pol = CachePolicy("slab_kv", lay.block_bytes(4) * 8, per_component={"sinks": 1, "window": 2})
+    pool = SlabKVCache(pol, layout=lay, slab_tokens=4, device=dev)
+
+    def qkv(t):
+        return torch.randn(1, t, 4, 16).to(dev), torch.randn(1, t, 2, 16).to(dev), torch.randn(1, t, 2, 16).to(dev)
+
+    pool.forward(*qkv(4), pool.plan({"r": 0}), 0, commit=True, backend=backend)  # the history the step reads
+    meta = pool.plan({"r": 1} if run == 1 else {"r": range(1, 3)})
+    q, k, v = qkv(4 * run)
+    noisy = pool.forward(q, k, v, meta, 0, commit=False, backend=backend)
+    clean = pool.forward(q, k, v, meta, 0, commit=True, backend=backend)
+    assert_close(noisy, clean.double(), torch.float32, f"commit=False vs commit=True ({backend}, scales {scales})")
+
+
+def test_slab_get_keeps_small_rows_in_half_precision(seed) -> None:
+    """get() dequantizes in fp32 then casts: an fp16 scale would flush rows below ~1e-5. The
+    bound: e4m3's 2**-4, then the fp16 cast's rounding (2**-11 relative, 2**-25 absolute for
+    fp16 subnormals, which the 1e-6 row is; the bound once left it out and passed by seed)."""
     from kvarena.cache.slab import Slab
 
     lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype=FP8, input_dtype=torch.float16)
@@ -481,7 +542,8 @@ def test_slab_get_keeps_small_rows_in_half_precision() -> None:
     k = ((torch.rand(1, 4, 1, 8) + 0.5) * torch.tensor([1e-6, 1e-5, 1e-4, 1.0])[None, :, None, None]).half()
     pool.append("n", Slab(0, k, k))
     got = pool.get("n")[0].k.float()
-    assert bool(((got - k.float()).abs() <= k.float().abs() * 2**-4 + 1e-9).all())
+    err, bound = (got - k.float()).abs(), k.float().abs() * (2**-4 + 2**-11) + 2**-25
+    assert bool((err <= bound).all()), f"seed {seed}: worst excess {(err - bound).max().item():.3e} at {(err > bound).nonzero()[:3].tolist()}"
 
 
 def test_slab_append_get_round_trip() -> None:

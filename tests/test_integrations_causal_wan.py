@@ -161,3 +161,72 @@ def test_integrations_import_nothing_heavy() -> None:
             "print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def _state(kv: CausalKVCache, names) -> tuple:
+    """What a refused call must leave as it was (public state): chunks, bytes, the arena."""
+    return [kv.pool.chunk_indices(ns) for ns in names], kv.used_bytes, kv.pool.arena.buffer.clone()
+
+
+@pytest.mark.parametrize("case", ["fp64-k", "rows-of-another-batch", "uncommitted-history", "bad-option"])
+def test_a_refused_first_call_plans_nothing(case: str, seed) -> None:
+    """Issue 27 #4: the step planned at its first call before the pool's forward checked the
+    call, so a refused call (fp64 k: TypeError) had already planned the next chunk and
+    recycled a slab in place (chunk_indices [0, 2, 3] -> [0, 3, 4]). Everything is checked
+    before the plan now; the same call with valid inputs then runs as on an untouched cache."""
+    dtype = torch.float32
+    caches = [CausalKVCache(num_layers=LAYERS, num_kv_heads=H_KV, head_dim=D, frame_tokens=FT, frames_per_chunk=FPC,
+                            sink_frames=1, window_frames=2 * FPC, max_rollouts=2, dtype=dtype) for _ in range(2)]
+    kv, twin = caches
+    n = FPC * FT
+    names = ["cond", "uncond"]
+    for c in range(4):
+        q, k = torch.randn(2, n, H_Q, D, dtype=dtype), torch.randn(2, n, H_KV, D, dtype=dtype)
+        for cache in caches:
+            step = cache.step(names, clean=True)
+            for layer in range(LAYERS if (c < 3 or case != "uncommitted-history") else 1):  # chunk 3: layer 0 only
+                step[layer](q, k, k, current_start=c * n)
+    q, k = torch.randn(2, n, H_Q, D, dtype=dtype), torch.randn(2, n, H_KV, D, dtype=dtype)
+    before = _state(kv, names)
+    assert before[0] == [[0, 2, 3]] * 2
+    call = dict(layer=1, k=k, rows=q.shape[0], opts={})
+    if case == "fp64-k":
+        call["k"], exc, text = k.double(), TypeError, "^k: expected the layout's input dtype torch.float32"
+    elif case == "rows-of-another-batch":
+        call["rows"], exc, text = 1, ValueError, r"^q: expected shape \(2, 6, 4, 16\)"
+    elif case == "uncommitted-history":
+        exc, text = RuntimeError, "chunk 3 of namespace 'cond' is in the history but was never committed at layer 1"
+    else:
+        call["opts"], exc, text = {"window_left": 3}, TypeError, "^window_left: the slab pool's visibility"
+    with pytest.raises(exc, match=text):
+        kv.step(names, clean=False)[call["layer"]](q[: call["rows"]], call["k"][: call["rows"]], k[: call["rows"]],
+                                                   current_start=4 * n, **call["opts"])
+    after = _state(kv, names)
+    assert after[:2] == before[:2], f"{case}: the refused call changed the cache: {before[:2]} -> {after[:2]}"
+    assert torch.equal(after[2], before[2]), f"{case}: the refused call wrote into the arena"
+    if case == "uncommitted-history":
+        return  # the history stays uncommitted at layer 1: refused again, nothing to compare
+    got = kv.step(names, clean=False)[1](q, k, k, current_start=4 * n)
+    want = twin.step(names, clean=False)[1](q, k, k, current_start=4 * n)
+    assert torch.equal(got, want), f"{case}: the next call differs by {(got - want).abs().max().item():.3e}"
+
+
+@pytest.mark.parametrize(("kw", "exc", "text"), [
+    pytest.param(dict(local_attn_size=2), ValueError,
+                 r"^local_attn_size: expected -1 \(global attention\) or at least sink_size \+ num_frame_per_block "
+                 r"= 1 \+ 3 = 4", id="window-shorter-than-sink-plus-chunk"),
+    pytest.param(dict(local_attn_size=0), ValueError, "^local_attn_size: ", id="local-attn-0"),
+    pytest.param(dict(local_attn_size=6.0), TypeError, "^local_attn_size: expected -1", id="local-attn-float"),
+    pytest.param(dict(sink_size=-1), ValueError, "^sink_size: expected an int >= 0", id="negative-sink"),
+    pytest.param(dict(num_frame_per_block=0), ValueError, "^num_frame_per_block: expected an int >= 1",
+                 id="empty-block"),
+    pytest.param(dict(frame_seq_length=0), ValueError, "^frame_seq_length: expected an int >= 1", id="empty-frame"),
+])
+def test_from_self_forcing_names_the_callers_arguments(kw, exc, text) -> None:
+    """Issue 27 #5: local_attn_size=2, sink_size=1, num_frame_per_block=3 complained about
+    window_frames, an argument the caller never passed; now the caller's argument and rule."""
+    args = dict(local_attn_size=6, sink_size=1, num_frame_per_block=FPC, frame_seq_length=FT, num_layers=1,
+                num_kv_heads=H_KV, head_dim=D, **{"dtype": torch.float32})
+    with pytest.raises(exc, match=text) as err:
+        CausalKVCache.from_self_forcing(**{**args, **kw})
+    assert "window_frames" not in str(err.value) and "frame_tokens" not in str(err.value), str(err.value)

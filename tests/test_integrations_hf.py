@@ -169,7 +169,7 @@ def test_kvarena_cache_errors_leave_it_unchanged() -> None:
     small = hf.KVArenaCache(model.config, max_tokens=20, block_size=4)  # the prompts need 33 tokens
     with pytest.raises(CacheFullError):
         model(ids, attention_mask=mask, past_key_values=small)
-    assert small.used_bytes == 0 and small.pool.namespaces() == [] and small.get_seq_length() == 0
+    assert small.used_bytes == 0 and not small.is_initialized and small.get_seq_length() == 0  # no arena yet
     model(ids[:, -4:], attention_mask=mask[:, -4:], past_key_values=small)  # a batch that fits still runs
 
 
@@ -366,3 +366,142 @@ def test_example_script_generates_the_same_tokens(monkeypatch, capsys) -> None:
         monkeypatch.setattr(sys, "argv", [str(script), "--max-new-tokens", "4", "--device", "cpu", *extra])
         runpy.run_path(str(script), run_name="__main__")
         assert "same tokens: True" in capsys.readouterr().out, extra
+
+
+# --------------------------------------------------------------------------- refused steps (issue 27)
+
+
+def _arena_state(cache) -> tuple:
+    """What a refused step must leave as it was (public state): the length transformers sees,
+    the bytes in use and, per row of the pool, its tokens and block ids."""
+    pool = cache.pool
+    rows = () if pool is None else tuple((pool.seq_len(n), tuple(pool.block_ids(n))) for n in pool.namespaces())
+    return cache.get_seq_length(), cache.used_bytes, rows
+
+
+def _refuse(case: str, model, cache, ids, monkeypatch) -> None:
+    """One step of ``ids`` on ``cache`` that kvarena refuses, by ``case`` (grad mode on)."""
+    if case == "dropout":
+        model.train()
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = 0.5
+        try:
+            with pytest.raises(NotImplementedError, match="^kvarena: attention dropout"):
+                model(ids, past_key_values=cache)
+        finally:
+            model.eval()
+            for layer in model.model.layers:
+                layer.self_attn.attention_dropout = 0.0
+    elif case == "4d-mask":
+        mask = torch.zeros(ids.shape[0], 1, ids.shape[1], cache.get_seq_length() + ids.shape[1])
+        with pytest.raises(NotImplementedError, match="^kvarena: an attention mask that did not"):
+            model(ids, attention_mask=mask, past_key_values=cache)
+    elif case == "sdpa-twin":
+        # Layer 0's hand-off goes to sdpa: on a first step layer 1's update refuses; after a
+        # step sdpa itself fails (it sees only the new keys), outside kvarena's code.
+        twin = _model("llama-gqa")
+        twin.set_attn_implementation("sdpa")
+        with pytest.raises((ValueError, RuntimeError), match="^kvarena: KVArenaCache needs|size of tensor"):
+            twin(ids, past_key_values=cache)
+    elif case == "fp8-grad":  # the pool refuses fp8 under autograd, now before the step's plan
+        with pytest.raises(ValueError, match="^k/v: this pool stores fp8"):
+            model(ids, past_key_values=cache)
+    elif case == "triton-unavailable":  # backend="triton" on CPU without the interpreter
+        hf.register(backend="triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        try:
+            with pytest.raises(RuntimeError, match="set TRITON_INTERPRET=1"):
+                model(ids, past_key_values=cache)
+        finally:
+            monkeypatch.undo()
+            hf.register()
+    elif case == "later-layer":  # a step the pool refuses at layer 1, after its plan
+        forward = cache.pool.forward
+
+        def refuse_layer_1(q, k, v, meta, layer, **opts):
+            if layer == 1:
+                raise ValueError("refused at layer 1")
+            return forward(q, k, v, meta, layer, **opts)
+
+        monkeypatch.setattr(cache.pool, "forward", refuse_layer_1)
+        try:
+            with pytest.raises(ValueError, match="refused at layer 1"):
+                model(ids, past_key_values=cache)
+        finally:
+            monkeypatch.undo()
+
+
+# (a refusal after the plan, at a later layer, needs a step before it: the first has no pool)
+REFUSALS = [pytest.param(case, first, id=f"{case}-{'first-step' if first else 'after-a-step'}")
+            for case in ("dropout", "4d-mask", "sdpa-twin", "fp8-grad", "triton-unavailable", "later-layer")
+            for first in (True, False) if not (first and case == "later-layer")]
+
+
+@pytest.mark.parametrize(("case", "first"), REFUSALS)
+def test_a_refused_step_leaves_the_kvarena_cache_as_it_was(case: str, first: bool, seed, monkeypatch) -> None:
+    """Issue 27 #1: a refused step used to advance the cache (length 0 -> 7 and a hand-off
+    left pending, so the next valid call failed with a misleading error), and a step the pool
+    refused after its plan left planned-but-unwritten tokens that the next call attended.
+    Now length, rows, tokens and blocks are as before (no arena if the step made it), and the
+    next valid step gives exactly what a cache that never saw the refusal gives."""
+    model = _model("llama-gqa")
+    model.set_attn_implementation("kvarena")
+    ids = torch.randint(1, 128, (2, 7))
+    kw = dict(block_size=4, dtype=torch.float8_e4m3fn if case == "fp8-grad" else None)
+    cache, clean = hf.KVArenaCache(model.config, **kw), hf.KVArenaCache(model.config, **kw)
+    step = ids if first else ids[:, 4:]
+    if not first:
+        with torch.no_grad():
+            for c in (cache, clean):
+                model(ids[:, :4], past_key_values=c)
+    before = _arena_state(cache)
+    _refuse(case, model, cache, step, monkeypatch)
+    after = _arena_state(cache)
+    assert after == before, f"{case}: the refused step changed the cache: {before} -> {after}"
+    assert cache.is_initialized == clean.is_initialized, f"{case}: the refused first step left an arena"
+    with torch.no_grad():
+        got = model(step, past_key_values=cache).logits
+        want = model(step, past_key_values=clean).logits
+    assert torch.equal(got, want), f"{case}: the next step differs by {(got - want).abs().max().item():.3e}"
+    got_s, want_s = _arena_state(cache), _arena_state(clean)  # block ids may differ: allocation order
+    assert (got_s[:2], [r[0] for r in got_s[2]]) == (want_s[:2], [r[0] for r in want_s[2]]), f"{got_s} != {want_s}"
+
+
+@pytest.mark.parametrize(("n", "exc", "text"), [
+    pytest.param(-100, ValueError, r"^n: crop\(-100\) drops 100 tokens, the cache holds 7", id="past-the-start"),
+    pytest.param(-8, ValueError, r"^n: crop\(-8\) drops 8 tokens, the cache holds 7", id="one-past"),
+    pytest.param(2.5, TypeError, r"^n: expected an int, got 2\.5", id="not-an-int"),
+])
+def test_crop_past_the_cache_is_a_value_error(n, exc, text) -> None:
+    """Issue 27 #2: crop(-100) on 7 tokens gave get_seq_length() == -93. Dropping more than the
+    cache holds is a ValueError naming n, the cache unchanged; dropping all of it empties it."""
+    model = _model("llama-gqa")
+    model.set_attn_implementation("kvarena")
+    cache = hf.KVArenaCache(model.config, block_size=4)
+    with torch.no_grad():
+        model(torch.randint(1, 128, (2, 7)), past_key_values=cache)
+    before = _arena_state(cache)
+    with pytest.raises(exc, match=text):
+        cache.crop(n)
+    assert _arena_state(cache) == before, f"crop({n!r}) changed the cache: {before} -> {_arena_state(cache)}"
+    cache.crop(-7)
+    assert _arena_state(cache)[0] == 0 and all(r[0] == 0 for r in _arena_state(cache)[2]), _arena_state(cache)
+
+
+def test_cache_reused_by_a_model_with_other_kv_heads_is_not_implemented() -> None:
+    """Issue 27 #3: the contract's kvarena: NotImplementedError (it was a ValueError), raised
+    before the step changes the cache; the model the arena was made for still continues."""
+    model = _model("llama-gqa")  # 2 kv heads
+    other = _model("qwen2-mqa")  # 1 kv head
+    for m in (model, other):
+        m.set_attn_implementation("kvarena")
+    cache = hf.KVArenaCache(model.config, block_size=4)
+    ids = torch.randint(1, 128, (2, 7))
+    with torch.no_grad():
+        model(ids[:, :4], past_key_values=cache)
+        before = _arena_state(cache)
+        with pytest.raises(NotImplementedError, match="^kvarena: an arena made for other heads"):
+            other(ids[:, 4:], past_key_values=cache)
+        assert _arena_state(cache) == before, f"{before} -> {_arena_state(cache)}"
+        model(ids[:, 4:], past_key_values=cache)
+    assert cache.get_seq_length() == 7

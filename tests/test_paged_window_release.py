@@ -221,3 +221,34 @@ def test_torch_gradients_never_touch_released_blocks() -> None:
     keys, vals = torch.cat([hist["a"].k[0], k]), torch.cat([hist["a"].v[0], v])
     _want(qr, keys, vals, keys.shape[0] - 1, W).square().sum().backward()
     assert_close(q.grad, qr.grad, torch.float64, "dq after releases")
+
+
+def test_rollback_margin_counts_from_the_longest_planned_length(seed) -> None:
+    """The contract's rollback_tokens guarantee, restated (issue 27: "keeps that many tokens
+    of rollback always possible" fails after an earlier rollback: window 4, block 4,
+    rollback 3: decode to 20, truncate 3, decode 1, truncate 3 -> ValueError). What holds:
+    every length n >= p - rollback_tokens is reachable, p the longest length a plan of the
+    sequence started from; a rollback does not renew the margin."""
+    lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32)
+    pool = PagedKVCache(CachePolicy("paged_kv", lay.block_bytes(4) * 64), layout=lay, block_size=4,
+                        attention=AttentionSpec(window_left=4), free_out_of_window=True, rollback_tokens=3)
+    p_max = 0
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(60):  # decode steps with speculative rollbacks of 1..3 tokens in between
+        p_max = max(p_max, pool.seq_len("a") if "a" in pool else 0)  # where this plan starts
+        pool.plan({"a": 1})
+        n = pool.seq_len("a")
+        for m in range(max(0, p_max - 3), n + 1):
+            pool.check_truncate("a", m)  # guaranteed: raises if the contract's bound is wrong
+        if int(torch.randint(0, 4, (1,), generator=gen)) == 0:
+            pool.truncate("a", max(0, n - int(torch.randint(1, 4, (1,), generator=gen))))
+    assert -1 in pool.block_ids("a"), "nothing was released: the test did not exercise the release"
+    # The issue's sequence: after the first rollback the margin is not renewed.
+    pool.free_namespace("a")
+    for _ in range(20):
+        pool.plan({"a": 1})  # the last plan starts from p = 19
+    pool.truncate("a", 17)
+    pool.plan({"a": 1})
+    with pytest.raises(ValueError, match="^n_tokens: rolling back to 15 tokens needs block 2"):
+        pool.truncate("a", 15)  # 15 < 19 - 3: not guaranteed, and refused here
+    pool.truncate("a", 16)  # 19 - 3: guaranteed

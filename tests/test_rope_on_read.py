@@ -337,3 +337,78 @@ def test_slab_triton_one_launch_denoising_step(positions) -> None:
             assert_close(out[0], want, torch.bfloat16, f"triton chunk {c} commit={commit} ({positions})")
         keys, vals = kk, vv
     assert math.isfinite(float(out.float().abs().max()))
+
+
+# --------------------------------------------------------------------------- issue 27: position checks
+
+
+def test_paged_graph_plan_checks_the_steps_real_positions(seed) -> None:
+    """Issue 27 #6: under graph_capacity=(2, 8) with 4-token blocks a graph plan's
+    max_seqlen_k is the capacity (32), and a decode step at position 5 was refused against a
+    30-row table ("reaches position 31"). The step's real largest position is checked: the
+    step runs (equal to a plan without a graph), a step reaching position 30 is refused."""
+    d, h_q, h_kv, bs = 16, 2, 1, 4
+    cos, sin = rope_table(30, d)
+    lay = KVLayout(num_layers=1, num_kv_heads=h_kv, head_dim=d, dtype=torch.float64)
+    spec = AttentionSpec(rope_cos=cos, rope_sin=sin)
+    graph, plain = (PagedKVCache(CachePolicy("paged_kv", lay.block_bytes(bs) * 16), layout=lay, block_size=bs,
+                                 attention=spec, graph_capacity=cap) for cap in ((2, 8), None))
+    for n, decode_at in ((5, 5), (30, 30)):
+        ns = f"seq{n}"
+        q, k = torch.randn(n, h_q, d, dtype=torch.float64), torch.randn(n, h_kv, d, dtype=torch.float64)
+        for pool in (graph, plain):
+            pool.forward(q, k, k, pool.plan({ns: n}), 0)
+        q, k = torch.randn(1, h_q, d, dtype=torch.float64), torch.randn(1, h_kv, d, dtype=torch.float64)
+        pad = torch.zeros(1, h_kv, d, dtype=torch.float64)  # the graph batch's padding row
+        if decode_at < 30:
+            got = graph.forward(torch.cat([q, q.new_zeros(1, h_q, d)]), torch.cat([k, pad]), torch.cat([k, pad]),
+                                graph.plan({ns: 1}, graph=True), 0)
+            want = plain.forward(q, k, k, plain.plan({ns: 1}), 0)
+            assert_close(got[:1], want, torch.float64, f"graph decode at position {decode_at}")
+        else:
+            with pytest.raises(ValueError, match="^rope_cos: this step reaches position 30, past the 30-row"):
+                graph.forward(torch.cat([q, q]), torch.cat([k, pad]), torch.cat([k, pad]),
+                              graph.plan({ns: 1}, graph=True), 0)
+
+
+@pytest.mark.parametrize(("shift", "ok"), [
+    pytest.param([-4, 0, 0, 0], True, id="shift-of-a-block-outside-the-window"),
+    pytest.param([-90, 40, 0, 0], True, id="any-shift-outside-the-window"),
+    pytest.param([0, 0, 0, 20], False, id="visible-block-past-the-table"),
+    pytest.param([-1, 0, 0, 0], False, id="sink-block-before-the-table"),
+])
+def test_functional_rope_check_counts_only_visible_keys(shift, ok, seed) -> None:
+    """Issue 27 #7: a StreamingLLM-style shift of a block outside the window (rope_k_shift
+    [[-4, 0, 0, 0]], window_left=3) was refused although only visible positions must be rows
+    of the table. Hidden keys may be shifted anywhere (the output is the unshifted call's);
+    a visible key, a sink included, outside the table is still refused."""
+    d = 16
+    cos, sin = rope_table(30, d)
+    kc = torch.randn(4, 4, 1, d, dtype=torch.float64)
+    q = torch.randn(1, 2, d, dtype=torch.float64)
+    args = (q, kc, kc, torch.tensor([[0, 1, 2, 3]], dtype=torch.int32), torch.tensor([16], dtype=torch.int32))
+    sinks = 0 if ok else 2
+    kw = dict(window_left=3, sink_tokens=sinks, rope_cos=cos, rope_sin=sin, backend="torch")
+    rk = torch.tensor([shift], dtype=torch.int32)
+    if ok:
+        got = paged_attention(*args, rope_k_shift=rk, **kw)
+        want = paged_attention(*args, rope_k_shift=torch.zeros_like(rk), **kw)
+        assert_close(got, want, torch.float64, f"hidden blocks shifted by {shift}")
+    else:
+        with pytest.raises(ValueError, match="^rope_k_shift: sequence 0's key positions reach"):
+            paged_attention(*args, rope_k_shift=rk, **kw)
+
+
+@pytest.mark.parametrize(("sizes", "exc", "name"), [
+    pytest.param((0, 2, 3, 16), ValueError, "frames", id="no-frames"),
+    pytest.param((-1, 2, 3, 16), ValueError, "frames", id="negative-frames"),
+    pytest.param((2, 0, 3, 16), ValueError, "height", id="no-height"),
+    pytest.param((2, 2, -3, 16), ValueError, "width", id="negative-width"),
+    pytest.param((2.0, 2, 3, 16), TypeError, "frames", id="float-frames"),
+    pytest.param((2, 2, 3, 15), ValueError, "head_dim", id="odd-head-dim"),
+])
+def test_wan_rope_table_refuses_bad_sizes(sizes, exc, name) -> None:
+    """Issue 27 #8: frames=0 returned an empty table and frames=-1 raised a torch
+    RuntimeError naming nothing; each bad size is an error naming its argument."""
+    with pytest.raises(exc, match=f"^{name}: expected an"):
+        wan_rope_table(*sizes)

@@ -40,6 +40,7 @@ __all__ = [
     "store",
     "resolve_backend",
     "check_no_overlap",
+    "check_disjoint",
 ]
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -112,6 +113,84 @@ def check_no_overlap(name: str, t: torch.Tensor) -> None:
             )
         extent = stride * size
     return None
+
+
+def _layout(t: torch.Tensor) -> list[tuple[int, int]]:
+    """``(stride, size)`` of ``t``'s dimensions of size > 1, largest stride first."""
+    return sorted(((t.stride(i), t.shape[i]) for i in range(t.dim()) if t.shape[i] > 1), reverse=True)
+
+
+def _lattice_hits(target: int, dims: list[tuple[int, int]]) -> bool:
+    """Whether ``target = sum c_i * stride_i`` has a solution with ``|c_i| < size_i`` over
+    ``dims`` (a non-overlapping layout, largest stride first: each stride passes the whole
+    extent of the smaller ones, so at most two digits fit per dimension)."""
+    if not dims:
+        return target == 0
+    (stride, size), rest = dims[0], dims[1:]
+    reach = sum((n - 1) * st for st, n in rest)  # what the smaller dimensions can still add
+    lo = max(-(size - 1), -((reach - target) // stride))  # ceil((target - reach) / stride)
+    hi = min(size - 1, (target + reach) // stride)
+    return any(_lattice_hits(target - c * stride, rest) for c in range(lo, hi + 1))
+
+
+def _holds_byte(t: torch.Tensor, dims: list[tuple[int, int]], rel: torch.Tensor) -> torch.Tensor:
+    """Per byte offset ``rel`` (int64, from ``t.data_ptr()``): does one of ``t``'s elements
+    cover it? ``dims``: ``_layout(t)`` of a non-overlapping ``t`` (greedy digits are exact)."""
+    isz = t.element_size()
+    ok = rel >= 0
+    r = rel.clamp(min=0)
+    for stride, size in dims:
+        c = r // (stride * isz)
+        ok &= c < size
+        r = r - c.clamp(max=size - 1) * (stride * isz)
+    return ok & (r < isz)
+
+
+def check_disjoint(name: str, t: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
+    """Reject ``t`` sharing any byte with ``other`` (both written, or meant to be distinct).
+
+    Equal addresses, a tensor passed twice, views a few elements apart: every overlap, while
+    views that interleave without touching (one arena's K and V of a layer) pass. Both must
+    have passed :func:`check_no_overlap`. Tensors whose byte spans do not meet cost two
+    multiplications; equal layouts are settled on their strides; others (never the case of
+    an arena's views) by their elements.
+    """
+    if t.numel() == 0 or other.numel() == 0 or t.device != other.device:
+        return
+    spans = []
+    for x in (t, other):
+        lo = x.data_ptr()
+        spans.append((lo, lo + (sum((n - 1) * st for st, n in _layout(x)) + 1) * x.element_size()))
+    (a0, a1), (b0, b1) = spans
+    if a1 <= b0 or b1 <= a0:
+        return
+    dims, odims = _layout(t), _layout(other)
+    isz = t.element_size()
+    if isz == other.element_size() and dims == odims:
+        # Element I of t and J of other overlap iff off(J) - off(I) is the address gap to
+        # within an element: a multiple of the item size, at most two candidates.
+        gap = a0 - b0
+        hit = any(_lattice_hits(g, dims) for g in {gap // isz, -(-gap // isz)} if abs(g * isz - gap) < isz)
+    else:  # the smaller tensor's bytes, looked up in the other's layout
+        small, big, bdims = (t, other, odims) if t.numel() <= other.numel() else (other, t, dims)
+        sdims = _layout(small)
+        offs = torch.zeros(1, dtype=torch.int64)
+        for stride, size in sdims:
+            offs = (offs[:, None] + torch.arange(size, dtype=torch.int64)[None, :] * (stride * small.element_size())).flatten()
+        base = small.data_ptr() - big.data_ptr()
+        hit = False
+        for j in range(small.element_size()):
+            for part in offs.split(1 << 20):
+                if bool(_holds_byte(big, bdims, part + (base + j)).any()):
+                    hit = True
+                    break
+            if hit:
+                break
+    if hit:
+        raise ValueError(
+            f"{name}: overlaps {other_name}'s memory (the same tensor, or views of one buffer sharing elements); "
+            f"a write to one would change the other: pass separate memory"
+        )
 
 
 def _require_interpreter() -> None:
@@ -218,8 +297,7 @@ def check_kv_scales(k_cache: torch.Tensor, k_scale, v_scale, q_dtype: torch.dtyp
     if k_scale.dim():
         check_no_overlap("k_scale", k_scale)
         check_no_overlap("v_scale", v_scale)
-        if k_scale.data_ptr() == v_scale.data_ptr():
-            raise ValueError("v_scale: the same memory as k_scale; K and V need their own per-token scales")
+        check_disjoint("v_scale", v_scale, "k_scale", k_scale)
     elif _check_values(k_scale):
         for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
             if not 0 < float(t) < float("inf"):
@@ -279,9 +357,12 @@ def check_rope_values(spec: AttentionSpec, rope_pos, seq_lens, cu_seqlens_q, blo
                       kv_start=None) -> None:
     """Query and key positions inside the table (host read: CPU / debug only).
 
-    Rows of sequences with keys, and keys in ``[kv_start, L)``: a ``seq_len = 0`` padding
-    row sees nothing, and keys before ``kv_start`` are never read (the kernels clamp rows
-    into the table anyway).
+    Rows of sequences with keys, and the keys some query of the sequence can see: in
+    ``[kv_start, L)`` and, with a window, at or after its first query's window start
+    ``L - q_len - window_left`` (or below ``sink_tokens``). A ``seq_len = 0`` padding row
+    sees nothing, and no invisible key is rotated into a result (the kernels clamp rows
+    into the table anyway), so a hidden key's shift may point anywhere (StreamingLLM-style
+    shifts of blocks outside the window).
     """
     n_pos = spec.rope_cos.shape[0]
     rq, rk = rope_pos if rope_pos is not None else (None, None)
@@ -297,8 +378,10 @@ def check_rope_values(spec: AttentionSpec, rope_pos, seq_lens, cu_seqlens_q, blo
         if n_q and (int(q0[b]) < 0 or int(q0[b]) + n_q > n_pos):
             raise ValueError(f"rope_q_pos: sequence {b}'s query positions [{int(q0[b])}, {int(q0[b]) + n_q}) "
                              f"leave the {n_pos}-row rotary table")
-        if n_k:
-            t = torch.arange(k0, n_k)
+        t = torch.arange(k0, n_k)
+        if spec.window_left is not None:  # the first query sees the most: t >= p0 - window_left
+            t = t[(t >= n_k - n_q - spec.window_left) | (t < spec.sink_tokens)]
+        if n_q and t.numel():
             pos = t + (rk[b].long().cpu()[t // block_size] if rk is not None else 0)
             lo, hi = int(pos.min()), int(pos.max())
             if lo < 0 or hi >= n_pos:
@@ -843,6 +926,7 @@ def _validate_store(k, v, k_cache, v_cache, slot_mapping) -> None:
             raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous, got strides {t.stride()}")
     check_no_overlap("k_cache", k_cache)
     check_no_overlap("v_cache", v_cache)
+    check_disjoint("v_cache", v_cache, "k_cache", k_cache)
     _require_int_tensor("slot_mapping", slot_mapping, (k.shape[0],), k_cache.device, (torch.int32, torch.int64))
     if _check_values(k_cache) and slot_mapping.numel():
         reference.check_slots(slot_mapping.long().cpu(), k_cache.shape[0] * k_cache.shape[1])
@@ -892,6 +976,10 @@ def store_kv(
     check_backend(backend)
     _validate_store(k, v, k_cache, v_cache, slot_mapping)
     kv_scales = check_kv_scales(k_cache, k_scale, v_scale, k.dtype, "k")
+    if kv_scales is not None and k_scale.dim():  # per-token scales are written too
+        for sname, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+            for cname, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+                check_disjoint(sname, sc, cname, cache)
     store(k, v, k_cache, v_cache, slot_mapping, resolve_backend(backend, k_cache.device, k.dtype, False, "k"),
           kv_scales)
 

@@ -38,6 +38,7 @@ __all__ = [
     "fp8_row_scales",
     "quantize_fp8",
     "dequantize_fp8",
+    "fp8_round_trip",
 ]
 
 #: Largest finite float8_e4m3fn value; quantized values saturate there.
@@ -80,6 +81,14 @@ def dequantize_fp8(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     """``x8 [..., D]`` (fp8) times ``scale [...]`` (or a 0-dim static scale), in ``dtype``."""
     sc = scale.to(dtype)
     return x8.to(dtype) * (sc[..., None] if sc.dim() else sc)
+
+
+def fp8_round_trip(x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """What an fp8 store of ``x [..., D]`` reads back, in ``x``'s dtype: quantized by the store's
+    rule (each row's :func:`fp8_row_scales`, or the 0-dim static ``scale``) and dequantized
+    in fp32, so attention over it sees exactly the values a store followed by a read sees."""
+    sc = fp8_row_scales(x) if scale is None else scale
+    return dequantize_fp8(quantize_fp8(x, sc), sc, torch.float32).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from kvarena.attention.spec import check_int
+
 __all__ = ["rope_table", "wan_rope_table"]
 
 
@@ -20,14 +22,22 @@ def _angles(positions: torch.Tensor, dim: int, theta: float) -> torch.Tensor:
     return positions.double()[:, None] * inv[None, :]
 
 
+def _check_sizes(**sizes: int) -> None:
+    """Each table size an int >= 1 and ``head_dim`` even (>= 2): TypeError / ValueError naming it."""
+    for name, n in sizes.items():
+        check_int(name, n, 2 if name == "head_dim" else 1)
+    if sizes["head_dim"] % 2:
+        raise ValueError(f"head_dim: expected an even int (D / 2 rotation pairs), got {sizes['head_dim']}")
+
+
 def rope_table(num_positions: int, head_dim: int, *, theta: float = 10000.0, device=None):
     """The standard 1-D RoPE table: ``(cos, sin)``, each fp32 ``[num_positions, head_dim / 2]``.
 
     Column i holds angle ``p * theta ** (-2i / head_dim)`` (Llama, Qwen, Mistral; use
-    ``rope_interleaved=False`` for their ``rotate_half`` pairs).
+    ``rope_interleaved=False`` for their ``rotate_half`` pairs). A ``num_positions`` below
+    1 (or an odd ``head_dim``) is a ValueError naming it, a non-int a TypeError.
     """
-    if head_dim % 2 or head_dim < 2 or num_positions < 1:
-        raise ValueError(f"rope_table: expected num_positions >= 1 and an even head_dim, got {num_positions}, {head_dim}")
+    _check_sizes(num_positions=num_positions, head_dim=head_dim)
     a = _angles(torch.arange(num_positions), head_dim, theta)
     return a.cos().float().to(device), a.sin().float().to(device)
 
@@ -39,10 +49,10 @@ def wan_rope_table(frames: int, height: int, width: int, head_dim: int, *, theta
     Wan splits the ``c = head_dim / 2`` complex channels into ``c - 2 (c // 3)`` frame,
     ``c // 3`` height and ``c // 3`` width channels, each with 1-D frequencies of its own
     width (``theta ** (-2i / w)`` over ``w = 2 * channels``). The frame index is the
-    position that moves along a rollout; height and width repeat every frame.
+    position that moves along a rollout; height and width repeat every frame. A size below
+    1 (or an odd ``head_dim``) is a ValueError naming it, a non-int a TypeError.
     """
-    if head_dim % 2:
-        raise ValueError(f"wan_rope_table: head_dim must be even, got {head_dim}")
+    _check_sizes(frames=frames, height=height, width=width, head_dim=head_dim)
     c = head_dim // 2
     cf, ch = c - 2 * (c // 3), c // 3
     f = _angles(torch.arange(frames), 2 * cf, theta)  # [F, cf]

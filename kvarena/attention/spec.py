@@ -43,6 +43,19 @@ def check_bool(name: str, value) -> bool:
     return value
 
 
+def check_int(name: str, value, minimum: int) -> int:
+    """``value`` itself if it is an int (not a bool) ``>= minimum``; else ``TypeError`` /
+    ``ValueError`` naming ``name``.
+
+    One check for every count argument of the package (the cache modules' ``_check_int``).
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
 def check_backend(backend) -> str:
     """``backend`` if it is one of :data:`BACKENDS`; else ``ValueError`` naming it."""
     if not isinstance(backend, str) or backend not in BACKENDS:

@@ -43,6 +43,7 @@ import torch
 from kvarena.attention.ops import FP8_CACHE_DTYPES as FP8_DTYPES
 from kvarena.attention.ops import KERNEL_DTYPES as _FP8_INPUT_DTYPES
 from kvarena.attention.ops import as_bytes
+from kvarena.attention.spec import check_int
 
 __all__ = [
     "ALIGN_BYTES",
@@ -71,16 +72,10 @@ class CacheFullError(RuntimeError):
     """An allocation the budget cannot hold. The pool is exactly as before the call."""
 
 
-def _check_int(name: str, value, minimum: int) -> int:
-    """``value`` itself if it is an int (not a bool) ``>= minimum``; else TypeError/ValueError.
-
-    Shared by the arena and the KV pools, so every count argument fails with one message.
-    """
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return value
+#: ``value`` itself if it is an int (not a bool) ``>= minimum``; else TypeError/ValueError.
+#: Shared by the arena and the KV pools (and the rotary tables: its home is
+#: ``kvarena.attention.spec``), so every count argument fails with one message.
+_check_int = check_int
 
 
 def _check_pos_int(name: str, value, minimum: int = 1) -> int:

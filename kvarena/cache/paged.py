@@ -94,6 +94,13 @@ class PagedMetadata:
     #: Decode context parallel: ``(own_table [B, max_q], own_lens [B])``, the step's own
     #: keys as one-token pages of the given k / v (None otherwise).
     cp_own: tuple | None = field(default=None, repr=False)
+    #: The step's longest sequence (host int; a graph plan's ``max_seqlen_k`` is its
+    #: capacity instead). None: ``max_seqlen_k``.
+    _longest: int | None = field(default=None, repr=False)
+
+    @property
+    def _max_seq_len(self) -> int:
+        return self.max_seqlen_k if self._longest is None else self._longest
 
 
 class _Seq:
@@ -164,8 +171,10 @@ class PagedKVCache(KVPoolBase):
         would see more.
     rollback_tokens : int, default 0
         With ``free_out_of_window``: blocks are kept until they are out of the window of
-        a query ``rollback_tokens`` positions earlier too, so ``truncate`` back by up to
-        that many tokens (speculative decoding's rejected drafts) always works.
+        a query ``rollback_tokens`` positions earlier too, so ``truncate`` to any length
+        ``>= p - rollback_tokens`` always works, ``p`` the longest length a plan of the
+        sequence started from (speculative decoding's rejected drafts). Released blocks
+        never come back: a rollback does not renew the margin for the next one.
     context_parallel : kvarena.distributed.ContextParallel, optional
         ``mode="tokens"``: decode context parallel over the group's ranks (q, k, v and
         the output replicated; block ``j`` of a sequence stored only by rank ``j % N``);
@@ -863,6 +872,7 @@ class PagedKVCache(KVPoolBase):
             cu_seqlens_q=g["cu_seqlens_q"],
             max_seqlen_q=g["q_per_seq"],
             max_seqlen_k=g["max_blocks"] * bs,
+            _longest=max(s.seq_len for s in seqs),
             total_q=g["max_batch"] * g["q_per_seq"],
             num_seqs=g["max_batch"],
             namespaces=namespaces,
@@ -998,6 +1008,27 @@ class PagedKVCache(KVPoolBase):
                 "construct it with layout=KVLayout(...) to store and attend"
             )
         self._require_current(meta)
+        layer, spec, group, attn_backend, store_backend, kv_grad = self._check_call(
+            q, k, v, layer, options, meta.total_q, meta.pad_to is not None)
+        # The step's real longest sequence, not a graph plan's capacity: its last token is
+        # the largest position any query or key of the step has.
+        if spec.rope_mode and meta._max_seq_len > spec.rope_cos.shape[0]:
+            raise ValueError(f"rope_cos: this step reaches position {meta._max_seq_len - 1}, past the "
+                             f"{spec.rope_cos.shape[0]}-row rotary table of layer {layer}")
+        kc, vc, scales = region.op_views(layer)
+        store(k, v, kc, vc, meta.slot_mappings[group], store_backend, scales)
+        return attend(
+            q, kc, vc, meta.block_tables[group], meta.seq_lens, meta.cu_seqlens_q, None, spec=spec,
+            max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, backend=attn_backend,
+            new_kv=(k, v) if kv_grad else None, kv_scales=scales,
+        )
+
+    def _check_call(self, q, k, v, layer, options: dict, total_q: int | None = None, padded: bool = False):
+        """What :meth:`forward` checks that needs no metadata, in its order: the layer, the
+        per-call options, q/k/v (``total_q`` rows; None: ``q``'s), sink logits and the
+        backends (``padded``: a ``pad_to`` plan). Changes nothing; an adapter calls it before
+        it plans a step, so a step the forward would refuse plans nothing. Returns
+        ``(layer, spec, group, attention backend, store backend, k/v need gradients)``."""
         layer = self._check_layer(layer)
         spec = self._call_spec(layer, options)
         group = self._layer_group[layer]
@@ -1007,24 +1038,17 @@ class PagedKVCache(KVPoolBase):
             if spec.window_left is None or spec.window_left > w or spec.sink_tokens > sinks:
                 raise ValueError(f"window_left/sink_tokens: this pool releases layer {layer}'s blocks outside "
                                  f"window_left={w}, sink_tokens={sinks} (free_out_of_window); a call cannot see more")
-        self._check_qkv(q, k, v, (meta.total_q,), "[total_q, H, D]", layer)
+        if total_q is None:
+            total_q = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() else 0
+        self._check_qkv(q, k, v, (total_q,), "[total_q, H, D]", layer)
         if spec.sink_logits is not None:
             check_sink_logits(spec.sink_logits, q)
         attn_backend, store_backend, kv_grad = self._backends(spec, q, k, v)
-        if kv_grad and meta.pad_to is not None:
+        if kv_grad and padded:
             # The differentiable paths read each query row's own k/v at its position, which
             # for a padding row is a real older token's.
             raise ValueError("meta: a padded plan (pad_to) gives no gradient to k/v; plan the real tokens packed")
-        if spec.rope_mode and meta.max_seqlen_k > spec.rope_cos.shape[0]:
-            raise ValueError(f"rope_cos: this step reaches position {meta.max_seqlen_k - 1}, past the "
-                             f"{spec.rope_cos.shape[0]}-row rotary table of layer {layer}")
-        kc, vc, scales = region.op_views(layer)
-        store(k, v, kc, vc, meta.slot_mappings[group], store_backend, scales)
-        return attend(
-            q, kc, vc, meta.block_tables[group], meta.seq_lens, meta.cu_seqlens_q, None, spec=spec,
-            max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, backend=attn_backend,
-            new_kv=(k, v) if kv_grad else None, kv_scales=scales,
-        )
+        return layer, spec, group, attn_backend, store_backend, kv_grad
 
     def __repr__(self) -> str:
         return (

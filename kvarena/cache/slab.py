@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from kvarena.attention.ops import as_bytes, attend, attend_history_and_own, resolve_backend, store
-from kvarena.attention.reference import dequantize_fp8, fp8_row_scales, quantize_fp8
+from kvarena.attention.reference import dequantize_fp8, fp8_round_trip, fp8_row_scales, quantize_fp8
 from kvarena.attention.spec import INT_LIMIT, AttentionSpec, check_bool
 from kvarena.cache._meta import (
     StaleMetadataError,
@@ -1160,7 +1160,8 @@ class SlabKVCache(KVPoolBase):
         commit : bool, default True
             True (the clean pass): write detached ``k, v`` into the chunk's slab, then
             attend over the visible slabs. False (a denoising step): write nothing;
-            attend over the committed history and the given ``k, v`` (merged by LSE).
+            attend over the committed history and the given ``k, v`` (merged by LSE; on
+            an fp8 layout ``k, v`` quantized and read back as the commit stores them).
             Both give the same result for the same inputs.
         **options
             Per-call overrides of the layer's :class:`AttentionSpec`: ``backend``,
@@ -1253,20 +1254,12 @@ class SlabKVCache(KVPoolBase):
     def _forward_local(self, q, k, v, meta, layer, commit, options):
         region = self._require_arena("forward")
         self._require_current(meta)
-        check_bool("commit", commit)
-        layer = self._check_layer(layer)
-        spec = self._call_spec(layer, options)
         b, t = meta.num_seqs, meta.n_tokens
         tq = meta.q_tokens or t  # query rows (the whole chunk under context parallel tokens mode)
-        h_q = self._check_qkv(q, k, v, (b, t), "[B, T, H, D]", q_lead=(b, tq))
+        layer, spec, h_q, attn_backend, store_backend, kv_grad = self._check_call(
+            q, k, v, layer, commit, options, (b, t), tq)
         h_kv, d = self.layout.num_kv_heads, self.layout.head_dim
-        attn_backend, store_backend, kv_grad = self._backends(spec, q, k, v)
-        for (ns, _i), ch in meta._history:
-            if not ch.committed[layer]:
-                raise RuntimeError(
-                    f"forward: chunk {ch.index} of namespace {ns!r} is in the history but was "
-                    f"never committed at layer {layer} (run forward(..., commit=True) for it)"
-                )
+        self._check_committed(meta._history, layer)
         op_spec, op_spec_lse = _op_specs(spec) if options else self._op_pairs[layer]
         rope_full = rope_hist = rope_own = None
         if spec.rope_mode:
@@ -1301,6 +1294,11 @@ class SlabKVCache(KVPoolBase):
             # The history before the run from the arena, the run's own tokens from k, v.
             kd = k if k.stride(-1) == 1 else k.contiguous()
             vd = v if v.stride(-1) == 1 else v.contiguous()
+            if self.layout.is_fp8:
+                # What a commit would store and read back: the denoising step attends exactly
+                # what the clean pass will (the store's rule: per-row or the layer's static scales).
+                static = store_scales if store_scales[0].dim() == 0 else (None, None)
+                kd, vd = fp8_round_trip(kd, static[0]), fp8_round_trip(vd, static[1])
             paged = {}
             if multi:
                 g = meta.own_page_tokens
@@ -1316,6 +1314,46 @@ class SlabKVCache(KVPoolBase):
             )
         out = out.reshape(b, tq, h_q, d)
         return (out, lse.reshape(b, tq, h_q)) if spec.return_lse else out
+
+    def _check_call(self, q, k, v, layer, commit, options: dict, lead: tuple[int, int], q_tokens: int | None = None):
+        """What the forward checks that needs no metadata, in its order: ``commit``, the
+        layer, the per-call options, q/k/v (``lead = (B, T)``; q has ``q_tokens`` rows, default
+        T) and the backends. Changes nothing; an adapter calls it before it plans a step, so
+        a step the forward would refuse plans nothing. Returns ``(layer, spec, H_q,
+        attention backend, store backend, k/v need gradients)``."""
+        check_bool("commit", commit)
+        layer = self._check_layer(layer)
+        spec = self._call_spec(layer, options)
+        h_q = self._check_qkv(q, k, v, lead, "[B, T, H, D]", q_lead=(lead[0], q_tokens or lead[1]))
+        return (layer, spec, h_q, *self._backends(spec, q, k, v))
+
+    @staticmethod
+    def _check_committed(history, layer: int) -> None:
+        """``history``: ``((namespace, index), chunk record)`` pairs a step reads; each must be
+        committed at ``layer``."""
+        for (ns, _i), ch in history:
+            if not ch.committed[layer]:
+                raise RuntimeError(
+                    f"forward: chunk {ch.index} of namespace {ns!r} is in the history but was "
+                    f"never committed at layer {layer} (run forward(..., commit=True) for it)"
+                )
+
+    def _history_of(self, batch: Mapping) -> list:
+        """The history a plan of ``batch`` (namespace -> ``(range, n_tokens)``) would read, as
+        :meth:`_build_meta` lists it, changing nothing; chunks the plan would refuse (recycled)
+        are left to the plan's own error."""
+        out = []
+        with self._lock:
+            for ns, (run, _n) in batch.items():
+                r = self._rollouts.get(ns)
+                if r is None:
+                    continue  # a new rollout: no history
+                records = {**r.retired, **r.chunks}
+                for c in run:
+                    for i in self._chunks_seen(c, r.n0):
+                        if i < run.start and i in records:
+                            out.append(((ns, i), records[i]))
+        return out
 
     # ------------------------------------------------------------------ seed API
     def append(self, namespace: Hashable, slab: Slab) -> None:

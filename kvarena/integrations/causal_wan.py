@@ -129,7 +129,21 @@ class CausalKVCache:
     @classmethod
     def from_self_forcing(cls, *, local_attn_size: int, sink_size: int, num_frame_per_block: int,
                           frame_seq_length: int, **kwargs) -> CausalKVCache:
-        """The adapter for Self-Forcing / LongLive's settings (``local_attn_size=-1``: global)."""
+        """The adapter for Self-Forcing / LongLive's settings (``local_attn_size=-1``: global).
+
+        ``local_attn_size`` counts the sink frames in: it must be -1 or at least
+        ``sink_size + num_frame_per_block`` (a chunk's queries see their whole chunk besides
+        the sinks); each argument is checked under its own name.
+        """
+        sink = _check_int("sink_size", sink_size, 0)
+        fpc = _check_int("num_frame_per_block", num_frame_per_block, 1)
+        _check_int("frame_seq_length", frame_seq_length, 1)
+        if isinstance(local_attn_size, bool) or not isinstance(local_attn_size, int):
+            raise TypeError(f"local_attn_size: expected -1 (global attention) or an int, got {local_attn_size!r}")
+        if local_attn_size != -1 and local_attn_size < sink + fpc:
+            raise ValueError(f"local_attn_size: expected -1 (global attention) or at least sink_size + "
+                             f"num_frame_per_block = {sink} + {fpc} = {sink + fpc} frames (the sinks plus a whole "
+                             f"chunk), got {local_attn_size}")
         window = None if local_attn_size == -1 else local_attn_size - sink_size
         return cls(frame_tokens=frame_seq_length, frames_per_chunk=num_frame_per_block, sink_frames=sink_size,
                    window_frames=window, **kwargs)
@@ -221,10 +235,21 @@ class CausalStep(Sequence):
         """``q [B, T, H_q, D]``, ``k, v [B, T, H_kv, D]`` of tokens ``current_start ..``."""
         if not isinstance(q, torch.Tensor) or q.dim() != 4:
             raise ValueError(f"q: expected a [B, T, H_q, D] tensor, got {getattr(q, 'shape', type(q).__name__)}")
+        if self.meta is None:
+            self._check_first_call(layer, q, k, v, int(current_start), options)
         meta = self.plan(int(current_start), int(q.shape[1]), int(q.shape[0]))
         out = self._cache.pool.forward(q, k, v, meta, layer, commit=self.clean, **options)
         self._done[layer] = True
         return out
+
+    def _check_first_call(self, layer: int, q, k, v, current_start: int, options: dict) -> None:
+        """Before the step's plan (which may recycle a slab in place): everything the pool's
+        forward would refuse in this call, so a refused first call leaves the cache as it was."""
+        pool = self._cache.pool
+        names = self._namespaces if self._namespaces is not None else tuple(range(q.shape[0]))
+        batch = {ns: pool.chunks_for_tokens(ns, current_start, q.shape[1]) for ns in names}  # the plan's own checks
+        layer = pool._check_call(q, k, v, layer, self.clean, options, (len(names), q.shape[1]))[0]
+        pool._check_committed(pool._history_of(batch), layer)
 
     def __enter__(self) -> CausalStep:
         return self

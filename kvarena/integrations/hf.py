@@ -24,6 +24,7 @@ packed sequences (``position_ids`` restarting inside a row), dropout while train
 
 from __future__ import annotations
 
+import numbers
 import weakref
 
 import torch
@@ -158,6 +159,21 @@ def kvarena_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     -------
     ``(out [B, S, H_q, D], None)``.
     """
+    handoff = _HANDOFF.get(id(key))
+    cache = handoff[1] if handoff is not None and handoff[0]() is key else None
+    if cache is None:
+        return _attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
+                          s_aux, backend, kwargs, None)
+    try:
+        return _attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
+                          s_aux, backend, kwargs, handoff)
+    except BaseException:  # a refused step leaves a KVArenaCache as it was before the step
+        cache._abort_step()
+        raise
+
+
+def _attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, s_aux,
+               backend, kwargs, handoff):
     if dropout and module.training:
         raise _unsupported("attention dropout while training")
     if attention_mask is not None and not hasattr(attention_mask, "_kvarena"):
@@ -175,10 +191,9 @@ def kvarena_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
                                f"({sliding_window})")
         attention_mask = attention_mask if padded else None
     b, h_q, s, d = query.shape
-    arena = _HANDOFF.get(id(key))
-    if arena is not None and arena[0]() is key:
-        return arena[1]._attend(arena[2], query, key, value, attention_mask, scaling, causal, window, softcap,
-                                s_aux, backend, kwargs.get("position_ids"))
+    if handoff is not None:
+        return handoff[1]._attend(handoff[2], query, key, value, attention_mask, scaling, causal, window, softcap,
+                                  s_aux, backend, kwargs.get("position_ids"))
     n = key.shape[2]
     _check_packed(kwargs.get("position_ids"), attention_mask, b, s, n)
     q = query.transpose(1, 2).reshape(b * s, h_q, d)
@@ -244,7 +259,9 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
     stored, every layer's new K/V stored into the arena and attended through the block
     tables; beam search / ``num_return_sequences`` reorder rows with ``fork`` (blocks
     shared by reference count), assisted decoding's ``crop`` is ``truncate``, ``reset()``
-    frees every block. A full arena raises ``CacheFullError`` with the cache unchanged.
+    frees every block. A full arena raises ``CacheFullError`` with the cache unchanged, and
+    any other refused step (an unsupported input, another implementation's attention, a
+    call the pool refuses) leaves it as it was before the step: length, rows and blocks.
 
     Parameters
     ----------
@@ -269,7 +286,8 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         (:func:`kvarena.group_layers` of ``config.layer_types``): the sliding groups hold
         about a window per row, the full ones the whole history.
     rollback_tokens : int, default 64
-        With the release on: how far ``crop`` (assisted decoding) can always go back.
+        With the release on: how far ``crop`` (assisted decoding) can always go back from
+        the longest length a step started from (a crop does not renew the margin).
     """
 
     def __new__(cls, *args, **kwargs):
@@ -313,13 +331,25 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         self._step_rows = None
         self._packed = False
         self._pending: set[int] = set()  # hand-offs not attended yet
+        # The step in progress, to undo if it is refused: (length, rows, each row's pool
+        # length, whether the pool was made for it); None between steps.
+        self._undo = None
 
     # --- what transformers asks ------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        self._settle()
         return self._len
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        self._settle()
         return self._len + query_length, 0
+
+    def _settle(self) -> None:
+        """A hand-off still pending when transformers asks for the length (a forward starts)
+        was attended by another implementation, which may have failed outside kvarena (sdpa
+        given this cache): the step it belongs to is undone before anyone reads the length."""
+        if self._pending:
+            self._abort_step()
 
     @property
     def is_compileable(self) -> bool:
@@ -380,12 +410,25 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
                                  device=device, **release)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Hand the new K/V to the attention function (stored there, where the padding is known)."""
+        """Hand the new K/V to the attention function (stored there, where the padding is known).
+
+        A refusal here (or in the attention function, or in the pool) undoes the step in
+        progress: the cache is as it was before the step's first layer.
+        """
+        try:
+            return self._update(key_states, value_states, layer_idx)
+        except BaseException:
+            self._abort_step()
+            raise
+
+    def _update(self, key_states, value_states, layer_idx):
         impl = getattr(self.config, "_attn_implementation", None)
+        if layer_idx == 0 and not self._pending:
+            self._undo = None  # the last step ran through: nothing of it waits for kvarena's attention
         if impl != NAME or self._pending:
             # The config it was made with says so, or the last hand-off was never attended by
-            # kvarena (a model other than the config's, on another implementation).
-            self._pending.clear()
+            # kvarena (a model other than the config's, on another implementation): the step
+            # that hand-off belongs to is undone (by update's caller).
             raise ValueError(f"kvarena: KVArenaCache needs attn_implementation='kvarena', the model uses "
                              f"{impl if impl != NAME else 'another implementation'!r}; its attention would see "
                              "only the new tokens")
@@ -394,75 +437,100 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         if self.pool is not None and (key_states.shape[1], key_states.shape[3]) != self.pool.layout.layer_shape(
                 layer_idx):
             h, d = self.pool.layout.layer_shape(layer_idx)
-            raise ValueError(f"kvarena: this KVArenaCache's arena holds {h} kv heads of dim {d} at layer {layer_idx}, "
-                             f"got {key_states.shape[1]} of dim {key_states.shape[3]} (another model? make a new "
-                             "KVArenaCache)")
+            raise _unsupported(f"an arena made for other heads (this KVArenaCache holds {h} kv heads of dim {d} at "
+                               f"layer {layer_idx}, the model gives {key_states.shape[1]} of dim "
+                               f"{key_states.shape[3]}; another model? make a new KVArenaCache)")
         if layer_idx == 0:  # a new step
             b = key_states.shape[0]
+            if self._names and len(self._names) != b:
+                raise ValueError(f"kvarena: the cache holds {len(self._names)} rows, this step has {b}; "
+                                 "call reset() before a generate with another batch size")
+            lens = {} if self.pool is None else {n: self.pool.seq_len(n) for n in self._names if n in self.pool}
+            self._undo = (self._len, list(self._names), lens, self.pool is None)
             if self.pool is None:
                 self._make_pool(key_states, b)
             if not self._names:
                 self._names = [self._fresh() for _ in range(b)]
-            elif len(self._names) != b:
-                raise ValueError(f"kvarena: the cache holds {len(self._names)} rows, this step has {b}; "
-                                 "call reset() before a generate with another batch size")
             self._len += key_states.shape[2]
             self._meta = None
-        if layer_idx == 0:
             _HANDOFF.clear()
         _HANDOFF[id(key_states)] = (weakref.ref(key_states), self, layer_idx)
         self._pending.add(id(key_states))
         return key_states, value_states
 
+    def _abort_step(self) -> None:
+        """Undo the step in progress (a refused or failed call): the length, the rows, the
+        pool's lengths and the hand-offs as they were before its first layer."""
+        undo, self._undo = self._undo, None
+        self._pending.clear()
+        for key in [key for key, h in _HANDOFF.items() if h[1] is self]:
+            del _HANDOFF[key]
+        if undo is None:
+            return
+        length, names, lens, new_pool = undo
+        if new_pool:
+            self.pool = None  # made for this step: forgotten with it
+        elif self._meta is not None:  # planned: each row back to its length (the step's blocks freed)
+            for name in self._names:
+                if name not in self.pool:
+                    continue
+                if name not in lens:
+                    self.pool.free_namespace(name)
+                elif self.pool.seq_len(name) != lens[name]:
+                    self.pool.truncate(name, lens[name])
+        self._len, self._names, self._meta, self._step_rows, self._packed = length, names, None, None, False
+
     def _fresh(self):
         self._next_name += 1
         return self._next_name
+
+    def _rows(self, query, key, value, rows):
+        """q/k/v as the pool takes them, in its input dtype: transformers' ``[B, S]`` rows
+        flattened (a padded plan), or the real rows ``rows [B, S]`` packed in row order."""
+        b, h_q, s, d = query.shape
+        if rows is None:
+            qf = query.transpose(1, 2).reshape(b * s, h_q, d)
+            kf = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
+            vf = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
+        else:  # one gather per tensor and layer
+            qf, kf, vf = query.transpose(1, 2)[rows], key.transpose(1, 2)[rows], value.transpose(1, 2)[rows]
+        dtype = self.pool.layout.input_dtype
+        return qf.to(dtype), kf.to(dtype), vf.to(dtype)
 
     def _attend(self, layer: int, query, key, value, kv_start, scaling, causal, window, softcap, s_aux, backend,
                 position_ids):
         self._pending.discard(id(key))
         b, h_q, s, d = query.shape
-        past = self._len - s  # padded
-        if self._meta is None:
-            # The step's plan: each row's real new tokens (its left padding among them is
-            # never stored). One plan for all layers.
-            pads = kv_start.tolist() if kv_start is not None else [0] * b
-            new = [s - min(s, max(0, p - past)) for p in pads]
-            # Inference: a padded plan, so q/k/v/out keep transformers' [B, S] rows (no
-            # gather or scatter per layer). Under autograd the real rows are packed: the
-            # differentiable paths read each row's own k/v at its position.
-            self._packed = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
-            if self._packed:
-                batch = {self._names[i]: new[i] for i in range(b) if new[i] > 0}
-            else:
-                batch = {name: n for name, n in zip(self._names, new)}
-            try:
-                if not causal:
-                    raise _unsupported("a bidirectional layer with KVArenaCache")
-                _check_packed(position_ids, kv_start, b, s, self._len)
-                self._meta = self.pool.plan(batch, pad_to=None if self._packed else s)
-            except BaseException:  # a refused step (CacheFullError, ...): the pool is unchanged, so is the cache
-                self._len = past
-                if past == 0:
-                    self._names = []
-                raise
-            if self._packed:  # [B, S]: the real rows, gathered on every layer
-                j = torch.arange(s)[None, :]
-                self._step_rows = ((past + j) >= torch.tensor(pads)[:, None]).to(query.device)
-        if not self._packed:
-            qf = query.transpose(1, 2).reshape(b * s, h_q, d)
-            kf = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
-            vf = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
-        else:  # the step's real rows packed, in row order (one gather per tensor and layer)
-            real = self._step_rows
-            qf = query.transpose(1, 2)[real]  # [total_new, H_q, D]
-            kf, vf = key.transpose(1, 2)[real], value.transpose(1, 2)[real]
         opts = dict(scale=scaling, window_left=None if window is None else window - 1,
                     softcap=softcap, backend=backend)
         if s_aux is not None:
             opts["sink_logits"] = _sink_logits(s_aux, query.dtype)
-        dtype = self.pool.layout.input_dtype
-        out = self.pool.forward(qf.to(dtype), kf.to(dtype), vf.to(dtype), self._meta, layer, **opts).to(query.dtype)
+        if self._meta is None:
+            # The step's plan: each row's real new tokens (its left padding among them is
+            # never stored). One plan for all layers.
+            past = self._len - s  # padded
+            pads = kv_start.tolist() if kv_start is not None else [0] * b
+            new = [s - min(s, max(0, p - past)) for p in pads]
+            if not causal:
+                raise _unsupported("a bidirectional layer with KVArenaCache")
+            _check_packed(position_ids, kv_start, b, s, self._len)
+            # Inference: a padded plan, so q/k/v/out keep transformers' [B, S] rows (no
+            # gather or scatter per layer). Under autograd the real rows are packed: the
+            # differentiable paths read each row's own k/v at its position.
+            packed = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
+            rows = None
+            if packed:  # [B, S]: the real rows, gathered on every layer
+                rows = ((past + torch.arange(s)[None, :]) >= torch.tensor(pads)[:, None]).to(query.device)
+            qf, kf, vf = self._rows(query, key, value, rows)
+            # What the pool's forward checks without a plan, before the plan: a step it would
+            # refuse (fp8 under autograd, a backend that cannot run) plans nothing.
+            self.pool._check_call(qf, kf, vf, layer, opts, padded=not packed)
+            batch = {self._names[i]: new[i] for i in range(b) if new[i] > 0} if packed else dict(zip(self._names, new))
+            self._meta = self.pool.plan(batch, pad_to=None if packed else s)
+            self._packed, self._step_rows = packed, rows
+        else:
+            qf, kf, vf = self._rows(query, key, value, self._step_rows)
+        out = self.pool.forward(qf, kf, vf, self._meta, layer, **opts).to(query.dtype)
         if not self._packed:
             return out.view(b, s, h_q, d), None
         full = query.new_zeros(b, s, h_q, d)
@@ -472,6 +540,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
     # --- beams, assisted decoding, reset -----------------------------------------------
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row i becomes a copy of row ``beam_idx[i]`` (shared blocks, no K/V copied)."""
+        self._undo = None  # between steps: the last one ran through
         src = [self._names[i] for i in beam_idx.tolist()]
         new = [self._fresh() for _ in src]
         for s_name, d_name in zip(src, new):
@@ -490,6 +559,12 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
     def crop(self, n: int) -> None:
         """Assisted decoding's rollback: ``n < 0`` drops the newest ``-n`` tokens (transformers
         >= 5.2x), ``n > 0`` keeps the first ``n`` (the older meaning), ``0`` does nothing."""
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"n: expected an int, got {n!r}")
+        n = int(n)
+        if -n > self._len:
+            raise ValueError(f"n: crop({n}) drops {-n} tokens, the cache holds {self._len}")
+        self._undo = None  # between steps: the last one ran through
         keep = self._len + n if n <= 0 else min(n, self._len)
         drop = self._len - keep
         if drop <= 0:
@@ -507,7 +582,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         if self.pool is not None:
             for name in self.pool.namespaces():
                 self.pool.free_namespace(name)
-        self._names, self._len, self._meta = [], 0, None
+        self._names, self._len, self._meta, self._undo = [], 0, None, None
         self._pending.clear()
 
     @property
