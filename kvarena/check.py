@@ -207,7 +207,8 @@ def _launches(only: str | None, capability: int, all_variants: bool = False) -> 
             guard = pa._needs_guard(q_len, causal, None)
             eb = _elem_bytes(dt)
             cfg = pa._pick_config(d, group, eb, None if det else q_len, capability,
-                                  lean=not det and not guard and not softcap, rope=bool(rope))
+                                  lean=not det and not guard and not softcap, rope=bool(rope), kv_fp8=fp8,
+                                  own_kv=own)
             meta = pa._attn_constexprs(cfg, group, d, causal=causal, has_kv_start=has_kv_start,
                                        write_lse=write_lse, split=split, upcast=False, guard=guard,
                                        softcap=softcap, block_size=block, elem_bytes=eb, own_kv=own,

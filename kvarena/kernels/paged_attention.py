@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,9 @@ _TARGET_WAVE_EFFICIENCY = 0.9
 # scratch at 1/16 of K/V bytes per query row at D = 128 ... and 32 splits at 128K keys.
 _DET_SPLIT_KEYS = 4096
 _MAXNREG = 255
+# The installed Triton as (major, minor): older compilers get a few other configs
+# (_older_triton_config).
+_TRITON_VERSION = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2])
 # The window passed for "no sliding window", and the cap of any window: row_lo = p - 2**30
 # stays in int32 for every position p of a row, negative ones included (a row with more
 # queries than keys, e.g. seq_len-0 padding), where p - (2**31 - 1) would wrap. A window of
@@ -659,7 +663,8 @@ def _split_reduce_kernel(
 
 
 def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | None,
-                 capability: int = 90, *, lean: bool = False, rope: bool = False) -> dict:
+                 capability: int = 90, *, lean: bool = False, rope: bool = False, kv_fp8: bool = False,
+                 own_kv: bool = False) -> dict:
     """Tile sizes, warps and stages of one attention launch: a pure function of its args.
 
     ``q_len_max=None`` means "any": the deterministic mode pins one config per
@@ -667,7 +672,9 @@ def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | No
     ``capability`` is 10 * major + minor (80 = A100, 90 = H100/H200; 90 on CPU).
     ``kvarena check`` compiles exactly the configs this returns, per target. ``lean``: the
     launch compiles neither the non-finite guard nor softcap (the slab pool's chunks), which
-    leaves room for a third K/V buffer on sm_90a.
+    leaves room for a third K/V buffer on sm_90a. ``kv_fp8`` (a float8 cache) and ``own_kv``
+    (a denoising step's own k/v as a second key source) take the same config, except under
+    Triton < 3.9 (:func:`_older_triton_config`).
 
     Register budget (255 per thread, no spills): the fp32 accumulator alone takes
     ``BLOCK_M * HEAD_DIM_PAD / (32 * num_warps)`` registers, the score tile
@@ -677,7 +684,11 @@ def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | No
     plus the q tile, <= 100 KiB everywhere here (163 KiB on sm_80, 227 KiB on sm_90a).
     """
     if rope:
-        return _rope_config(_pick_config(head_dim, group, elem_bytes, q_len_max, capability, lean=lean))
+        return _rope_config(_pick_config(head_dim, group, elem_bytes, q_len_max, capability, lean=lean,
+                                         kv_fp8=kv_fp8, own_kv=own_kv))
+    if (kv_fp8 or own_kv) and _TRITON_VERSION < (3, 9):
+        return _older_triton_config(_pick_config(head_dim, group, elem_bytes, q_len_max, capability, lean=lean),
+                                    capability, lean=lean, kv_fp8=kv_fp8, own_kv=own_kv)
     d_pad = head_dim_pad(head_dim)
     rows = None if q_len_max is None else max(1, q_len_max) * group
     decode = rows is not None and rows <= 16
@@ -729,6 +740,36 @@ def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | No
     # Short chunks (<= 64 rows) and the deterministic pin on sm_80: 64 x 64, 8 warps,
     # ~175-235 registers (4 warps spill 16-24 bytes there).
     return cfg(64, 64, 8, 2)
+
+
+def _older_triton_config(cfg: dict, capability: int, *, lean: bool, kv_fp8: bool, own_kv: bool) -> dict:
+    """The config of an fp8-cache or own-k/v launch under Triton < 3.9, where three of them spill.
+
+    Measured with ``kvarena check`` under triton 3.6.0 (ptxas 12.8) and 3.9.0 (ptxas 12.9), D =
+    128; every other config fits under both, and 3.9 keeps :func:`_pick_config`'s (the K/V
+    buffers and loops tests/test_check.py asserts):
+
+    * fp8 decode (16 x 64, 4 warps, 5 stages): 255 registers and 12 B spilled on sm_90a (3.9:
+      246, none). 8 warps over the same tile and stages: 218 registers on sm_90a, 222 on sm_80,
+      still 2 K/V buffers; one 8-warp CTA per SM holds the bytes in flight of two 4-warp ones
+      (64-key tiles at 2 buffers), at the SASS per key of 32-key tiles at 4 warps (which fit
+      too: 232 / 234). With RoPE on read too (2 stages) 4 warps spill 8 B on sm_80, 8 fit (210).
+    * guarded fp8 prefill on sm_90a (128 x 64, 2 stages, page path): 255 registers and 160 B
+      spilled (3.9: 251, none); 32-key tiles: 240 (244 with softcap, sinks and kv_start).
+    * own k/v (two more pipelined loops after the history's) at 3 stages: MAGI 24q/8kv spills
+      16 B on sm_90a and 8 B on sm_80 (groups 2-7 spill 16-20 B on sm_90a), Wan with an fp8
+      history 4 B on each. 2 stages: MAGI 240 / 255 registers (sm_90a / sm_80), Wan fp8 248 /
+      255, groups 4 and 7 239-255; one K/V buffer fewer.
+
+    The CTAs per SM of these configs (one) are in the occupancy table by hand.
+    """
+    if kv_fp8 and cfg["BLOCK_M"] == 16 and cfg["num_warps"] == 4:  # decode (fp32 decode runs 8 warps)
+        cfg = dict(cfg, num_warps=8)
+    if kv_fp8 and capability >= 90 and cfg["BLOCK_M"] == 128 and not lean:
+        cfg = dict(cfg, BLOCK_N=32)
+    if own_kv:
+        cfg = dict(cfg, num_stages=min(cfg["num_stages"], 2))
+    return cfg
 
 
 def _rope_config(cfg: dict) -> dict:
@@ -883,7 +924,7 @@ def plan_launch(*, head_dim: int, group: int, elem_bytes: int, num_seqs: int, nu
                 max_seqlen_q: int, max_seqlen_k: int, block_size: int, causal: bool, window_left, sink_tokens: int,
                 softcap: bool, num_splits, deterministic: bool, capability: int = 90,
                 sm_count: int = _DEFAULT_SM_COUNT, large_ok: bool = True, own_len: int = 0,
-                rope: bool = False) -> LaunchPlan:
+                rope: bool = False, kv_fp8: bool = False) -> LaunchPlan:
     """The launch a call gets, from host values only (no tensor, no compile, no device read).
 
     The launcher runs it for every call; ``kvarena check --perf`` runs it for the
@@ -901,8 +942,9 @@ def plan_launch(*, head_dim: int, group: int, elem_bytes: int, num_seqs: int, nu
     # a launch off the large-block path, whose tiles start at block starts): page path only.
     lean = not deterministic and not guard and not softcap
     large_ok = large_ok and not deterministic
+    # own_kv: the config of a launch that may take the own keys (the tile decides the path).
     cfg = _pick_config(head_dim, group, elem_bytes, None if deterministic else max_seqlen_q, capability, lean=lean,
-                       rope=rope)
+                       rope=rope, kv_fp8=kv_fp8, own_kv=own_len > 0 and not causal and window_left is None)
     block_n = cfg["BLOCK_N"]
     num_q_tiles = triton.cdiv(max_seqlen_q * group, cfg["BLOCK_M"])
     programs = num_q_tiles * num_seqs * num_kv_heads
@@ -949,7 +991,8 @@ def paged_attention_fwd(
     ``kv_scales = (k_scale, v_scale)``: the caches are float8_e4m3fn, with per-key scales
     ``[num_blocks, block_size, H_kv]`` fp32 (any strides) or 0-dim static ones; the kernel
     decodes the bytes in registers and applies the scales to the score / probability
-    columns in fp32. The tile config is the one of q's dtype.
+    columns in fp32. The tile config is the one of q's dtype (but under Triton < 3.9, see
+    ``_older_triton_config``).
 
     RoPE on read (``spec.rope_cos`` / ``rope_sin`` ``[P, D/2]`` fp32): queries and keys are
     rotated as loaded. ``rope_pos = (q_pos, k_shift)``, each optional: query i of sequence
@@ -990,6 +1033,7 @@ def paged_attention_fwd(
         num_splits=num_splits, deterministic=deterministic, capability=_capability(dev), sm_count=_sm_count(dev),
         large_ok=block_size * max(k_cache.stride(1), v_cache.stride(1)) < I32_MAX,
         own_len=0 if own_kv is None else own_kv[0].shape[1], rope=bool(spec.rope_mode),
+        kv_fp8=kv_scales is not None,
     )
     if own_kv is not None and not plan.own_kv:
         return False
