@@ -10,11 +10,19 @@ any row does not fit.
 
 It needs the real compiler, so it refuses to run under TRITON_INTERPRET=1. Importing this
 module imports neither torch nor triton (``kvarena.cli`` imports it to build its parser).
+
+Compiles are cached on disk by content (``KVARENA_CHECK_CACHE``, default
+``~/.cache/kvarena/check``; ``--no-cache`` or ``KVARENA_CHECK_CACHE=0`` to compile
+everything): the key holds the kernel's Triton ``cache_key`` (its source and every jitted
+function and global it reads), the signature, hints, constexprs and options, the target,
+the Triton version, ``TRITON_PTXAS_PATH`` and this module's own source (the parsing), so a
+cached row is the row that compile gives; tests/test_check.py checks cached == fresh.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import itertools
 import json
@@ -111,6 +119,7 @@ class Row:
     seconds: float
     error: str = ""
     variant: str = ""
+    cached: bool = False  # read from the compile cache (same values as compiling)
     # --perf metrics (attention rows): CTAs per SM, MMA kind, K/V shared-memory buffers in
     # the main loop, SASS instructions per main-loop iteration and the same for the
     # contiguous reference loop at the same tile.
@@ -160,6 +169,9 @@ def add_arguments(parser) -> None:
                         help="also report the metrics that decide speed: CTAs per SM, MMA kind, K/V "
                              "buffers in flight, SASS instructions per main-loop iteration next to a "
                              "contiguous flash loop at the same tile, and the workloads' grids and waves")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="compile everything, ignoring and not writing the on-disk cache of compile results "
+                             "(KVARENA_CHECK_CACHE, default ~/.cache/kvarena/check)")
     parser.add_argument("--write-occupancy", action="store_true",
                         help="with --perf: rewrite the CTAs-per-SM table of kvarena/kernels/occupancy.py "
                              "from these compiles (run it with --all-variants)")
@@ -317,6 +329,92 @@ def _signature(launch: _Launch) -> tuple[dict, dict]:
     return sig, attrs
 
 
+# ----------------------------------------------------------------------------- compile cache
+
+# The fields of a row that come from the compile (the rest come from the launch table).
+_COMPILED = ("registers", "spill_stores", "spill_loads", "shared_bytes", "fits", "error", "mma", "kv_buffers",
+             "loop_sass")
+
+
+def _cache_dir() -> str | None:
+    where = os.environ.get("KVARENA_CHECK_CACHE", "")
+    if where in ("0", "off"):
+        return None
+    return where or os.path.join(os.path.expanduser("~"), ".cache", "kvarena", "check")
+
+
+@functools.lru_cache(maxsize=1)
+def _own_source_hash() -> str:
+    import hashlib
+
+    with open(__file__, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _cache_key(parts: list) -> str:
+    import hashlib
+
+    import triton
+
+    payload = [_own_source_hash(), triton.__version__, os.environ.get("TRITON_PTXAS_PATH", ""), *parts]
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=repr).encode()).hexdigest()
+
+
+def _cache_get(key: str) -> dict | None:
+    where = _cache_dir()
+    path = where and os.path.join(where, key[:2], key + ".json")
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None  # a torn or foreign file: compile again
+
+
+def _cache_put(key: str, value: dict) -> None:
+    where = _cache_dir()
+    if not where:
+        return
+    path = os.path.join(where, key[:2], key + ".json")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(value, f)
+        os.replace(tmp, path)  # atomic: a reader sees the old file, the new one, or none
+    except OSError:
+        pass  # a read-only home: the check still runs, uncached
+
+
+def _launch_key(launch: _Launch, capability: int, perf: bool) -> str:
+    sig, attrs = _signature(launch)
+    return _cache_key(["launch", launch.kernel_name, launch.fn.cache_key, sorted(sig.items()),
+                       sorted((list(k), v) for k, v in attrs.items()), sorted(launch.constexprs.items()),
+                       launch.num_warps, launch.num_stages, launch.maxnreg, capability, perf])
+
+
+def _compile_cached(launch: _Launch, capability: int, perf: bool = False) -> Row:
+    """:func:`_compile`, or its compile-derived fields from the cache."""
+    key = _launch_key(launch, capability, perf)
+    hit = _cache_get(key)
+    if hit is None:
+        row = _compile(launch, capability, perf)
+        if not row.error.startswith("no ptxas log"):
+            _cache_put(key, {k: getattr(row, k) for k in _COMPILED})
+        return row
+    row = Row(launch.kernel_name, launch.config, TARGET_NAMES[capability], hit["registers"], hit["spill_stores"],
+              hit["spill_loads"], hit["shared_bytes"], hit["fits"], 0.0, error=hit["error"], variant=launch.variant,
+              cached=True)
+    if perf and launch.kernel_name == "attention" and not hit["error"]:
+        from kvarena.kernels.occupancy import occupancy
+
+        row.ctas_per_sm = occupancy(capability, row.registers, row.shared_bytes, launch.num_warps)
+        row.mma, row.kv_buffers, row.loop_sass = hit["mma"], hit["kv_buffers"], hit["loop_sass"]
+        row.occupancy_key = list(launch.occupancy_key)
+    return row
+
+
 def _compile(launch: _Launch, capability: int, perf: bool = False) -> Row:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -432,6 +530,19 @@ def _main_loop_sass(cubin: bytes) -> int:
     return min(sizes, default=-1)
 
 
+def _reference_loop_sass_cached(tile: tuple, capability: int) -> int:
+    """:func:`_reference_loop_sass`, from the compile cache when it holds it."""
+    from kvarena.kernels.flash_reference import _flash_reference_kernel as fn
+
+    key = _cache_key(["reference", fn.cache_key, list(tile), capability])
+    hit = _cache_get(key)
+    if hit is not None:
+        return hit["loop_sass"]
+    sass = _reference_loop_sass(tile, capability)
+    _cache_put(key, {"loop_sass": sass})
+    return sass
+
+
 def _reference_loop_sass(tile: tuple, capability: int) -> int:
     """Main-loop SASS of the contiguous flash reference compiled at ``tile``."""
     import triton
@@ -509,10 +620,10 @@ def _compile_target(job: tuple) -> list[Row]:
     rows = []
     ref: dict[tuple, int] = {}
     for launch in _launches(only, cap, all_variants):
-        row = _compile(launch, cap, perf)
+        row = _compile_cached(launch, cap, perf)
         if perf and launch.ref_tile is not None and row.mma:
             if launch.ref_tile not in ref:
-                ref[launch.ref_tile] = _reference_loop_sass(launch.ref_tile, cap)
+                ref[launch.ref_tile] = _reference_loop_sass_cached(launch.ref_tile, cap)
             row.ref_loop_sass = ref[launch.ref_tile]
         rows.append(row)
     return rows
@@ -547,7 +658,10 @@ def run(args) -> int:
               "run it in an environment without TRITON_INTERPRET", file=sys.stderr)
         return 2
     # ptxas prints its -v log only when asked, and only for a compile that really runs.
-    saved = {k: os.environ.get(k) for k in ("TRITON_DUMP_PTXAS_LOG", "TRITON_ALWAYS_COMPILE", "TRITON_DEFAULT_FP_FUSION")}
+    saved = {k: os.environ.get(k) for k in ("TRITON_DUMP_PTXAS_LOG", "TRITON_ALWAYS_COMPILE", "TRITON_DEFAULT_FP_FUSION",
+                                            "KVARENA_CHECK_CACHE")}
+    if args.no_cache:
+        os.environ["KVARENA_CHECK_CACHE"] = "0"
     os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
     os.environ["TRITON_ALWAYS_COMPILE"] = "1"
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default launches use
@@ -583,7 +697,9 @@ def run(args) -> int:
                 os.environ[k] = v
     _print_table(rows)
     bad = [r for r in rows if not r.fits]
-    print(f"{len(rows)} compiles in {time.perf_counter() - t0:.0f} s; "
+    hits = sum(r.cached for r in rows)
+    cache_note = f" ({hits} from the compile cache; --no-cache compiles all)" if hits else ""
+    print(f"{len(rows)} compiles in {time.perf_counter() - t0:.0f} s{cache_note}; "
           + ("all fit (no spills, shared memory within limits)" if not bad else f"{len(bad)} do NOT fit"))
     workloads = _workload_rows(targets) if args.perf else []
     if workloads:

@@ -136,6 +136,26 @@ def test_workloads_fill_their_waves(perf_run):
     assert not split_up, f"denoising steps that need two launches and a merge: {split_up}"
 
 
+def test_compile_cache_gives_the_rows_a_compile_gives(tmp_path):
+    """The on-disk compile cache changes no result: a second run reads every row from it,
+    equal to the first run's compiles and to a --no-cache run's."""
+    env = dict(_env_without_interpreter(), KVARENA_CHECK_CACHE=str(tmp_path / "cache"))
+    runs = {}
+    for name, extra in (("fresh", []), ("cached", []), ("no-cache", ["--no-cache"])):
+        out = tmp_path / f"{name}.json"
+        res = subprocess.run([sys.executable, "-m", "kvarena", "check", "--only", "merge D256:", "--json", str(out),
+                              *extra], env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        runs[name] = json.loads(out.read_text())
+    assert [r["cached"] for r in runs["fresh"]] == [False] * len(runs["fresh"]) and runs["fresh"]
+    assert all(r["cached"] for r in runs["cached"]) and not any(r["cached"] for r in runs["no-cache"])
+
+    def compiled(rows):
+        return [{k: v for k, v in r.items() if k not in ("seconds", "cached")} for r in rows]
+
+    assert compiled(runs["cached"]) == compiled(runs["fresh"]) == compiled(runs["no-cache"])
+
+
 def test_check_refuses_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, "-m", "kvarena", "check"], env=env, capture_output=True,
