@@ -39,11 +39,13 @@ if [ "$dry" = 1 ]; then
   export TRITON_INTERPRET=1
   dev=cpu; set=quick; backend=triton; jobs=2; reps=(--cpu-reps 1)
   cap_warm=40; cap_bench=60; budget=30; cap_tests=60; cap_flex=20
-  flex_cases=decode-b2-ctx256; warm_cases=(--cases decode-b2-ctx256,chunk-tiny-w3-commit,chunk-tiny-w3-denoise)
+  flex_cases=decode-b2-ctx256; warm_cases=(--cases decode-b2-ctx256,chunk-tiny-w3-denoise)
+  # every kind, step and variant once (the tiny sweep points add nothing to prove here)
+  bench_cases=(--cases decode-b2-ctx256,chunk-tiny-w3,train,store)
 else
   dev=cuda; set=gpu; backend=auto; jobs=$(( $(nproc) < 12 ? $(nproc) : 12 )); reps=()
   cap_warm=45; cap_bench=150; budget=105; cap_tests=60; cap_flex=25
-  flex_cases=decode-b16-ctx16k,chunk-wan1.3b-w4-commit; warm_cases=()
+  flex_cases=decode-b16-ctx16k,chunk-wan1.3b-w4-commit; warm_cases=(); bench_cases=()
 fi
 commit=$(git rev-parse HEAD 2>/dev/null || echo "${KVARENA_COMMIT:-$(cat bench/COMMIT 2>/dev/null || echo 'unknown (no .git, no bench/COMMIT: run bench/gpu.sh --stamp before copying)')}")
 
@@ -64,7 +66,7 @@ echo "== warm-up (rc $warm_rc, $(elapsed) s) =="; tail -n 1 "$out/warmup.log"
 
 # 2) Benchmarks: the goal rows first, each finished row appended to results.jsonl at once.
 #    FlexAttention (a compile per shape) is left to its own slot below.
-timeout -k 5 "$cap_bench" "${bench[@]}" "${reps[@]}" --out "$out" --budget-s "$budget" \
+timeout -k 5 "$cap_bench" "${bench[@]}" "${bench_cases[@]}" "${reps[@]}" --out "$out" --budget-s "$budget" \
   --skip-providers gather_flex,flex_contiguous > "$out/bench.log" 2>&1
 bench_rc=$?
 echo "== benchmarks (rc $bench_rc, $(elapsed) s) =="
