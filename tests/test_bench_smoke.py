@@ -196,3 +196,28 @@ def test_report_of_a_missing_run_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--report", str(tmp_path)])
     assert exc.value.code == 2 and "--report" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("source", ["env", "stamp-file", "none"])
+def test_commit_is_recorded_without_git(tmp_path, monkeypatch, source):
+    """A tree copied without .git (a lent GPU machine) still names its commit: from
+    KVARENA_COMMIT, else from bench/COMMIT (``bench/gpu.sh --stamp``), else None."""
+    from kvarena.benchmark.report import commit_of
+
+    (tmp_path / "bench").mkdir()
+    monkeypatch.delenv("KVARENA_COMMIT", raising=False)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # no repository above tmp_path
+    if source == "env":
+        monkeypatch.setenv("KVARENA_COMMIT", "abc123")
+    elif source == "stamp-file":
+        (tmp_path / "bench" / "COMMIT").write_text("def456 dirty\n")
+    want = {"env": "abc123", "stamp-file": "def456 dirty", "none": None}[source]
+    assert commit_of(tmp_path) == (want, None)
+
+
+def test_commit_comes_from_git_in_a_checkout():
+    from kvarena.benchmark.report import commit_of
+
+    commit, dirty = commit_of(ROOT)
+    if (ROOT / ".git").exists():
+        assert commit is not None and len(commit) == 40 and dirty in (True, False)
