@@ -11,11 +11,10 @@ every kernel from the cache. Nothing is timed or written here.
 
 from __future__ import annotations
 
-import concurrent.futures
-import multiprocessing
 import time
 from collections.abc import Callable
 
+from kvarena._procs import map_in_processes
 from kvarena.benchmark.cases import Case
 
 __all__ = ["warm_up"]
@@ -53,13 +52,8 @@ def warm_up(case_list: list[Case], device, *, jobs: int = 1, backend: str = "aut
     """Run each case's kvarena call once in ``jobs`` processes; returns 0 (1 when every case failed)."""
     t0 = time.perf_counter()
     work = [(c, str(device), backend) for c in case_list]
-    if jobs > 1:
-        # spawn: a CUDA context does not survive fork; workers import torch afresh.
-        ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-            results = list(pool.map(_one, work))
-    else:
-        results = [_one(job) for job in work]
+    # spawn: a CUDA context does not survive fork; workers import torch afresh.
+    results = map_in_processes(_one, work, jobs, "spawn")
     for name, sec, status in results:
         log(f"warm-up {name}: {sec:.1f} s {status}")
     ok = sum(status == "ok" for _, _, status in results)
