@@ -314,10 +314,6 @@ def test_what_it_cannot_serve_is_a_clear_error() -> None:
     model = _model("llama-gqa")
     model.set_attn_implementation("kvarena")
     ids = torch.randint(1, 128, (2, 7))
-    right = torch.ones_like(ids)
-    right[0, -2:] = 0
-    with pytest.raises(NotImplementedError, match="^kvarena: right padding"):
-        model(ids, attention_mask=right)
     with pytest.raises(NotImplementedError, match="^kvarena: packed sequences"):
         model(ids[:1], position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]]))
     four_d = torch.zeros(2, 1, 7, 7)
@@ -325,13 +321,20 @@ def test_what_it_cannot_serve_is_a_clear_error() -> None:
         model(ids, attention_mask=four_d)
     with pytest.raises(NotImplementedError, match="^kvarena: a custom mask function"):
         hf.kvarena_mask(2, 7, 7, use_vmap=True)
-    with pytest.raises(NotImplementedError, match="^kvarena: a cache of 9 slots for 7 tokens"):
-        hf.kvarena_mask(2, 7, 9)  # a static cache: slots past the tokens hold nothing
+    with pytest.raises(NotImplementedError, match="^kvarena: a cache of 9 slots from 3 for 7 tokens"):
+        hf.kvarena_mask(2, 7, 9, kv_offset=3)  # fewer key slots holding tokens than queries
+    built = hf.kvarena_mask(2, 1, 9, q_offset=6)  # a static cache's step, fed back: served as built
+    assert hf.kvarena_mask(2, 1, 9, q_offset=6, attention_mask=built) is built
+    with pytest.raises(NotImplementedError, match=r"^kvarena: a mask built for other sizes \(\(2, 1, 9, 6, 0\)"):
+        hf.kvarena_mask(2, 1, 9, q_offset=7, attention_mask=built)
     from transformers.masking_utils import causal_mask_function, chunked_causal_mask_function
 
     chunked = chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))
     with pytest.raises(NotImplementedError, match="^kvarena: a mask other than causal"):
-        hf.kvarena_mask(2, 7, 7, mask_function=chunked)
+        hf.kvarena_mask(2, 2, 7, q_offset=5, mask_function=chunked)  # with a cache: not a packed prefill
+    # Without a cache, chunks read exactly as packed sequences (3, 3 and 1 tokens per row).
+    rows, ends, starts, _cu, longest = hf.kvarena_mask(2, 7, 7, mask_function=chunked)._kvarena_segments
+    assert (starts.tolist(), ends.tolist(), longest) == ([0, 3, 6] * 2, [3, 6, 7] * 2, 3), (starts, ends)
     assert hf.kvarena_mask(2, 7, 7, mask_function=causal_mask_function)._kvarena == (False, True, None)
     model.train()
     model.config.attention_dropout = 0.1
@@ -505,3 +508,308 @@ def test_cache_reused_by_a_model_with_other_kv_heads_is_not_implemented() -> Non
         assert _arena_state(cache) == before, f"{before} -> {_arena_state(cache)}"
         model(ids[:, 4:], past_key_values=cache)
     assert cache.get_seq_length() == 7
+
+
+# --------------------------------------------------------------------------- issue 29
+
+# Right padding and holes (item 1): a row of real tokens only, then right padding, or holes
+# inside the window and leading padding; 12 columns, longer than the window (6). The last
+# column's window holds a real key in every row (generate picks the next token there; a
+# window of padding only is eager's average over a fully masked row, kvarena's 0).
+PAD_MASKS = {
+    "right": [[1] * 12, [1] * 9 + [0] * 3, [1] * 7 + [0] * 5],
+    "holes": [[1] * 12, [1] * 3 + [0] * 2 + [1] * 7, [0] * 2 + [1] * 4 + [0] * 3 + [1] * 2 + [0]],
+}
+
+
+def _pad_batch(kind: str):
+    ids = torch.randint(1, 128, (3, 12), generator=torch.Generator().manual_seed(3))
+    return ids, torch.tensor(PAD_MASKS[kind])
+
+
+@pytest.mark.parametrize("kind", list(PAD_MASKS))
+@pytest.mark.parametrize("cache", ["hf-cache", "kvarena-cache"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_right_padding_and_holes_equal_eager(name: str, cache: str, kind: str) -> None:
+    """Issue 29 #1: any 2-D padding mask (it was "only left padding"). One forward: every
+    position that sees a real key within 1e-4 of eager (real tokens, and padding queries,
+    which eager attends too: generate picks a right-padded row's next token there); then
+    generate from the same batch: tokens and every step's logits equal eager's. With a
+    KVArenaCache each row stores exactly its real tokens (padding never stored)."""
+    model = _model(name)
+    ids, mask = _pad_batch(kind)
+    # A query none of whose windows holds a real key (before a row's first real key, or far
+    # past a right-padded row's last one) is eager's average over a fully masked row: skipped.
+    c = mask.cumsum(1)
+    w = model.config.sliding_window if getattr(model.config, "sliding_window", None) else 12
+    seen = c - torch.nn.functional.pad(c, (w, 0))[:, :12] > 0
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        want = model(ids, attention_mask=mask).logits
+        model.set_attn_implementation("kvarena")
+        arena = hf.KVArenaCache(model.config, block_size=4) if cache == "kvarena-cache" else None
+        extra = {} if arena is None else {"past_key_values": arena}
+        got = model(ids, attention_mask=mask, **extra).logits
+    err = (got - want)[seen].abs().max().item()
+    assert err <= TOL, f"{name} {kind} {cache}: forward max logit error {err:.2e} > {TOL}"
+    if arena is not None:
+        assert [arena.pool.seq_len(n) for n in arena._names] == mask.sum(1).tolist(), "padding was stored"
+        arena.reset()
+    _compare(model, ids, mask, f"{name} {kind} {cache} generate", arena=arena, max_new_tokens=4)
+    if arena is not None:
+        assert [arena.pool.seq_len(n) for n in arena._names] == (mask.sum(1) + 3).tolist(), "padding was stored"
+
+
+def test_padding_holes_under_autograd_and_refusals() -> None:
+    """Right padding under autograd: the gradients of a loss over the real positions equal
+    eager's (transformers' cache, and a KVArenaCache whose queries are all real). What
+    KVArenaCache cannot read per query under autograd is a kvarena: error, cache unchanged."""
+    model = _model("mistral-window")
+    ids, mask = _pad_batch("right")
+    real = mask.bool()
+    grads = {}
+    for impl in ("eager", "kvarena", "kvarena-cache"):
+        model.zero_grad()
+        model.set_attn_implementation("eager" if impl == "eager" else "kvarena")
+        extra = {"past_key_values": hf.KVArenaCache(model.config, block_size=4)} if impl == "kvarena-cache" else {}
+        n = 5 if impl == "kvarena-cache" else 12  # the first 5 columns: every query real
+        model(ids[:, :n], attention_mask=mask[:, :n], **extra).logits[real[:, :n]].square().mean().backward()
+        grads[impl] = torch.cat([p.grad.flatten() for p in model.model.layers[0].self_attn.parameters()])
+    for impl in ("kvarena",):
+        err = ((grads[impl] - grads["eager"]).norm() / grads["eager"].norm()).item()
+        assert err <= 1e-5, f"{impl}: gradient relative error {err:.2e}"
+    model.zero_grad()
+    model.set_attn_implementation("eager")
+    model(ids[:, :5], attention_mask=mask[:, :5]).logits[real[:, :5]].square().mean().backward()
+    want5 = torch.cat([p.grad.flatten() for p in model.model.layers[0].self_attn.parameters()])
+    err = ((grads["kvarena-cache"] - want5).norm() / want5.norm()).item()
+    assert err <= 1e-5, f"kvarena-cache: gradient relative error {err:.2e}"
+    model.set_attn_implementation("kvarena")
+    cache = hf.KVArenaCache(model.config, block_size=4)
+    with torch.no_grad():
+        model(ids[:, :4], attention_mask=mask[:, :4], past_key_values=cache)
+    before = _arena_state(cache)
+    with pytest.raises(NotImplementedError, match="^kvarena: under autograd with KVArenaCache, padding queries"):
+        model(ids[:, 4:], attention_mask=mask, past_key_values=cache)
+    assert _arena_state(cache) == before, f"{before} -> {_arena_state(cache)}"
+
+
+def _layer_kv(cache, i: int):
+    return cache.layers[i].keys, cache.layers[i].values
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float8_e4m3fn], ids=["fp32", "fp8"])
+@pytest.mark.parametrize("name", ["llama-gqa", "mistral-window"])
+def test_kvarena_cache_layers_read_like_transformers_cache(name: str, dtype) -> None:
+    """Issue 29 #5: ``cache.layers[i].keys / .values`` are the arena's K/V gathered into
+    transformers' layout ``[B, H_kv, S, D]`` and the model's dtype, equal to the eager
+    DynamicCache's at every slot the arena holds (fp8: within its rounding) and 0 where it
+    holds nothing (left padding, Mistral's released out-of-window blocks); the base API
+    (``batch_size``, ``get_max_length``, ``has_previous_state``, ``is_croppable``) answers as
+    transformers' cache does."""
+    model = _model(name)
+    ids, mask = _prompts(True)
+    arena = hf.KVArenaCache(model.config, block_size=4, rollback_tokens=0, dtype=dtype)
+    assert len(arena.layers) == len(arena) == 2 and arena.layers[0].keys is None and arena.batch_size == -1
+    runs = {}
+    for impl, cache in (("eager", transformers.DynamicCache(config=model.config)), ("kvarena", arena)):
+        model.set_attn_implementation(impl)
+        runs[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=-1,
+                                    pad_token_id=0, past_key_values=cache, return_dict_in_generate=True)
+    dyn = runs["eager"].past_key_values
+    assert runs["kvarena"].past_key_values is arena
+    assert arena.batch_size == 3 and arena.get_seq_length() == dyn.get_seq_length() == 24
+    # -1: no maximum, as DynamicCache's full layers (its sliding layers answer the window they keep)
+    assert arena.get_max_length() == arena.get_max_length(1) == -1
+    assert name != "llama-gqa" or dyn.get_max_length() == -1
+    assert arena.is_croppable and arena.is_initialized and not arena.is_compileable
+    with pytest.raises(ValueError, match="can only be called on LinearAttention layers") as got:
+        arena.has_previous_state()
+    with pytest.raises(ValueError) as want:
+        dyn.has_previous_state()
+    assert str(got.value) == str(want.value)
+    with pytest.raises(ValueError, match=r"^layer_idx: expected an int in \[0, 2\), got 2"):
+        arena.get_max_length(2)
+    tol = 0.1 if dtype is not None else TOL
+    for i in range(2):
+        for what, got_t, want_t in zip(("keys", "values"), _layer_kv(arena, i), _layer_kv(dyn, i)):
+            assert got_t.shape == (3, 2, 24, 16) and got_t.dtype == torch.float32, (what, got_t.shape, got_t.dtype)
+            held = torch.zeros(3, 24, dtype=torch.bool)
+            for r, n in enumerate(arena.pool.seq_len(nm) for nm in arena._names):
+                blocks = arena.pool.block_ids(arena._names[r], 0)
+                held[r, 24 - n :] = torch.tensor([b >= 0 for b in blocks]).repeat_interleave(4)[:n]
+            assert torch.equal(held[:, :17], mask.bool() & held[:, :17]), "a padding slot is marked held"
+            assert not got_t.transpose(1, 2)[~held].any(), f"layer {i} {what}: a slot the arena lacks is not 0"
+            w = want_t.shape[2]  # DynamicCache's sliding layers keep only the newest window - 1 tokens
+            sel = held[:, -w:].clone()
+            if dtype is not None:  # fp8 greedy tokens may part from eager's: the prompt's slots only
+                sel[:, max(0, 17 - (24 - w)) :] = False
+            assert sel.any() or (dtype is not None and w < 8), f"layer {i} {what}: nothing compared"
+            if sel.any():
+                g, ref = got_t[:, :, -w:].transpose(1, 2)[sel], want_t.transpose(1, 2)[sel]
+                err = ((g - ref).norm() / ref.norm()).item() if dtype is not None else (g - ref).abs().max().item()
+                assert err <= tol, f"layer {i} {what}: error {err:.2e} > {tol}"
+    if name == "mistral-window":
+        assert not held.all(), "the window release left every block: the zero check tested nothing"
+    with pytest.raises(NotImplementedError, match="^kvarena: crop on one layer of a KVArenaCache"):
+        arena.layers[0].crop(-1)
+    arena.reset()
+    assert arena.batch_size == -1 and arena.layers[1].values is None
+
+
+def test_continue_from_a_returned_kvarena_cache_gives_the_same_cache() -> None:
+    """transformers' test_generate_continue_from_past_key_values on a KVArenaCache: 3 tokens,
+    then 3 more from the returned cache equal 6 at once, tokens and every layer's K/V."""
+    model = _model("gemma3")
+    model.set_attn_implementation("kvarena")
+    ids, mask = _prompts(False)
+    kw = dict(do_sample=False, eos_token_id=-1, pad_token_id=0, return_dict_in_generate=True)
+    whole = model.generate(ids, attention_mask=mask, max_new_tokens=6, past_key_values=hf.KVArenaCache(
+        model.config, block_size=4), **kw)
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=3, past_key_values=hf.KVArenaCache(
+        model.config, block_size=4), **kw)
+    more = model.generate(first.sequences, attention_mask=torch.ones_like(first.sequences), max_new_tokens=3,
+                          past_key_values=first.past_key_values, **kw)
+    assert torch.equal(more.sequences, whole.sequences), "continued tokens differ"
+    a, b = whole.past_key_values, more.past_key_values
+    assert len(a) == len(b) == 2
+    for i in range(2):
+        for what, x, y in zip(("keys", "values"), _layer_kv(a, i), _layer_kv(b, i)):
+            assert x.shape == y.shape, (i, what, x.shape, y.shape)
+            err = (x - y).abs().max().item()
+            assert err <= TOL, f"layer {i} {what}: continued cache differs by {err:.2e}"
+
+
+@pytest.mark.parametrize("how", ["forward-kwarg", "generate"])
+@pytest.mark.parametrize("cache", ["hf-cache", "kvarena-cache"])
+def test_output_attentions_is_a_clear_error(cache: str, how: str) -> None:
+    """Issue 29 #6: output_attentions=True came back as an empty tuple, silently. Now it is a
+    kvarena: NotImplementedError (kvarena never forms the weights), a KVArenaCache unchanged
+    by it, and the next step (output_attentions=False) runs. (A config with output_attentions
+    =True under kvarena is refused by transformers itself.)"""
+    model = _model("llama-gqa")
+    model.set_attn_implementation("kvarena")
+    ids, mask = _prompts(True)
+    arena = hf.KVArenaCache(model.config, block_size=4) if cache == "kvarena-cache" else None
+    extra = {} if arena is None else {"past_key_values": arena}
+    if arena is not None:
+        with torch.no_grad():
+            model(ids[:, :9], attention_mask=mask[:, :9], past_key_values=arena)
+        before = _arena_state(arena)
+    step = (ids[:, 9:], mask) if arena is not None else (ids, mask)
+    with pytest.raises(NotImplementedError, match=r"^kvarena: output_attentions=True \(kvarena never forms"):
+        if how == "forward-kwarg":
+            model(step[0], attention_mask=step[1], output_attentions=True, **extra)
+        else:
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, output_attentions=True,
+                           return_dict_in_generate=True, eos_token_id=-1, pad_token_id=0)
+    if arena is not None:
+        assert _arena_state(arena) == before, f"{how}: the refused step changed the cache"
+    with torch.no_grad():
+        out = model(step[0], attention_mask=step[1], output_attentions=False, **extra)
+    assert out.attentions is None and out.logits.shape[1] == step[0].shape[1]
+
+
+@pytest.mark.parametrize(("name", "pad"), [
+    *[pytest.param(n, "left", id=f"{n}-left-padded-3") for n in ("llama-gqa", "mistral-window", "gemma3",
+                                                                  "gptoss-sinks")],
+    pytest.param("gemma3", "holes", id="gemma3-holes"),
+])
+def test_static_cache_generate_equals_eager(name: str, pad: str) -> None:
+    """Issue 29 #3 (and the message: a static cache on Mistral was refused as "a 1-D padding
+    mask in the mask hook"): generate(cache_implementation="static") on a left-padded batch
+    longer than the window equals eager's tokens and logits. The hook attends only the
+    slots holding tokens (the rest are empty, in every query's future) and serves the mask
+    generate builds ahead of the forward when the model feeds it back. Holes too."""
+    model = _model(name)
+    ids, mask = _prompts(True) if pad == "left" else _pad_batch(pad)
+    _compare(model, ids, mask, f"{name} static {pad}", max_new_tokens=6, cache_implementation="static")
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not TRITON, reason="needs TRITON_INTERPRET=1")
+def test_padding_holes_on_the_triton_path() -> None:
+    """Holes through the Triton kernels (interpreter): Mistral on a KVArenaCache, holes and a
+    padding query after real ones (the per-query reading over the arena's blocks, after the
+    store); every position that sees a key within 1e-4 of eager."""
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1, 0]])  # holes, and a padding query after real ones
+    ids = torch.randint(1, 128, (1, 7), generator=torch.Generator().manual_seed(5))
+    hf.register(backend="triton")
+    try:
+        model = _model("mistral-window")
+        with torch.no_grad():
+            model.set_attn_implementation("eager")
+            want = model(ids, attention_mask=mask).logits
+            model.set_attn_implementation("kvarena")
+            got = model(ids, attention_mask=mask, past_key_values=hf.KVArenaCache(model.config, block_size=4)).logits
+        err = (got - want)[mask.cumsum(1) > 0].abs().max().item()
+        assert err <= TOL, f"triton: max logit error {err:.2e} > {TOL}"
+    finally:
+        hf.register()
+
+
+PACKED_POS = [[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3], [0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8]]
+
+
+@pytest.mark.parametrize("name", [n for n in MODELS if n != "gptoss-sinks"])
+def test_packed_sequences_by_position_ids_equal_eager(name: str) -> None:
+    """Issue 29 #2: position_ids restarting inside a row, no padding mask and no cache (the
+    padding-free batches TRL packs), which transformers folds into the mask: each sequence
+    attends only itself (one kvarena sequence per packed one, kv_start its first token),
+    within 1e-4 of eager and of the sequence run alone; gradients too (Llama)."""
+    model = _model(name)
+    ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(2))
+    pos = torch.tensor(PACKED_POS)
+    grad = name == "llama-gqa"
+    out = {}
+    for impl in ("eager", "kvarena"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        with torch.set_grad_enabled(grad):
+            logits = model(ids, position_ids=pos, use_cache=False).logits
+            if grad:
+                logits.square().mean().backward()
+        out[impl] = logits.detach(), grad and torch.cat([p.grad.flatten() for p in model.model.layers[0].parameters()
+                                                         if p.grad is not None])
+        if impl == "kvarena":
+            with torch.no_grad():
+                alone = model(ids[:1, 8:], use_cache=False).logits
+    err = (out["kvarena"][0] - out["eager"][0]).abs().max().item()
+    assert err <= TOL, f"{name} packed: max logit error {err:.2e} > {TOL}"
+    err = (alone - out["kvarena"][0][:1, 8:]).abs().max().item()
+    assert err <= TOL, f"{name} packed: the second sequence differs from itself alone by {err:.2e}"
+    if grad:
+        g, w = out["kvarena"][1], out["eager"][1]
+        err = ((g - w).norm() / w.norm()).item()
+        assert err <= 1e-5, f"{name} packed: gradient relative error {err:.2e}"
+
+
+def test_packed_sequences_transformers_does_not_fold_are_refused() -> None:
+    """gpt-oss (and any model given a cache) does not fold packed position_ids into its mask:
+    eager attends across the sequences there, kvarena refuses with a clear error."""
+    model = _model("gptoss-sinks")
+    model.set_attn_implementation("kvarena")
+    ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(NotImplementedError, match=r"^kvarena: packed sequences \(position_ids that restart"):
+        model(ids, position_ids=torch.tensor(PACKED_POS), use_cache=False)
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not TRITON, reason="needs TRITON_INTERPRET=1")
+def test_packed_sequences_on_the_triton_path() -> None:
+    """Packed sequences through the Triton kernels (interpreter): Mistral, a sequence longer
+    than the window; within 1e-4 of eager."""
+    model = _model("mistral-window")
+    ids = torch.randint(1, 128, (1, 11), generator=torch.Generator().manual_seed(2))
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7]])
+    hf.register(backend="triton")
+    try:
+        with torch.no_grad():
+            model.set_attn_implementation("eager")
+            want = model(ids, position_ids=pos, use_cache=False).logits
+            model.set_attn_implementation("kvarena")
+            got = model(ids, position_ids=pos, use_cache=False).logits
+    finally:
+        hf.register()
+    err = (got - want).abs().max().item()
+    assert err <= TOL, f"triton packed: max logit error {err:.2e} > {TOL}"
