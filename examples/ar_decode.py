@@ -5,7 +5,7 @@ Usage: python examples/ar_decode.py [--new-tokens 8] [--device cpu|cuda] [--back
 
 import argparse
 
-from kvarena.examples.ar_decode import run_ar_decode
+from kvarena.examples.ar_decode import run_ar_decode, summary
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -14,4 +14,4 @@ if __name__ == "__main__":
     p.add_argument("--backend", default="auto")
     a = p.parse_args()
     rep = run_ar_decode(new_tokens=a.new_tokens, device=a.device, backend=a.backend)
-    print(rep)
+    print(summary(rep))

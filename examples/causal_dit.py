@@ -5,7 +5,7 @@ Usage: python examples/causal_dit.py [--chunks 8] [--device cpu|cuda] [--backend
 
 import argparse
 
-from kvarena.examples.causal_dit import run_causal_dit
+from kvarena.examples.causal_dit import run_causal_dit, summary
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -17,4 +17,4 @@ if __name__ == "__main__":
     rep = run_causal_dit(num_chunks=a.chunks, device=a.device, backend=a.backend,
                          residual_threshold=a.residual_threshold,
                          progress=lambda d, n: print(f"chunk {d}/{n}", flush=True))
-    print(rep)
+    print(summary(rep))

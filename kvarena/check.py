@@ -169,6 +169,8 @@ def add_arguments(parser) -> None:
                         help="also report the metrics that decide speed: CTAs per SM, MMA kind, K/V "
                              "buffers in flight, SASS instructions per main-loop iteration next to a "
                              "contiguous flash loop at the same tile, and the workloads' grids and waves")
+    parser.add_argument("--wide", action="store_true",
+                        help=f"print the full table, one line per compile (the default fits {TABLE_COLUMNS} columns)")
     parser.add_argument("--no-cache", action="store_true",
                         help="compile everything, ignoring and not writing the on-disk cache of compile results "
                              "(KVARENA_CHECK_CACHE, default ~/.cache/kvarena/check)")
@@ -613,6 +615,31 @@ def _write_occupancy(rows: list[Row]) -> str:
 
 
 
+#: Compiles finished so far, shared with the worker processes (forked, so they inherit it);
+#: set by ``run`` while it compiles, read by its progress line.
+_DONE = None
+
+
+class _Progress:
+    """``compiles done / total, ETA`` on stderr: redrawn in place on a terminal, else a line
+    every 10% (so a log gets a dozen lines, not one per compile)."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.t0, self.tty = max(1, total), time.perf_counter(), sys.stderr.isatty()
+        self.last_decile = -1
+
+    def show(self, done: int, final: bool = False) -> None:
+        elapsed = time.perf_counter() - self.t0
+        eta = f", about {elapsed / done * (self.total - done):.0f} s left" if 0 < done < self.total else ""
+        line = f"kvarena check: {done}/{self.total} compiles, {elapsed:.0f} s{eta}"
+        if self.tty:
+            sys.stderr.write(f"\r{line:<78}" + ("\n" if final else ""))
+        elif final or done * 10 // self.total > self.last_decile:
+            self.last_decile = done * 10 // self.total
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
 def _compile_target(job: tuple) -> list[Row]:
     """Every launch of one target, in ``_launches`` order (with ``--perf``: its metrics and
     the reference loop of each tile)."""
@@ -626,14 +653,33 @@ def _compile_target(job: tuple) -> list[Row]:
                 ref[launch.ref_tile] = _reference_loop_sass_cached(launch.ref_tile, cap)
             row.ref_loop_sass = ref[launch.ref_tile]
         rows.append(row)
+        if _DONE is not None:
+            with _DONE.get_lock():
+                _DONE.value += 1
     return rows
 
 
-def _print_table(rows: list[Row]) -> None:
+#: The default table's width: wider configs wrap onto continuation lines (``--wide``: one line each).
+TABLE_COLUMNS = 120
+
+
+def _print_table(rows: list[Row], wide: bool = False) -> None:
+    """One line per compile (plus continuation lines for a long config unless ``wide``).
+
+    The default form fits :data:`TABLE_COLUMNS`: no kernel column (the config names its
+    kind), short headers, the config wrapped, compile errors listed under the table.
+    ``wide``: every column on one line, errors inline.
+    """
+    import textwrap
+
     perf = any(r.mma for r in rows)
-    head = ("kernel", "config", "target", "regs", "spill st/ld", "shared KiB", "fits")
+    if wide:
+        head = ("kernel", "config", "target", "regs", "spill st/ld", "shared KiB", "fits")
+    else:
+        head = ("config", "target", "regs", "spills", "smem KiB", "fits")
     if perf:
-        head += ("CTAs/SM", "MMA", "K/V bufs", "loop SASS", "ref SASS", "ratio")
+        head += ("CTAs/SM", "MMA", "K/V bufs", "loop SASS", "ref SASS", "ratio") if wide else \
+            ("CTA/SM", "MMA", "K/V", "loop", "ref", "ratio")
 
     def perf_cols(r: Row) -> tuple:
         if not r.mma:
@@ -641,15 +687,36 @@ def _print_table(rows: list[Row]) -> None:
         ratio = f"{r.loop_sass / r.ref_loop_sass:.2f}" if r.loop_sass > 0 and r.ref_loop_sass > 0 else "-"
         return (str(r.ctas_per_sm), r.mma, str(r.kv_buffers), str(r.loop_sass), str(r.ref_loop_sass), ratio)
 
+    def fits(r: Row) -> str:
+        if r.fits:
+            return "yes"
+        return "NO: " + r.error if r.error and wide else "NO"
+
     body = [
-        (r.kernel, r.config, r.target, str(r.registers), f"{r.spill_stores}/{r.spill_loads}",
-         f"{r.shared_bytes / 1024:.1f}", "yes" if r.fits else ("NO: " + r.error if r.error else "NO"))
+        ((r.kernel,) if wide else ()) + (r.config, r.target, str(r.registers), f"{r.spill_stores}/{r.spill_loads}",
+                                         f"{r.shared_bytes / 1024:.1f}", fits(r))
         + (perf_cols(r) if perf else ())
         for r in rows
     ]
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    cfg = 1 if wide else 0  # the config column
+    if not wide:
+        others = sum(w for i, w in enumerate(widths) if i != cfg) + 2 * (len(widths) - 1)
+        widths[cfg] = max(len(head[cfg]), min(widths[cfg], TABLE_COLUMNS - others))
     for line in [head, tuple("-" * w for w in widths), *body]:
-        print("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip())
+        parts = [line[cfg]]
+        if len(line[cfg]) > widths[cfg]:  # only in the default form: --wide sized the column to fit
+            parts = textwrap.wrap(line[cfg], widths[cfg], subsequent_indent="  ", break_on_hyphens=False)
+        first = line[:cfg] + (parts[0],) + line[cfg + 1:]
+        print("  ".join(x.ljust(w) for x, w in zip(first, widths)).rstrip())
+        for more in parts[1:]:
+            print(more.rstrip())
+    errors = [r for r in rows if not r.fits and r.error]
+    if errors and not wide:
+        print("compile errors:")
+        for r in errors:
+            print(textwrap.fill(f"{r.config} [{r.target}]: {r.error}", TABLE_COLUMNS, initial_indent="  ",
+                                subsequent_indent="    "))
 
 
 def run(args) -> int:
@@ -679,15 +746,29 @@ def run(args) -> int:
         # targets on a 2-core machine take about half the wall time.
         jobs = [(args.only, cap, args.all_variants, args.perf) for cap in targets]
         workers = min(len(targets), os.cpu_count() or 1)
-        if workers > 1:
-            import concurrent.futures
-            import multiprocessing
+        import concurrent.futures
+        import multiprocessing
 
-            ctx = multiprocessing.get_context("fork")
-            with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-                per_rows = list(pool.map(_compile_target, jobs))
-        else:
-            per_rows = [_compile_target(job) for job in jobs]
+        global _DONE
+        ctx = multiprocessing.get_context("fork")
+        _DONE = ctx.Value("i", 0)
+        progress = _Progress(n * len(targets))
+        progress.show(0)
+        try:
+            if workers > 1:
+                with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+                    futures = [pool.submit(_compile_target, job) for job in jobs]
+                    while concurrent.futures.wait(futures, timeout=1.0).not_done:
+                        progress.show(_DONE.value)
+                    per_rows = [f.result() for f in futures]
+            else:
+                per_rows = []
+                for job in jobs:  # the counter moves in this process: show it per target
+                    per_rows.append(_compile_target(job))
+                    progress.show(_DONE.value)
+            progress.show(_DONE.value, final=True)
+        finally:
+            _DONE = None
         rows = [per_rows[t][i] for i in range(n) for t in range(len(targets))]
     finally:
         for k, v in saved.items():
@@ -695,7 +776,7 @@ def run(args) -> int:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    _print_table(rows)
+    _print_table(rows, wide=args.wide)
     bad = [r for r in rows if not r.fits]
     hits = sum(r.cached for r in rows)
     cache_note = f" ({hits} from the compile cache; --no-cache compiles all)" if hits else ""

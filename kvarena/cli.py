@@ -33,14 +33,42 @@ __all__ = [
     "positive_int",
 ]
 
-# subcommand -> (module, help). Each module provides ``add_arguments(parser)`` and
-# ``run(args) -> int`` and imports neither torch nor triton at module level, so building
-# the parser stays cheap and TRITON_INTERPRET can still be chosen by the subcommand.
+# subcommand -> (module, one-line help, what it does and an example with its time on a
+# 2-core CPU). Each module provides ``add_arguments(parser)`` and ``run(args) -> int`` and
+# imports neither torch nor triton at module level, so building the parser stays cheap
+# and TRITON_INTERPRET can still be chosen by the subcommand.
 _COMMANDS = {
-    "demo": ("kvarena.demo", "run the causal-DiT rollout and AR-decode examples and print a table"),
-    "check": ("kvarena.check", "compile the Triton kernels ahead of time for sm_80/sm_90a and report registers/spills"),
-    "bench": ("kvarena.benchmark.cli", "run the kernel and cache benchmarks against same-run baselines"),
+    "demo": ("kvarena.demo",
+             "run the example models on kvarena's caches, check them against dense attention, print a table",
+             "Runs a causal video DiT rollout (slab KV, sinks + window recycled in place), an AR\n"
+             "decode (paged KV, chunked prefill, a fork) and a hybrid sliding/full decode (layer\n"
+             "groups), compares every checked step with a dense recomputation and prints one table.",
+             [("kvarena demo", "5-20 s on a 2-core CPU (depending on load), seconds on a GPU"),
+              ("kvarena demo --backend triton", "the Triton kernels through the interpreter on CPU, about 1 min")]),
+    "check": ("kvarena.check",
+              "compile the Triton kernels for sm_80/sm_90a without a GPU; report registers, spills, shared memory",
+              "Compiles every kernel configuration the pools launch ahead of time (ptxas included)\n"
+              "and fails on a register spill or a shared-memory overflow. Progress goes to stderr;\n"
+              "results are cached on disk, so a second run takes seconds.",
+              [("kvarena check", "about 6 min on a 2-core CPU the first time"),
+               ("kvarena check --perf", "adds occupancy, MMA kind and main-loop SASS, about 8 min"),
+               ("kvarena check --only decode --target 90", "a subset, under a minute")]),
+    "bench": ("kvarena.benchmark.cli",
+              "run the kernel and cache benchmarks against same-run baselines; write results and a plot",
+              "Times kvarena as the pools launch it next to same-run baselines (SDPA, a shift-left\n"
+              "window cache, a device copy) and writes results.json, tables.md and plot.png.",
+              [("kvarena bench --quick --out /tmp/q", "tiny shapes on CPU, about 20 s"),
+               ("kvarena bench --out runs/gpu", "the full set on a GPU, a few minutes")]),
 }
+
+_DESCRIPTION = ("kvarena: paged and slab KV caches in one device arena, and Triton attention\n"
+                "kernels that read straight from it.")
+
+
+def _examples(rows: list) -> str:
+    width = max(len(cmd) for cmd, _ in rows)
+    return "examples:\n" + "\n".join(f"  {cmd:<{width}}  # {time}" for cmd, time in rows)
+
 
 _DEVICE_RE = re.compile(r"cpu|cuda(?::(\d+))?")
 
@@ -181,11 +209,15 @@ def output_file(text: str) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvarena", description=__doc__.splitlines()[0])
-    parser.add_argument("--version", action="version", version=f"kvarena {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_text) in _COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+    epilog = _examples([row for *_, rows in _COMMANDS.values() for row in rows[:1]])
+    epilog += "\n\n'kvarena COMMAND --help' describes a command's flags."
+    parser = argparse.ArgumentParser(prog="kvarena", description=_DESCRIPTION, epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-V", "--version", action="version", version=f"kvarena {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for name, (module, help_text, description, examples) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=description, epilog=_examples(examples),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         # The subparser rides along so that main can report a UsageError with its usage.
         p.set_defaults(_module=module, _parser=p)
         importlib.import_module(module).add_arguments(p)

@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=device_name, default=None,
                         help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--chunks", type=positive_int, default=None,
-                        help="DiT chunks per video, 1 or more (default 8; 3 with the interpreter)")
+                        help="DiT chunks per video, 1 or more (default 8; 5 with the interpreter)")
     parser.add_argument("--new-tokens", type=positive_int, default=None,
                         help="AR tokens per request, 1 or more (default 8; 3 with the interpreter)")
     parser.add_argument("--no-check", action="store_true", help="skip the dense reference checks")
@@ -42,7 +42,7 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
-def _ar_num_blocks(new_tokens: int, prompt_lens: tuple = _AR_PROMPT_LENS) -> int:
+def _ar_num_blocks(new_tokens: int, prompt_lens: tuple = _AR_PROMPT_LENS, block_size: int = _AR_BLOCK_SIZE) -> int:
     """Paged-cache blocks that hold every AR request (and the fork) at full length.
 
     64 blocks hold the default run; larger ``--new-tokens`` get a larger cache instead of
@@ -50,8 +50,63 @@ def _ar_num_blocks(new_tokens: int, prompt_lens: tuple = _AR_PROMPT_LENS) -> int
     """
     lens = (*prompt_lens, prompt_lens[0])  # the fork of r0 grows as long as r0
     # +1 per sequence: the partly filled block a fork may have to copy.
-    need = sum(math.ceil((n + new_tokens) / _AR_BLOCK_SIZE) + 1 for n in lens)
+    need = sum(math.ceil((n + new_tokens) / block_size) + 1 for n in lens)
     return max(64, need)
+
+
+def _tolerance(dtype) -> float:
+    """The largest error vs dense that the demo calls OK: fp32 on CPU, bf16 on CUDA."""
+    import torch
+
+    return 1e-3 if dtype == torch.float32 else 5e-2
+
+
+def _decode_tokens(prompt_lens: tuple, new_tokens: int) -> int:
+    """Tokens an AR decode run feeds the model: every prompt and all but the last sampled
+    token of each request, plus the fork of ``r0`` (it starts with one sampled token)."""
+    return sum(prompt_lens) + (len(prompt_lens) + 1) * (new_tokens - 1)
+
+
+_LEGEND = """\
+legend:
+  streams: 2 videos x {{cond, uncond}} CFG branches; a pass = one model call over a chunk (denoising steps, then
+    the commit pass that stores the chunk's K/V); sinks are kept forever, the window slides with the chunk.
+  arena: the one device allocation, sized up front, that every block/slab lives in; "used" is what live K/V
+    hold, "flat after window" means memory stops growing once the window is full (slabs recycled in place).
+  retained KV bytes moved: K/V that stayed in the cache but were copied (a shift-left window cache copies its
+    whole window every chunk; 0 means the kept K/V never move).
+  hybrid: the sliding-window layers give blocks that left the window back, so memory grows with the full layers
+    only ("no release": the same run keeping every layer's history).
+  max error vs dense: largest |difference| from the same model recomputing the whole sequence with no cache
+    (OK below {tol:g}); reused residuals (DBCache-style) are approximate by design, so those passes are not compared."""
+
+
+class _Progress:
+    """One line per workload: a bar redrawn in place on a terminal; elsewhere only the
+    line it ends with, so redirected output has no control characters."""
+
+    def __init__(self, name: str, total: int, unit: str) -> None:
+        import sys
+        import time
+
+        self.name, self.total, self.unit = name, max(1, total), unit
+        self.stream = sys.stdout
+        self.tty = self.stream.isatty()
+        self.t0 = time.perf_counter()
+        self.update(0)
+
+    def update(self, done: int) -> None:
+        if not self.tty:
+            return
+        frac = min(1.0, done / self.total)
+        fill = int(round(24 * frac))
+        self.stream.write(f"\r  {self.name:<30} [{'#' * fill}{'.' * (24 - fill)}] {done}/{self.total} {self.unit}")
+        self.stream.flush()
+
+    def finish(self, wall_s: float) -> None:
+        line = f"  {self.name:<30} done: {self.total} {self.unit} in {wall_s:.1f} s"
+        self.stream.write(f"\r{line:<72}\n" if self.tty else line + "\n")
+        self.stream.flush()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,77 +123,93 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--backend", "triton on CPU needs the Triton interpreter, but TRITON_INTERPRET="
                                           f"{os.environ['TRITON_INTERPRET']!r} is set; unset it or set it to 1")
 
-    from kvarena.examples.ar_decode import GEMMA3_LIKE, run_ar_decode
+    from kvarena.examples.ar_decode import GEMMA3_LIKE, DecoderConfig, run_ar_decode
     from kvarena.examples.causal_dit import run_causal_dit
 
+    # The interpreter's hybrid model: Gemma 3's 5 sliding : 1 full, with an 8-token window.
+    tiny_hybrid = DecoderConfig(num_layers=6, windows=(7,) * 5 + (None,))
     dtype = torch.bfloat16 if on_cuda else torch.float32
     tiny = not on_cuda and args.backend == "triton"
     # None is the only "use the default" value: the parser rejects 0 and negatives.
-    chunks = args.chunks if args.chunks is not None else (3 if tiny else 8)
+    chunks = args.chunks if args.chunks is not None else (5 if tiny else 8)
     new_tokens = args.new_tokens if args.new_tokens is not None else (3 if tiny else 8)
     check = not args.no_check
     print(f"kvarena demo: device={device} backend={args.backend} dtype={str(dtype).replace('torch.', '')}")
 
-    def dit_progress(done: int, total: int) -> None:
-        print(f"  causal DiT rollout: chunk {done}/{total}", flush=True)
+    names = ("causal DiT rollout (slab KV)", "AR decode (paged KV)", "hybrid decode (layer groups)")
+    # The interpreter's tiny run (2 denoising steps a chunk) still fills the window and
+    # recycles slabs (sink 1 + window 3 frames: from chunk 3 on), and its hybrid model
+    # slides an 8-token window over 4-token blocks.
+    sink_frames, window_frames = (1, 3) if tiny else (2, 5)
+    bar = _Progress(names[0], chunks, "chunks")
+    dit = run_causal_dit(num_chunks=chunks, steps=2 if tiny else 4, dtype=dtype, device=device, backend=args.backend, check=check,
+                         sink_frames=sink_frames, window_frames=window_frames, residual_threshold=0.2,
+                         progress=lambda done, total: bar.update(done))
+    bar.finish(dit.wall_s)
 
-    dit = run_causal_dit(num_chunks=chunks, dtype=dtype, device=device, backend=args.backend, check=check,
-                         residual_threshold=0.2, progress=dit_progress)
-
-    def ar_progress(rep) -> None:
-        print(f"  AR decode: step {rep.steps}, {rep.tokens} tokens", flush=True)
-
+    bar = _Progress(names[1], _decode_tokens(_AR_PROMPT_LENS, new_tokens), "tokens")
     ar = run_ar_decode(prompt_lens=_AR_PROMPT_LENS, new_tokens=new_tokens, block_size=_AR_BLOCK_SIZE,
                        num_blocks=_ar_num_blocks(new_tokens), dtype=dtype, device=device,
-                       backend=args.backend, check=check, progress=ar_progress)
-    # Hybrid: prompts of 100 and 37 tokens, then 8x --new-tokens (64 by default: the
-    # generation runs well past the 64-token window); the interpreter keeps it short.
-    hy_new = new_tokens if tiny else 8 * new_tokens
+                       backend=args.backend, check=check, progress=lambda rep: bar.update(rep.tokens))
+    bar.finish(ar.wall_s)
+    # Hybrid: prompts of 100 and 37 tokens, then 4x --new-tokens (32 by default: both
+    # requests run past the 64-token window); the interpreter's run is shorter and its
+    # window smaller.
+    hy_new = new_tokens if tiny else 4 * new_tokens
     hy_lens = (20, 9) if tiny else _HYBRID_PROMPT_LENS
-    hy = run_ar_decode(config=GEMMA3_LIKE, prompt_lens=hy_lens, new_tokens=hy_new, prefill_chunk=32,
-                       block_size=_AR_BLOCK_SIZE, num_blocks=_ar_num_blocks(hy_new, hy_lens), dtype=dtype,
-                       device=device, backend=args.backend, check=check, progress=ar_progress)
+    hy_cfg = tiny_hybrid if tiny else GEMMA3_LIKE
+    hy_block = 4 if tiny else _AR_BLOCK_SIZE
+    bar = _Progress(names[2], _decode_tokens(hy_lens, hy_new), "tokens")
+    hy = run_ar_decode(config=hy_cfg, prompt_lens=hy_lens, new_tokens=hy_new, prefill_chunk=32,
+                       block_size=hy_block, num_blocks=_ar_num_blocks(hy_new, hy_lens, hy_block), dtype=dtype,
+                       device=device, backend=args.backend, check=check, progress=lambda rep: bar.update(rep.tokens))
+    bar.finish(hy.wall_s)
     full = [g for g, w in enumerate(hy.group_windows) if w is None]
     slid = [g for g, w in enumerate(hy.group_windows) if w is not None]
     kept_all = hy.group_blocks_peak[full[0]] * len(hy.group_windows) * hy.block_bytes  # no release: all like full
-    hy_mem = (f"{_fmt_bytes(hy.arena_used_bytes_peak)} ({_fmt_bytes(kept_all)} keeping every layer's history)")
 
     after = dit.arena_used_bytes_after_window
-    flat = "n/a: window never filled" if not after else ("yes" if len(set(after)) == 1 else f"NO: {after}")
-    def err(rep) -> str:
-        return f"{rep.max_logit_err:.2e}, greedy match {rep.greedy_match}" if check else "not checked"
+    flat = "n/a: window never filled" if not after else ("flat" if len(set(after)) == 1 else f"NOT flat: {after}")
 
+    def err(rep) -> str:
+        return f"{rep.max_logit_err:.1e}, same greedy tokens: {'yes' if rep.greedy_match else 'NO'}" if check \
+            else "not checked"
+
+    dit_err = "not checked"
+    if check:
+        dit_err = f"{dit.max_err:.1e} ({dit.checked_passes} of {dit.passes} passes"
+        dit_err += f"; {dit.passes - dit.checked_passes} reused residuals)" if dit.checked_passes < dit.passes else ")"
     rows = [
-        ("workload", "causal DiT rollout (slab KV)", "AR decode (paged KV)", "hybrid decode (layer groups)"),
-        ("work", f"{dit.chunks} chunks x 4 namespaces, {dit.passes} passes", f"{ar.requests} requests, {ar.steps} steps",
+        ("workload", *names),
+        ("work", f"{dit.chunks} chunks x 4 streams, {dit.passes} passes", f"{ar.requests} requests, {ar.steps} steps",
          f"{hy.requests} requests, {hy.steps} steps"),
-        ("visibility", dit.visibility, "causal, whole history",
-         f"{len(slid)} sliding (window {hy.group_windows[slid[0]] + 1}) : {len(full)} full layers"),
+        ("attends to", dit.visibility, "whole history",
+         f"{len(slid)} layers window {hy.group_windows[slid[0]] + 1}, {len(full)} full"),
         ("tokens processed", f"{dit.tokens}", f"{ar.tokens}", f"{hy.tokens}"),
         ("arena reserved", _fmt_bytes(dit.arena_reserved_bytes), _fmt_bytes(ar.arena_reserved_bytes),
          _fmt_bytes(hy.arena_reserved_bytes)),
-        ("arena used (peak)", _fmt_bytes(dit.arena_used_bytes), _fmt_bytes(ar.arena_used_bytes_peak), hy_mem),
-        ("retained KV bytes moved", f"{dit.retained_bytes_moved} (memory flat after window: {flat})",
-         "n/a (nothing recycled; a fork shares blocks)",
-         f"0 (blocks per group at peak: full {hy.group_blocks_peak[full[0]]}, sliding "
-         f"<= {max(hy.group_blocks_peak[g] for g in slid)})"),
+        ("arena used (peak)", f"{_fmt_bytes(dit.arena_used_bytes)}, {flat} after window",
+         _fmt_bytes(ar.arena_used_bytes_peak),
+         f"{_fmt_bytes(hy.arena_used_bytes_peak)} (no release: {_fmt_bytes(kept_all)})"),
+        ("retained KV bytes moved", f"{dit.retained_bytes_moved}", "0 (a fork shares blocks)",
+         f"0 (blocks: full {hy.group_blocks_peak[full[0]]}, sliding <= {max(hy.group_blocks_peak[g] for g in slid)})"),
         ("reuse", f"text K/V hits {dit.text_cache_hits}/{dit.text_cache_hits + dit.text_cache_misses}, "
-                  f"layers skipped {dit.skipped_layer_evals}", "fork shares prompt blocks",
-         "freed sliding blocks serve new tokens"),
-        ("max error vs dense", f"{dit.max_err:.2e} ({dit.checked_passes} passes)" if check else "not checked",
-         err(ar), err(hy)),
-        ("wall time", f"{dit.wall_s:.2f} s", f"{ar.wall_s:.2f} s", f"{hy.wall_s:.2f} s"),
+                  f"{dit.skipped_layer_evals} layers skipped", "fork shares prompt blocks",
+         "freed sliding blocks reused"),
+        ("max error vs dense", dit_err, err(ar), err(hy)),
+        ("wall time", f"{dit.wall_s:.1f} s", f"{ar.wall_s:.1f} s", f"{hy.wall_s:.1f} s"),
     ]
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
     print()
     for i, row in enumerate(rows):
-        print("| " + " | ".join(f"{c:<{w}}" for c, w in zip(row, widths)) + f" | {row[3]}")
+        print("| " + " | ".join(f"{c:<{w}}" for c, w in zip(row, widths)) + " |")
         if i == 0:
-            print("|" + "|".join("-" * (w + 2) for w in widths) + "|" + "-" * 30)
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    print(_LEGEND.format(tol=_tolerance(dtype)))
     # OK means: every requested chunk and token ran, and each was checked against dense
     # recomputation. A run that did less never reports OK, nor does one that was not checked.
     ran = dit.chunks == chunks and dit.tokens > 0 and ar.tokens > 0 and ar.steps > 0 and hy.steps > 0
-    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    tol = _tolerance(dtype)
     if not ran:
         print(f"\nresult: INCOMPLETE (ran {dit.chunks}/{chunks} DiT chunks, {ar.tokens} AR tokens)")
         return 1

@@ -189,3 +189,44 @@ def test_all_variants_of_one_config():
     assert len(plain) == 16 and len({launch.config for launch in plain}) == 16
     assert {launch.variant for launch in plain} == {"as launched", "all flags", "variant"}
     assert len(check._launches("decode 32q/8kv:", 90)) == 2  # the default: as launched + all flags
+
+
+def _table_rows(perf: bool) -> list:
+    long = "chunk Wan split: fp16 D128 G1 BM128 BN64 w8 s2 [causal,kv_start,lse,softcap] +nonfinite-guard +sink-logits"
+    rows = []
+    for config in (long, "merge D256: bf16 BR16 w4"):
+        for target in ("sm_80", "sm_90a"):
+            rows.append(check.Row("attention", config, target, 232, 0, 0, 180 * 1024, True, 1.0,
+                                  **({"ctas_per_sm": 1, "mma": "wgmma", "kv_buffers": 3, "loop_sass": 812,
+                                      "ref_loop_sass": 790} if perf else {})))
+    rows.append(check.Row("attention", long, "sm_80", 255, 64, 64, 0, False, 1.0, error="ptxas: out of registers"))
+    return rows
+
+
+@pytest.mark.parametrize("perf", [False, True], ids=["plain", "perf"])
+@pytest.mark.parametrize("wide", [False, True], ids=["default", "wide"])
+def test_table_fits_its_width_and_keeps_one_target_line_per_row(capsys, perf, wide):
+    """The default table fits 120 columns (long configs wrap, errors go below it); --wide
+    prints one line per row; either way exactly one line per row names its target, which
+    is what test_check_compiles_every_config_without_spills counts."""
+    rows = _table_rows(perf)
+    check._print_table(rows, wide=wide)
+    lines = capsys.readouterr().out.splitlines()
+    target_lines = [ln for ln in lines if " sm_80 " in ln or " sm_90a " in ln]
+    assert len(target_lines) == len(rows), f"{len(target_lines)} target lines for {len(rows)} rows:\n" + "\n".join(lines)
+    too_wide = [ln for ln in lines if len(ln) > check.TABLE_COLUMNS]
+    if wide:
+        assert len(lines) == 2 + len(rows) and "ptxas: out of registers" in target_lines[-1], "\n".join(lines)
+    else:
+        assert not too_wide, f"lines over {check.TABLE_COLUMNS} columns:\n" + "\n".join(too_wide)
+        assert any("ptxas: out of registers" in ln for ln in lines[lines.index("compile errors:"):]), "\n".join(lines)
+
+
+def test_progress_without_a_terminal_prints_about_ten_lines(capsys):
+    bar = check._Progress(96)
+    for done in range(97):
+        bar.show(done)
+    bar.show(96, final=True)
+    err = capsys.readouterr().err
+    assert "\r" not in err and 10 <= len(err.splitlines()) <= 13, err
+    assert err.splitlines()[-1].startswith("kvarena check: 96/96 compiles"), err

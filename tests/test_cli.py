@@ -135,7 +135,7 @@ def test_bench_sections_list(capsys):
 def test_demo_smallest_run_reports_ok(capsys):
     assert main(["demo", "--device", "cpu", "--backend", "torch", "--chunks", "1", "--new-tokens", "1"]) == 0
     out = capsys.readouterr().out
-    assert "1 chunks x 4 namespaces" in out and "result: OK" in out, out
+    assert "1 chunks x 4 streams" in out and "result: OK" in out, out
 
 
 @pytest.fixture
@@ -154,3 +154,39 @@ def test_bench_smallest_run_creates_out_dir(capsys, tmp_path, keep_torch_threads
     assert code == 0, capsys.readouterr()
     rows = json.loads((out_dir / "results.json").read_text())["kernels"]
     assert {(r["provider"], r["status"]) for r in rows} == {("kvarena", "ok"), ("shift_left", "ok")}
+
+
+def test_short_version_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["-V"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"kvarena {__version__}"
+
+
+@pytest.mark.parametrize("argv", [[], ["demo"], ["check"], ["bench"]], ids=["top", "demo", "check", "bench"])
+def test_help_is_plain_text_with_timed_examples(capsys, argv):
+    """--help has no reStructuredText markup, and gives an example command with the time
+    it takes: for each subcommand at the top level, and for the subcommand itself."""
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0
+    assert "``" not in out and ":class:" not in out, f"raw RST in the help:\n{out}"
+    examples = out[out.index("examples:"):].splitlines()[1:] if "examples:" in out else []
+    commands = [ln.split("#")[0].split()[1] for ln in examples if ln.startswith("  kvarena ") and "#" in ln]
+    want = argv or ["demo", "check", "bench"]
+    assert set(want) <= set(commands), f"examples for {want} expected, got {commands}:\n{out}"
+    assert all(any(unit in ln for unit in (" s", "min")) for ln in examples if ln.startswith("  kvarena ")), out
+
+
+def test_bench_progress_without_a_terminal_is_plain_lines(capsys):
+    """Redirected stderr (capsys here) gets one plain line per run, no tqdm redraws."""
+    from kvarena.benchmark.runner import progress
+
+    bar = progress(2, "bench")
+    for name in ("case-a", "case-b"):
+        bar.set_postfix_str(name)
+        bar.update()
+    bar.close()
+    err = capsys.readouterr().err
+    assert "\r" not in err and "\x1b" not in err, repr(err)
+    assert err.splitlines() == ["[bench 1/2] case-a", "[bench 2/2] case-b"], err

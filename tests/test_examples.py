@@ -88,12 +88,46 @@ def _run_cli(*args, env_extra=None, timeout=600):
                           env=env, timeout=timeout)
 
 
+_WORKLOADS = ("causal DiT rollout (slab KV)", "AR decode (paged KV)", "hybrid decode (layer groups)")
+
+
 def test_demo_cli_prints_table():
+    """One progress line per workload, named as in the table; redirected output (a pipe
+    here) has no carriage returns; the table and its legend; a checked OK."""
     res = _run_cli("demo", "--chunks", "5", "--new-tokens", "4")
     assert res.returncode == 0, res.stdout + res.stderr
+    assert "\r" not in res.stdout, "progress bars must not redraw when stdout is not a terminal"
+    lines = res.stdout.splitlines()
+    for name in _WORKLOADS:
+        progress = [ln for ln in lines if ln.strip().startswith(name) and "done:" in ln]
+        assert len(progress) == 1, f"expected one progress line for {name!r}, got {progress}\n{res.stdout}"
+    header = next((ln for ln in lines if ln.startswith("| workload")), "")
+    assert all(name in header for name in _WORKLOADS), f"table header names differ from the progress: {header!r}"
     for needle in ("tokens processed", "arena reserved", "retained KV bytes moved", "max error vs dense",
-                   "wall time", "result: OK"):
+                   "flat after window", "wall time", "legend:", "result: OK"):
         assert needle in res.stdout, f"{needle!r} missing from:\n{res.stdout}"
+    moved = next(ln for ln in lines if ln.startswith("| retained KV bytes moved"))
+    assert moved.split("|")[2].strip() == "0", f"the slab rollout moved retained KV: {moved!r}"
+
+
+def test_ar_decode_dense_check_catches_a_wrong_step():
+    """The dense check runs once per sequence after the run: a single wrong logit in any
+    step's rows must still show as an error and a greedy mismatch."""
+    from kvarena.examples import ar_decode
+
+    torch.manual_seed(0)
+    model = ar_decode.TinyDecoder(ar_decode.DecoderConfig()).eval()
+    seq = torch.randint(0, 97, (9,)).tolist()
+    with torch.no_grad():
+        dense = model.forward_dense(torch.tensor(seq))
+    rows = [(0, dense[0:5].clone()), (5, dense[5:8].clone())]
+    rep = ar_decode.DecodeReport()
+    ar_decode._check_against_dense(model, {"r0": seq}, {"r0": rows}, rep, "cpu")
+    assert rep.max_logit_err <= 1e-5 and rep.greedy_match, rep
+    rows[1][1][-1] = -rows[1][1][-1]  # the second step's last row: wrong logits, another argmax
+    rep = ar_decode.DecodeReport()
+    ar_decode._check_against_dense(model, {"r0": seq}, {"r0": rows}, rep, "cpu")
+    assert rep.max_logit_err > 1e-2 and not rep.greedy_match, rep
 
 
 @pytest.mark.slow
@@ -109,3 +143,18 @@ def test_version_cli():
 
     res = _run_cli("--version")
     assert res.returncode == 0 and __version__ in res.stdout
+
+
+def test_example_summaries_are_short_and_readable():
+    """The examples print a few lines, not a dataclass repr (no ``Report(`` and no line
+    a terminal would wrap many times over)."""
+    from kvarena.examples import ar_decode, causal_dit
+
+    texts = {
+        "causal_dit": causal_dit.summary(run_causal_dit(num_chunks=1, steps=1, check=False)),
+        "ar_decode": ar_decode.summary(run_ar_decode(prompt_lens=(3, 4), new_tokens=2, check=False)),
+    }
+    for name, text in texts.items():
+        lines = text.splitlines()
+        assert "Report(" not in text and 3 <= len(lines) <= 10, f"{name}:\n{text}"
+        assert max(map(len, lines)) <= 160, f"{name}: a {max(map(len, lines))}-character line:\n{text}"

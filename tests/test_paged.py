@@ -637,3 +637,37 @@ def test_padded_plan_equals_the_packed_one(seed, backend) -> None:
     kg = torch.randn(2, 2, 16, dtype=dtype).to(dev).requires_grad_()
     with pytest.raises(ValueError, match="padded plan"):
         padded.forward(torch.randn(2, 4, 16, dtype=dtype).to(dev), kg, kg, meta, 0)
+
+
+_ONE_BLOCK_LAYOUTS = {
+    "one group": dict(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32),
+    "two groups": dict(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                       groups=((0,), (1,))),
+}
+
+
+@pytest.mark.parametrize("name", list(_ONE_BLOCK_LAYOUTS), ids=list(_ONE_BLOCK_LAYOUTS))
+def test_budget_below_one_block_is_a_value_error_at_construction(name) -> None:
+    """A budget that cannot hold one block (per layer group) fails when the pool is made,
+    naming max_bytes, the block size and the bytes needed, not at the first plan."""
+    layout = KVLayout(**_ONE_BLOCK_LAYOUTS[name])
+    groups = len(layout.layer_groups)
+    need = layout.block_bytes(8) * groups
+    with pytest.raises(ValueError) as exc:
+        PagedKVCache(CachePolicy("paged_kv", max_bytes=need - 1), layout=layout, block_size=8)
+    msg = str(exc.value)
+    for part in ("max_bytes", f"{need - 1} bytes", "block_size 8", f"max_bytes >= {need}"):
+        assert part in msg, f"{part!r} missing from: {msg}"
+    cache = PagedKVCache(CachePolicy("paged_kv", max_bytes=need), layout=layout, block_size=8)
+    assert cache.total_blocks == groups
+
+
+def test_cache_full_error_states_block_size_and_budget() -> None:
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, dtype=torch.float32)
+    budget = 3 * layout.block_bytes(4)
+    cache = PagedKVCache(CachePolicy("paged_kv", max_bytes=budget), layout=layout, block_size=4)
+    with pytest.raises(CacheFullError) as exc:
+        cache.plan({"a": 13})
+    msg = str(exc.value)
+    for part in ("needs 4 blocks", "block_size 4", f"{layout.block_bytes(4)} bytes a block", f"budget {budget} bytes"):
+        assert part in msg, f"{part!r} missing from: {msg}"

@@ -1,11 +1,14 @@
-"""The seed module's behaviour, run against kvarena and against the seed itself.
+"""kvarena's ``cache_pools.py`` compatibility API, run against kvarena and against the original.
 
-Every test runs twice: ``kvarena`` (must pass) and ``seed`` (the original
-``seed/cache_pools.py``, loaded with ``kvarena.cache.keys`` standing in for the
-module it imported). Behaviour tests pass on both, which shows the seed API kept
-its meaning; each seed-bug regression is marked ``xfail(strict=True)`` on the seed,
-which shows the test really detects the bug. The seed runs are skipped where the
-seed file is not found (set ``KVARENA_SEED_PATH`` to point at it).
+``cache_pools.py`` is the prototype kvarena replaced (its ``FeatureCache``,
+``ResidualCache`` and ``make_pool``); kvarena keeps its API working. Every test runs
+twice: ``kvarena`` (must pass) and ``original`` (that ``cache_pools.py`` itself,
+loaded with ``kvarena.cache.keys`` standing in for the module it imported). Behaviour
+tests pass on both, which shows the API kept its meaning; each regression test of a bug
+the original had is marked ``xfail(strict=True)`` on it, which shows the test really
+detects the bug. The ``original`` runs are skipped in a checkout without that file
+(``shared/seed/cache_pools.py`` next to or inside the repository, or the path in
+``KVARENA_SEED_PATH``); the ``kvarena`` runs always run.
 """
 
 from __future__ import annotations
@@ -76,17 +79,20 @@ _KVARENA = types.SimpleNamespace(
     ResidualCache=residual.ResidualCache,
     make_pool=handle.make_pool,
 )
-_SKIP_SEED = pytest.mark.skipif(_SEED is None, reason="seed/cache_pools.py not found")
+_SKIP_SEED = pytest.mark.skipif(
+    _SEED is None, reason="the original cache_pools.py is not in this checkout (set KVARENA_SEED_PATH to compare "
+                          "against it); the kvarena runs of these tests still ran")
 
 
 def _impls(seed_bug: str | None = None) -> Any:
-    """Parametrize over the two implementations; ``seed_bug``: the seed must fail."""
+    """Parametrize over the two implementations; ``seed_bug``: a bug the original
+    ``cache_pools.py`` had, so its run must fail."""
     seed_marks = [_SKIP_SEED]
     if seed_bug:
-        seed_marks.append(pytest.mark.xfail(strict=True, reason=f"seed bug: {seed_bug}"))
+        seed_marks.append(pytest.mark.xfail(strict=True, reason=f"bug of the original cache_pools.py: {seed_bug}"))
     return pytest.mark.parametrize(
         "impl",
-        [pytest.param(_KVARENA, id="kvarena"), pytest.param(_SEED, id="seed", marks=seed_marks)],
+        [pytest.param(_KVARENA, id="kvarena"), pytest.param(_SEED, id="original", marks=seed_marks)],
     )
 
 

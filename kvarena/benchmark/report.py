@@ -354,8 +354,50 @@ def write_csv(path: Path, results: dict) -> Path:
     return path
 
 
+def _variant_label(r: dict, kind: str) -> str:
+    """The shape family and variant of a kernel row: one plotted line per (provider, label)."""
+    sub = f"b{r['batch']}" if kind == "decode" else r["model"]
+    variant = [r.get("step") or "", "fp8" if r.get("kv_dtype") else "", "rope" if r.get("rope") else "",
+               f"pool{r['layers']}" if r.get("layers") else "",
+               f"p{r['page']}" if kind != "decode" and r["page"] != r["chunk"] else ""]
+    return " ".join([sub, *[v for v in variant if v]])
+
+
+def _recycle_panel(ax_bytes, ax_ms, rec: dict) -> None:
+    """Bytes written/moved per chunk and ms per chunk: kvarena's ring vs the shift-left cache."""
+    names = [n for n in ("kvarena", "shift_left") if n in rec]
+    keys = (("new_bytes_per_chunk", "new KV written"), ("retained_bytes_per_chunk", "retained KV moved"),
+            ("temp_bytes_per_chunk", "KV temp copies"))
+    width = 0.8 / len(keys)
+    for i, (key, label) in enumerate(keys):
+        vals = [((rec[n]["counts"].get(key) or {}).get("mean") or 0) / 2**20 for n in names]
+        ax_bytes.bar([x + i * width for x in range(len(names))], vals, width, label=label)
+    ax_bytes.set_xticks([x + width for x in range(len(names))], names)
+    ax_bytes.set_ylabel("MiB per chunk (all layers, K+V)")
+    ax_bytes.set_title("recycle: bytes per chunk once the window is full")
+    ax_bytes.legend(fontsize=8)
+    ms = [rec[n]["time"]["per_chunk_ms_median"] or 0 for n in names]
+    bars = ax_ms.bar(names, ms, color=["tab:blue", "tab:gray"][:len(names)])
+    ax_ms.bar_label(bars, fmt="%.3g ms", fontsize=8)
+    ax_ms.set_ylabel("ms per chunk (median)")
+    ax_ms.set_title("recycle: time per chunk vs the shift-left baseline")
+
+
+def _overhead_panel(ax, rows: list[dict]) -> None:
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("us_median") is not None]
+    labels = [f"{r['what']} (b{r.get('batch', '')})" for r in ok]
+    bars = ax.barh(labels, [r["us_median"] for r in ok], color="tab:green")
+    ax.bar_label(bars, fmt="%.1f us", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.tick_params(axis="y", labelsize=8)
+    ax.set_xlabel("us per call (median, host; log scale)")
+    ax.set_title("host overhead per call")
+
+
 def write_plot(path: Path, results: dict) -> tuple[Path | None, str]:
-    """Time and throughput vs keys read, per provider. Returns ``(path or None, note)``."""
+    """Time and throughput vs keys read, one line per (provider, shape, variant); then the
+    recycle comparison and the host-overhead rows. Returns ``(path or None, note)``."""
     try:
         import matplotlib
 
@@ -364,49 +406,71 @@ def write_plot(path: Path, results: dict) -> tuple[Path | None, str]:
     except ImportError:
         return None, "plot skipped: matplotlib is not installed (pip install matplotlib)"
     rows = [r for r in results.get("kernels", []) if r["status"] == "ok"]
-    kinds = [k for k in ("decode", "chunk") if any(r["kind"] == k for r in rows)]
-    if not kinds:
-        return None, "plot skipped: no decode or chunk rows ran"
-    fig, axes = plt.subplots(2, len(kinds), figsize=(7 * len(kinds), 9), squeeze=False)
+    kinds = [k for k in ("decode", "chunk", "train") if any(r["kind"] == k for r in rows)]
+    rec = results.get("recycle") if (results.get("recycle") or {}).get("status") != "skipped" else None
+    rec = rec if rec and "kvarena" in rec else None
+    overhead = [r for r in results.get("overhead") or [] if r.get("status") == "ok"]
+    extra = bool(rec) + bool(overhead)
+    if not kinds and not extra:
+        return None, "plot skipped: no kernel, recycle or overhead rows ran"
+    n_rows = 2 * len(kinds) + extra
+    fig = plt.figure(figsize=(16, 4.2 * n_rows + (0.12 * len(overhead) if overhead else 0)))
+    grid = fig.add_gridspec(n_rows, 3, width_ratios=[1, 1, 1.1],
+                            height_ratios=[1] * (n_rows - bool(overhead)) + ([max(1, len(overhead) / 12)] if overhead else []))
     meta = results.get("meta", {})
+    ceil = results.get("ceilings") or {}
+    styles = ["-", "--", "-.", ":"]
+    markers = ["o", "s", "^", "D", "v", "P", "X", "*"]
     for j, kind in enumerate(kinds):
         kr = [r for r in rows if r["kind"] == kind]
-        # One line per provider and per batch (decode) / model (chunk): x = keys read.
         groups: dict[tuple, list[dict]] = {}
-        for r in kr:
-            # One line per provider and shape family; variants (step, page, fp8, RoPE, a pool
-            # arena) are lines of their own, never joined with the plain points.
-            sub = f"b{r['batch']}" if kind == "decode" else r["model"]
-            variant = [r.get("step") or "", "fp8" if r.get("kv_dtype") else "", "rope" if r.get("rope") else "",
-                       f"pool{r['layers']}" if r.get("layers") else "",
-                       f"p{r['page']}" if kind == "chunk" and r["page"] != r["chunk"] else ""]
-            sub = " ".join([sub, *[v for v in variant if v]])
-            groups.setdefault((r["provider"], sub), []).append(r)
+        for r in kr:  # variants (step, page, fp8, RoPE, a pool arena) are lines of their own
+            groups.setdefault((r["provider"], _variant_label(r, kind)), []).append(r)
         metric, label = ("gbps", "KV GB/s") if kind == "decode" else ("tflops", "TFLOP/s")
+        ax_t = fig.add_subplot(grid[2 * j, :2])
+        ax_m = fig.add_subplot(grid[2 * j + 1, :2])
+        providers = sorted({p for p, _ in groups})
+        colors = {p: plt.cm.tab10(i % 10) for i, p in enumerate(providers)}
+        variants = sorted({v for _, v in groups})
         for (prov, sub), rs in sorted(groups.items()):
             rs.sort(key=lambda r: r["kv_tokens"])
             xs = [r["kv_tokens"] for r in rs]
-            style = "-o" if prov == "kvarena" else "--."
-            axes[0][j].plot(xs, [r["median_ms"] for r in rs], style, label=f"{prov} {sub}")
-            axes[1][j].plot(xs, [r[metric] for r in rs], style, label=f"{prov} {sub}")
-        ceil = results.get("ceilings") or {}
+            vi = variants.index(sub)
+            kw = dict(color=colors[prov], ls=styles[vi % len(styles)], marker=markers[vi % len(markers)],
+                      lw=2.0 if prov == "kvarena" else 1.2, ms=5, label=f"{prov} | {sub}")
+            ax_t.plot(xs, [r["median_ms"] for r in rs], **kw)
+            ax_m.plot(xs, [r[metric] for r in rs], **kw)
         cval = ceil.get("copy_gbps") if kind == "decode" else ceil.get("matmul_tflops")
         if cval:
-            axes[1][j].axhline(cval, color="k", lw=0.8, ls=":", label="ceiling (this run)")
-        axes[0][j].set_title(f"{kind}: time vs keys read")
-        axes[0][j].set_ylabel("ms (median)")
-        axes[1][j].set_title(f"{kind}: {label} vs keys read")
-        axes[1][j].set_ylabel(label)
-        for ax in (axes[0][j], axes[1][j]):
+            what = "device copy" if kind == "decode" else "dense matmul"
+            ax_m.axhline(cval, color="k", lw=1.0, ls=":")
+            ax_m.annotate(f"ceiling: {what} this run, {cval:.3g} {label}", xy=(0.01, cval),
+                          xycoords=("axes fraction", "data"), xytext=(0, 4), textcoords="offset points",
+                          fontsize=8)
+        ax_t.set_title(f"{kind}: time vs keys read")
+        ax_t.set_ylabel("ms (median)")
+        ax_m.set_title(f"{kind}: {label} vs keys read")
+        ax_m.set_ylabel(label)
+        for ax in (ax_t, ax_m):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("keys per query (context / sinks+window tokens)")
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=6, ncol=2)
+        # One legend per kind, outside the data (the third column of the grid).
+        handles, labels = ax_t.get_legend_handles_labels()
+        ax_leg = fig.add_subplot(grid[2 * j:2 * j + 2, 2])
+        ax_leg.axis("off")
+        ax_leg.legend(handles, labels, loc="upper left", fontsize=8, title=f"{kind}: provider | shape variant",
+                      title_fontsize=9, frameon=False, ncol=1 if len(labels) <= 26 else 2)
+    if rec:
+        row = 2 * len(kinds)
+        _recycle_panel(fig.add_subplot(grid[row, 0]), fig.add_subplot(grid[row, 1]), rec)
+    if overhead:
+        _overhead_panel(fig.add_subplot(grid[n_rows - 1, :]), overhead)
     fig.suptitle(f"kvarena bench ({meta.get('set')}) on {meta.get('device_name')} "
                  f"[{meta.get('device')}], commit {str(meta.get('commit'))[:10]}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.tight_layout(rect=(0, 0, 1, 0.985))
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path, ""
 

@@ -123,8 +123,9 @@ def measure_ceilings(device: torch.device, *, quick: bool = False) -> dict[str, 
 class _Plain:
     """Progress as plain lines when tqdm is not installed (or not wanted)."""
 
-    def __init__(self, total: int, desc: str, stream=sys.stderr) -> None:
-        self.total, self.desc, self.i, self.stream = total, desc, 0, stream
+    def __init__(self, total: int, desc: str, stream=None) -> None:
+        # stderr as it is now, not at import (a test harness may have swapped it since)
+        self.total, self.desc, self.i, self.stream = total, desc, 0, stream or sys.stderr
 
     def set_postfix_str(self, s: str) -> None:
         print(f"[{self.desc} {self.i + 1}/{self.total}] {s}", file=self.stream, flush=True)
@@ -137,11 +138,14 @@ class _Plain:
 
 
 def progress(total: int, desc: str, enabled: bool = True):
-    """A tqdm bar when available, else plain lines (``enabled=False``: silent)."""
+    """A tqdm bar when stderr is a terminal and tqdm is installed, else plain lines (a log
+    or a pipe gets no carriage returns or escape codes); ``enabled=False``: silent."""
     if not enabled:
         p = _Plain(total, desc)
         p.set_postfix_str = lambda s: None
         return p
+    if not sys.stderr.isatty():
+        return _Plain(total, desc)
     try:
         from tqdm import tqdm
     except ImportError:
@@ -153,6 +157,9 @@ def _skip_reason(exc: BaseException) -> str:
     if isinstance(exc, Skip):
         return str(exc)
     msg = str(exc).strip().splitlines()
+    if isinstance(exc, RuntimeError) and msg and "No viable backend" in msg[0]:
+        # A forced SDPA backend that cannot serve this shape/dtype/device: expected, a skip.
+        return "the forced SDPA backend does not support this case here (torch: no viable backend)"
     return f"error: {type(exc).__name__}: {msg[0][:160] if msg else ''}"
 
 

@@ -101,7 +101,7 @@ class FeatureCache(_ByteBudgetCache):
         ----------
         key : CacheKey
         default : object, default None
-            Returned on a miss (the seed's ``get`` returned ``None``).
+            Returned on a miss (the original ``cache_pools.py`` ``get`` returned ``None``).
 
         Returns
         -------

@@ -76,7 +76,7 @@ def _check_policy(name: str, policy: Any) -> CachePolicy:
 
 
 def make_pool(policy: CachePolicy, **kwargs: Any) -> Any:
-    """Build the pool of ``policy.class_name`` (the seed's registry).
+    """Build the pool of ``policy.class_name`` (the registry of the original ``cache_pools.py`` API).
 
     Parameters
     ----------
@@ -283,7 +283,7 @@ class CacheHandle:
     def _build_kv_pools(self, by_class: Mapping[str, CachePolicy]) -> None:
         """Carve ONE KVArena into a region per KV class that has a layout.
 
-        A KV class given without a layout keeps the seed's behaviour instead: a slab pool
+        A KV class given without a layout keeps the original ``cache_pools.py`` behaviour instead: a slab pool
         materializes its own arena from the first appended K/V, a paged pool does block
         bookkeeping only. Everything is validated before the single allocation is made.
         """

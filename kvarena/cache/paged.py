@@ -121,7 +121,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class PagedKVCache(KVPoolBase):
-    """Arena-backed paged KV pool (AR decode), the seed's ``PagedKVCache`` made real.
+    """Arena-backed paged KV pool (AR decode), the ``PagedKVCache`` of the original ``cache_pools.py`` API made real.
 
     Parameters
     ----------
@@ -186,10 +186,10 @@ class PagedKVCache(KVPoolBase):
     ----------
     total_blocks : int
     free : int
-        Free blocks (the seed's attribute).
+        Free blocks (an attribute of the original ``cache_pools.py`` API).
     used_bytes, free_bytes : int
     hits, misses : int
-        Kept for the seed's interface; always 0.
+        Kept for the original ``cache_pools.py`` interface; always 0.
     group_used_blocks, group_used_bytes : tuple of int
         Blocks (and their bytes) this pool holds per layer group (one entry when ungrouped).
     allocator : BlockAllocator
@@ -222,6 +222,7 @@ class PagedKVCache(KVPoolBase):
         context_parallel=None,  # not None: __new__ made a ContextParallelPagedKVCache instead
     ) -> None:
         self._init_pool(policy, attention)
+        own_budget = arena is None  # the pool sizes its arena from policy.max_bytes
         check_bool("free_out_of_window", free_out_of_window)
         self._rollback = _check_int("rollback_tokens", rollback_tokens, 0)
         if self._rollback and not free_out_of_window:
@@ -280,6 +281,13 @@ class PagedKVCache(KVPoolBase):
             self.allocator = BlockAllocator(policy.max_bytes // policy_bb)
             self.device = device or torch.device("cpu")
         total = self.allocator.num_blocks
+        groups = 1 if layout is None else len(layout.layer_groups)
+        if own_budget and total < groups:  # not even one block (per layer group) for a first token
+            per = f"{self.block_bytes} bytes" + (f" per layer group, {groups} groups" if groups > 1 else "")
+            raise ValueError(
+                f"policy.max_bytes: {policy.max_bytes} bytes cannot hold one block of block_size {block_size} "
+                f"tokens ({per}); expected max_bytes >= {self.block_bytes * groups}"
+            )
         self._slot_dtype = torch.int32 if total * block_size < 2**31 else torch.int64
         rows = _check_int("max_seqs", max_seqs, 1) if max_seqs is not None else None
         cols = (
@@ -454,7 +462,7 @@ class PagedKVCache(KVPoolBase):
         seq.blocks = [[] for _ in range(self._ngroups)]
         self._free_rows.append(seq.row)
 
-    # ------------------------------------------------------------------ seed API
+    # ------------------------------------------------------------------ cache_pools.py compatibility API
     def allocate(self, namespace: Hashable, n_blocks: int) -> bool:
         """Reserve ``n_blocks`` more blocks for ``namespace`` (created if new), in every
         layer group (``n_blocks * G`` blocks).
@@ -754,7 +762,11 @@ class PagedKVCache(KVPoolBase):
                     f"batch: a sequence needs {max_blocks} blocks, over graph_capacity max_blocks {g_cap['max_blocks']}"
                 )
             if need > available:
-                raise CacheFullError(f"plan needs {need} blocks, only {available} of {self.total_blocks} are free")
+                raise CacheFullError(
+                    f"plan needs {need} blocks, only {available} of {self.total_blocks} are free "
+                    f"(block_size {self.block_size} tokens, {self.block_bytes} bytes a block, "
+                    f"budget {self.policy.max_bytes} bytes)"
+                )
             for (ns, g), (js, end) in dead.items():  # released even if a shared allocator refuses below
                 seq = self._seqs[ns]
                 if js:

@@ -172,8 +172,10 @@ class ContextParallelPagedKVCache(PagedKVCache):
             need, available = self._count(list(owned.items()))[:2] if owned else (0, 0)
             fits = self._cp.all_fit(need <= available, self.device)
             if not fits:
-                raise CacheFullError(f"plan: rank {self._cp.rank} needs {need} blocks and has {available} free; some "
-                                     "rank of the group cannot take this step (nothing changed on any rank)")
+                raise CacheFullError(f"plan: rank {self._cp.rank} needs {need} blocks and has {available} free "
+                                     f"(block_size {self.block_size} tokens, {self.block_bytes} bytes a block, "
+                                     f"budget {self.policy.max_bytes} bytes); some rank of the group cannot take "
+                                     "this step (nothing changed on any rank)")
             if owned:
                 super().plan(owned)  # all-or-nothing
             for ns, _n in items:

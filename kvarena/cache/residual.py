@@ -157,7 +157,7 @@ class ResidualCache(_ByteBudgetCache):
         namespace, branch, name : str
             As for :meth:`put`.
         default : object, default None
-            Returned on a miss (the seed returned ``None``).
+            Returned on a miss (the original ``cache_pools.py`` returned ``None``).
 
         Returns
         -------

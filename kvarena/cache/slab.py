@@ -328,7 +328,7 @@ class SlabKVCache(KVPoolBase):
     arena : KVArena or None
     used_bytes, free_bytes : int
     hits, misses : int
-        The seed's counters; always 0.
+        The original ``cache_pools.py`` counters; always 0.
     """
 
     def __init__(
@@ -1355,7 +1355,7 @@ class SlabKVCache(KVPoolBase):
                             out.append(((ns, i), records[i]))
         return out
 
-    # ------------------------------------------------------------------ seed API
+    # ------------------------------------------------------------------ cache_pools.py compatibility API
     def append(self, namespace: Hashable, slab: Slab) -> None:
         """Store a whole chunk (all layers) in one call: ``plan`` + write every layer.
 

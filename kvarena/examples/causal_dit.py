@@ -247,8 +247,7 @@ def run_causal_dit(
     features = FeatureCache(CachePolicy("feature", max_bytes=1 << 24))
     residuals = ResidualCache(CachePolicy("residual", max_bytes=1 << 24))
     report = RolloutReport(arena_reserved_bytes=pool.arena.reserved_bytes, visibility=(
-        f"sink {sink_frames} + window {window_frames} frames ({pool.sink_tokens} + {pool.window_tokens} tokens; "
-        f"chunks of {cfg.frames_per_chunk} frames, the first {cfg.first_chunk_frames})"))
+        f"sinks {sink_frames} + window {window_frames} frames ({pool.sink_tokens} + {pool.window_tokens} tokens)"))
     report.arena_used_bytes_after_window = []
 
     gen = torch.Generator().manual_seed(seed + 1)
@@ -497,5 +496,21 @@ def _dense_check(model, clean, namespaces, c, xb, sig, text, pred, sink_frames, 
     return worst
 
 
+def summary(report: RolloutReport) -> str:
+    """A few readable lines about a :func:`run_causal_dit` run (what the examples print)."""
+    after = report.arena_used_bytes_after_window or []
+    flat = "the window never filled" if not after else \
+        ("flat after the window" if len(set(after)) == 1 else f"NOT flat after the window: {after}")
+    return "\n".join([
+        f"{report.chunks} chunks, {report.passes} passes, {report.tokens} tokens in {report.wall_s:.2f} s "
+        f"({report.visibility})",
+        f"max error vs dense {report.max_err:.2e} over {report.checked_passes} checked passes "
+        f"({report.skipped_layer_evals} layer evaluations reused residuals)",
+        f"arena: {report.arena_used_bytes} of {report.arena_reserved_bytes} bytes used at peak, {flat}; retained KV bytes moved: {report.retained_bytes_moved}; arena address stable: "
+        f"{report.arena_ptr_stable}",
+        f"text K/V cache: {report.text_cache_hits} hits, {report.text_cache_misses} misses",
+    ])
+
+
 if __name__ == "__main__":  # pragma: no cover
-    print(run_causal_dit())
+    print(summary(run_causal_dit()))
