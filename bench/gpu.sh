@@ -39,13 +39,17 @@ if [ "$dry" = 1 ]; then
   export TRITON_INTERPRET=1
   dev=cpu; set=quick; backend=triton; jobs=2; reps=(--cpu-reps 1)
   cap_warm=40; cap_bench=60; budget=30; cap_tests=60; cap_flex=20
-  flex_cases=decode-b2-ctx256; warm_cases=(--cases decode-b2-ctx256,chunk-tiny-w3-denoise)
+  # The FlexAttention slot's plumbing only: on CPU flex is eager (unfused) and its first
+  # import alone outlasts a short cap.
+  flex_cases=decode-b2-ctx256; flex_providers=sdpa_contiguous,kvarena
+  warm_cases=(--cases decode-b2-ctx256,chunk-tiny-w3-denoise)
   # every kind, step and variant once (the tiny sweep points add nothing to prove here)
   bench_cases=(--cases decode-b2-ctx256,chunk-tiny-w3,train,store)
 else
   dev=cuda; set=gpu; backend=auto; jobs=$(( $(nproc) < 12 ? $(nproc) : 12 )); reps=()
   cap_warm=45; cap_bench=150; budget=105; cap_tests=60; cap_flex=25
   flex_cases=decode-b16-ctx16k,chunk-wan1.3b-w4-commit; warm_cases=(); bench_cases=()
+  flex_providers=sdpa_contiguous,kvarena,gather_flex,flex_contiguous
 fi
 commit=$(git rev-parse HEAD 2>/dev/null || echo "${KVARENA_COMMIT:-$(cat bench/COMMIT 2>/dev/null || echo 'unknown (no .git, no bench/COMMIT: run bench/gpu.sh --stamp before copying)')}")
 
@@ -98,7 +102,7 @@ tail -n 3 "$out/gpu-tests.log"
 
 # 4) FlexAttention in a capped slot of its own (its own output directory).
 timeout -k 5 "$cap_flex" "${bench[@]}" "${reps[@]}" --out "$out/flex" --sections kernels --cases "$flex_cases" \
-  --providers sdpa_contiguous,kvarena,gather_flex,flex_contiguous --budget-s $(( cap_flex - 10 )) \
+  --providers "$flex_providers" --budget-s $(( cap_flex - 10 )) \
   > "$out/flex.log" 2>&1
 flex_rc=$?
 echo "== FlexAttention slot (rc $flex_rc, $(elapsed) s) =="
