@@ -38,13 +38,14 @@ if [ "$dry" = 1 ]; then
   # call per row, short caps: it proves the script end to end, not speed.
   export TRITON_INTERPRET=1
   dev=cpu; set=quick; backend=triton; jobs=2; reps=(--cpu-reps 1)
-  cap_warm=40; cap_bench=60; budget=30; cap_tests=60; cap_flex=20
+  cap_warm=40; cap_bench=60; budget=25; cap_tests=60; cap_flex=20
   # The FlexAttention slot's plumbing only: on CPU flex is eager (unfused) and its first
   # import alone outlasts a short cap.
   flex_cases=decode-b2-ctx256; flex_providers=sdpa_contiguous,kvarena
   warm_cases=(--cases decode-b2-ctx256,chunk-tiny-w3-denoise)
   # every kind, step and variant once (the tiny sweep points add nothing to prove here)
-  bench_cases=(--cases decode-b2-ctx256,chunk-tiny-w3,train,store)
+  # (the kernels section only: recycling and host overhead run in tests/test_bench_smoke.py)
+  bench_cases=(--cases decode-b2-ctx256,chunk-tiny-w3,train,store --sections kernels)
 else
   dev=cuda; set=gpu; backend=auto; jobs=$(( $(nproc) < 12 ? $(nproc) : 12 )); reps=()
   cap_warm=45; cap_bench=150; budget=105; cap_tests=60; cap_flex=25
