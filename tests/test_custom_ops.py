@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvarena.attention import AttentionSpec, merge_attention_states, ops
+from kvarena.attention import AttentionSpec, dispatch, merge_attention_states
+from kvarena.attention.batch import CacheView, KeySet, QueryRows
 from kvarena.attention.reference import paged_attention_ref
 
 _SPEC = AttentionSpec(return_lse=True)
@@ -73,8 +74,8 @@ def test_opcheck_store_and_merge(seed):
 
 def _layer(q, kc, vc, bt, sl, cu, knew, slots, mq, mk):
     # The pools' per-layer path: validated-once spec, no per-call checks.
-    ops.store(knew, knew * 2, kc, vc, slots, "torch")
-    o, lse = ops.attend(q, kc, vc, bt, sl, cu, None, spec=_SPEC, max_seqlen_q=mq, max_seqlen_k=mk, backend="torch")
+    dispatch.store(knew, knew * 2, CacheView(kc, vc), slots, "torch")
+    o, lse = dispatch.attend(q, CacheView(kc, vc), KeySet(bt, sl, mk), QueryRows(cu, mq), spec=_SPEC, backend="torch")
     o2, lse2 = merge_attention_states(o, lse, o * 0.5, lse - 1.0)
     return o2, lse2
 

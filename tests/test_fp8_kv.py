@@ -21,7 +21,8 @@ import torch
 from _helpers import GPU, TOL, TRITON, assert_close, device_for, interpreter_only, one_torch_thread  # noqa: F401
 
 from kvarena import AttentionSpec, CachePolicy, KVLayout, PagedKVCache, paged_attention, store_kv
-from kvarena.attention.reference import dequantize_fp8, paged_attention_ref
+from kvarena.attention.fp8 import dequantize_fp8
+from kvarena.attention.reference import paged_attention_ref
 from kvarena.cache.arena import KVArena, RegionSpec
 from kvarena.cache.slab import SlabKVCache
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 from _helpers import DEVICE, gpu_test, paged_case
 
-from kvarena.attention import AttentionSpec, ops
+from kvarena.attention import AttentionSpec, dispatch
+from kvarena.attention.batch import CacheView, KeySet, QueryRows
+from kvarena.attention.launch import dense_own_keys, history_and_own_forward
 from kvarena.kernels import paged_attention_bwd as bwd
 
 pytestmark = pytest.mark.interpreter
@@ -20,6 +22,13 @@ pytestmark = pytest.mark.interpreter
 # Relative L2 error of each gradient: the issue's bounds (the backward recomputes P from a
 # rounded lse and multiplies rounded dS tiles, so bf16 gets more room than the forward).
 GRAD_TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+def _seam(args, max_q: int, max_k: int):
+    """``(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start)`` as the
+    dispatcher's cache view, key set and query rows."""
+    _q, kc, vc, bt, sl, cu, ks = args
+    return CacheView(kc, vc), KeySet(bt, sl, max_k, ks), QueryRows(cu, max_q)
 
 
 def _visible(q_pos: int, t: int, spec: AttentionSpec, kv_lo: int) -> bool:
@@ -136,9 +145,9 @@ def test_backward_kernels_match_dense_fp64_autograd(seed, dtype, lens, q_lens, k
             case["kv_start"])
     fwd_spec = spec.replace(return_lse=True)
     if mode == bwd.GIVEN_AT_QUERIES:
-        out, lse = ops.attend(*args, spec=fwd_spec, max_seqlen_q=max(q_lens), max_seqlen_k=max(lens), backend="triton")
+        out, lse = dispatch.attend(q, *_seam(args, max(q_lens), max(lens)), spec=fwd_spec, backend="triton")
     else:
-        out, lse = ops._history_and_own(*args, (gk, gv), fwd_spec, max(q_lens), max(lens))
+        out, lse = history_and_own_forward(q, *_seam(args, max(q_lens), max(lens)), dense_own_keys(gk, gv), fwd_spec)
     do = torch.randn(out.shape, generator=gen).to(DEVICE, dtype)
     dlse = torch.randn(lse.shape, generator=gen).to(DEVICE)
     dq, dk, dv = bwd.paged_attention_bwd(do, q, out, lse, dlse, *args[1:], spec=spec, max_seqlen_q=max(q_lens),
@@ -162,7 +171,7 @@ def test_given_keys_no_query_sees_get_zero_gradient(monkeypatch, seed):
     spec = AttentionSpec(return_lse=True)
     args = (case["q"], case["k_cache"], case["v_cache"], case["block_table"], case["seq_lens"], case["cu_seqlens_q"],
             case["kv_start"])
-    out, lse = ops.attend(*args, spec=spec, max_seqlen_q=3, max_seqlen_k=6, backend="triton")
+    out, lse = dispatch.attend(case["q"], *_seam(args, 3, 6), spec=spec, backend="triton")
     gk, gv = torch.randn(4, 1, 24), torch.randn(4, 1, 24)  # rows 0-2: positions 3-5 of seq 0; row 3: padding
     dq, dk, dv = bwd.paged_attention_bwd(torch.randn_like(out), case["q"], out, lse, None, *args[1:], spec=spec,
                                          max_seqlen_q=3, given=(gk, gv))
@@ -180,7 +189,7 @@ def test_rows_that_see_no_key_get_zero_gradient(seed):
     spec = AttentionSpec(causal=False, return_lse=True)
     args = (case["q"], case["k_cache"], case["v_cache"], case["block_table"], case["seq_lens"], case["cu_seqlens_q"],
             case["kv_start"])
-    out, lse = ops.attend(*args, spec=spec, max_seqlen_q=4, max_seqlen_k=12, backend="triton")
+    out, lse = dispatch.attend(case["q"], *_seam(args, 4, 12), spec=spec, backend="triton")
     assert torch.isneginf(lse[:3]).all()
     do = torch.randn_like(out)
     dq, _, _ = bwd.paged_attention_bwd(do, case["q"], out, lse, torch.randn_like(lse), *args[1:], spec=spec,

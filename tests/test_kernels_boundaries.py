@@ -317,16 +317,16 @@ def test_denoising_step_is_one_launch_over_history_and_own_kv(monkeypatch):
     sources of ONE launch (no partial outputs, no merge). Checked against the torch path
     over a rollout with a short first chunk (kv_start), sinks and recycling, with splits."""
     from kvarena import CachePolicy, KVLayout, SlabKVCache
-    from kvarena.attention import ops
+    from kvarena.attention import dispatch
 
     launches = []
-    real = ops._launch_triton
+    real = dispatch.launch_triton
 
     def spy(*args, **kwargs):
-        launches.append(kwargs.get("own_kv") is not None)
+        launches.append(kwargs.get("own") is not None)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ops, "_launch_triton", spy)
+    monkeypatch.setattr(dispatch, "launch_triton", spy)
     st = 70  # slab rows >= BLOCK_N: the large-block path
     lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, dtype=torch.bfloat16)
     pool = SlabKVCache(CachePolicy("slab_kv", lay.block_bytes(st) * 6, per_component={"window": 2, "sinks": 1}),

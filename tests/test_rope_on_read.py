@@ -18,12 +18,8 @@ import torch
 from _helpers import DEVICE, GPU, TOL, TRITON, assert_close, device_for, gpu_test, one_torch_thread  # noqa: F401
 
 from kvarena import AttentionSpec, CachePolicy, KVLayout, PagedKVCache, paged_attention
-from kvarena.attention.reference import (
-    dequantize_fp8,
-    fp8_row_scales,
-    paged_attention_ref,
-    quantize_fp8,
-)
+from kvarena.attention.fp8 import dequantize_fp8, fp8_row_scales, quantize_fp8
+from kvarena.attention.reference import paged_attention_ref
 from kvarena.attention.rope import rope_table, wan_rope_table
 from kvarena.cache.slab import SlabKVCache
 

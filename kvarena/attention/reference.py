@@ -18,77 +18,26 @@ queries bottom-right aligned, keys ``t < kv_start`` invisible, ``causal`` /
 a sequence's visible range are never allowed to reach the output (NaN there stays there).
 """
 
+
 from __future__ import annotations
 
 import torch
 
+from kvarena.attention.checks import check_slots
+from kvarena.attention.dtypes import accumulator_dtype
+from kvarena.attention.fp8 import dequantize_fp8, fp8_row_scales, quantize_fp8
 from kvarena.attention.spec import AttentionSpec
 
 __all__ = [
     "paged_attention_ref",
     "paged_attention_torch",
     "paged_attention_sdpa",
-    "check_slots",
     "store_kv_ref",
     "store_kv_torch",
     "merge_attention_states_ref",
     "merge_attention_states_torch",
     "visibility_mask",
-    "FP8_MAX",
-    "fp8_row_scales",
-    "quantize_fp8",
-    "dequantize_fp8",
-    "fp8_round_trip",
 ]
-
-#: Largest finite float8_e4m3fn value; quantized values saturate there.
-FP8_MAX = 448.0
-# fp32(1 / 448): the scale is amax * this constant, ONE fp32 multiply, so that every backend
-# (torch, the Triton kernel on GPU and in the interpreter) computes the same bits (a
-# division would be div.full.f32, 2 ulp, in a Triton kernel).
-_INV_FP8_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))
-# Smallest scale: the smallest normal fp32. All-zero rows (amax 0) get it and store zeros;
-# a scale that is itself subnormal could be flushed to 0 on a GPU and divide by zero.
-FP8_MIN_SCALE = 2.0**-126
-
-
-def fp8_row_scales(x: torch.Tensor) -> torch.Tensor:
-    """Per-row fp8 scale of ``x [..., D]``: ``max(amax * fp32(1/448), 2**-126)`` in fp32.
-
-    A row holding a NaN gets a NaN scale (so all of it dequantizes to NaN, as a NaN in a
-    float cache would poison the rows that see it); an inf makes amax and the scale inf,
-    which dequantizes the row to NaN as well.
-    """
-    xf = x.float()
-    nan = torch.isnan(xf)
-    amax = torch.where(nan, torch.zeros((), device=x.device), xf.abs()).amax(-1)
-    scale = torch.clamp_min(amax * torch.tensor(_INV_FP8_MAX, dtype=torch.float32, device=x.device), FP8_MIN_SCALE)
-    return torch.where(nan.any(-1), torch.full_like(scale, float("nan")), scale)
-
-
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x [..., D] / scale [...]`` rounded to float8_e4m3fn (nearest-even, saturating at +-448).
-
-    fp32 IEEE division, then torch's own cast: what the Triton store kernel's explicit
-    rounding helper is checked against bit for bit.
-    """
-    sc = scale.float()
-    y = x.float() / (sc[..., None] if sc.dim() else sc)
-    return y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-
-
-def dequantize_fp8(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x8 [..., D]`` (fp8) times ``scale [...]`` (or a 0-dim static scale), in ``dtype``."""
-    sc = scale.to(dtype)
-    return x8.to(dtype) * (sc[..., None] if sc.dim() else sc)
-
-
-def fp8_round_trip(x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """What an fp8 store of ``x [..., D]`` reads back, in ``x``'s dtype: quantized by the store's
-    rule (each row's :func:`fp8_row_scales`, or the 0-dim static ``scale``) and dequantized
-    in fp32, so attention over it sees exactly the values a store followed by a read sees."""
-    sc = fp8_row_scales(x) if scale is None else scale
-    return dequantize_fp8(quantize_fp8(x, sc), sc, torch.float32).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -114,10 +63,6 @@ def _read_kv(cache: torch.Tensor, scale: torch.Tensor | None, index, dtype: torc
     if scale is None:
         return x.to(dtype)
     return dequantize_fp8(x, scale[index] if scale.dim() else scale, dtype)
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
@@ -220,7 +165,7 @@ def paged_attention_ref(
     total_q, h_q, d = q.shape
     block_size, h_kv = k_cache.shape[1], k_cache.shape[2]
     group = h_q // h_kv
-    acc = _acc_dtype(q.dtype)
+    acc = accumulator_dtype(q.dtype)
     scale = spec.scale_for(d)
     lens = seq_lens.tolist()
     b_count = len(lens)
@@ -293,7 +238,7 @@ def paged_attention_torch(
     b_count = seq_lens.shape[0]
     block_size, h_kv = k_cache.shape[1], k_cache.shape[2]
     group = h_q // h_kv
-    acc = _acc_dtype(q.dtype)
+    acc = accumulator_dtype(q.dtype)
     dev = q.device
     if total_q == 0 or max_seqlen_k == 0 or max_seqlen_q == 0 or b_count == 0:
         # Zeros that stay connected to q (gradient 0, as on the Triton path; a where, not
@@ -511,19 +456,6 @@ def paged_attention_sdpa(
     return out.to(out_dtype), lse
 
 
-def check_slots(slots: torch.Tensor, capacity: int) -> torch.Tensor:
-    """Host check of a store's slots (int64 CPU ``[N]``); returns the used (``>= 0``) ones.
-
-    Raises ``ValueError`` naming ``slot_mapping`` for a slot past the cache or used twice.
-    """
-    used = slots[slots >= 0]
-    if used.numel() and int(used.max()) >= capacity:
-        raise ValueError(f"slot_mapping: slot {int(used.max())} is past the cache ({capacity} slots)")
-    if used.unique().numel() != used.numel():
-        raise ValueError("slot_mapping: a slot appears twice in one store_kv call")
-    return used
-
-
 def store_kv_ref(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -605,7 +537,7 @@ def merge_attention_states_ref(
     -------
     ``(out [N, H, D] in out_a's dtype, lse [N, H] fp32 (fp64 for fp64))``.
     """
-    acc = _acc_dtype(out_a.dtype)
+    acc = accumulator_dtype(out_a.dtype)
     la, lb = lse_a.to(acc), lse_b.to(acc)
     m = torch.maximum(la, lb)
     m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)

@@ -254,6 +254,19 @@ class AttentionSpec:
             )
         return dataclasses.replace(self, **changes)
 
+    @property
+    def with_lse(self) -> AttentionSpec:
+        """This spec with ``return_lse=True``, made once per spec (the merge paths need it per
+        layer). Not cached while torch.compile traces (dynamo would trace the store)."""
+        if self.return_lse:
+            return self
+        made = self.__dict__.get("_with_lse")
+        if made is None:
+            made = dataclasses.replace(self, return_lse=True)
+            if not torch.compiler.is_compiling():
+                object.__setattr__(self, "_with_lse", made)
+        return made
+
     # ------------------------------------------------------------------ custom-op plumbing
     def op_args(self) -> tuple:
         """The fields that the custom op takes, in schema order."""

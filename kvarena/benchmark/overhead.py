@@ -18,13 +18,13 @@ Rows
     it is the host time to issue them (launches are asynchronous).
 ``*.forward, ops stubbed``
     The same call with the pool module's ``store_kv`` / ``paged_attention`` /
-    ``attend_history_and_own`` replaced by stubs that return at once: the pool's own
+    ``attend`` replaced by stubs that return at once: the pool's own
     Python (argument checks, metadata checks, commit bookkeeping), independent of the
     device and of the kernels.
 ``paged_attention validated / attend trusted, impl stubbed``
     The public op with its implementation stubbed out: the cost of the wrapper with
     value checks (which read ``seq_lens`` etc.: on CPU tensors always, on CUDA only under
-    ``KVARENA_DEBUG=1``), and of ``ops.attend`` with a ready ``AttentionSpec`` (what the
+    ``KVARENA_DEBUG=1``), and of ``dispatch.attend`` with a ready ``AttentionSpec`` and typed metadata (what the
     pools call per layer).
 
 The stubs are module-attribute patches restored on exit; if the names move, those rows
@@ -85,10 +85,6 @@ def _stub_attention(q, *args, spec, **kwargs):
 
 def _stub_store(*args):
     return None
-
-
-def _stub_history_and_own(q, *args, spec, **kwargs):
-    return q, (q.new_zeros(q.shape[:2], dtype=torch.float32) if spec.return_lse else None)
 
 
 @contextlib.contextmanager
@@ -199,7 +195,9 @@ def _grouped_plans(batch: int, device: torch.device, warm: int, reps: int) -> li
 
 
 def _paged(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]:
-    from kvarena.attention import ops
+    from kvarena.attention import checks, dispatch, ops
+    from kvarena.attention.backend import resolve_backend
+    from kvarena.attention.batch import CacheView, KeySet, QueryRows
 
     steps = warm + reps
     pool, names, q, k, v = decode_pool(batch, device, extra_tokens=2 * steps + 1)
@@ -240,18 +238,20 @@ def _paged(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]
     args = (q, region.k(0), region.v(0), meta.block_table, meta.seq_lens, meta.cu_seqlens_q)
     kw = dict(max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k)
     spec = pool.attention_spec(0)
-    backend = ops.resolve_backend(spec.backend, q.device, q.dtype, False)
+    backend = resolve_backend(spec.backend, q.device, q.dtype, False)
+    seam = (CacheView(region.k(0), region.v(0)), KeySet(meta.block_table, meta.seq_lens, meta.max_seqlen_k),
+            QueryRows(meta.cu_seqlens_q, meta.max_seqlen_q))
     t_val, t_tr = [], []
     try:
-        with _patched("kvarena.attention.ops", _paged_attention_body=lambda q, *a: (q, None),
-                      _launch_triton=lambda *a: None):
+        with _patched("kvarena.attention.dispatch", run_attention=lambda q, *a: (q, None),
+                      launch_triton=lambda *a, **k: None):
             for i in range(steps):
                 dt_v = _time_call(lambda: ops.paged_attention(*args, **kw))
-                dt_t = _time_call(lambda: ops.attend(*args, None, spec=spec, backend=backend, **kw))
+                dt_t = _time_call(lambda: dispatch.attend(q, *seam, spec=spec, backend=backend))
                 if i >= warm:
                     t_val.append(dt_v)
                     t_tr.append(dt_t)
-        checks = "value checks on" if device.type == "cpu" or ops.debug_enabled() else "no value checks (CUDA)"
+        checks = "value checks on" if device.type == "cpu" or checks.debug_enabled() else "no value checks (CUDA)"
         rows.append(_row("paged_attention validated, impl stubbed", batch, device, t_val, checks))
         rows.append(_row("attend trusted, impl stubbed", batch, device, t_tr, "what the pools call"))
     except Exception as exc:
@@ -289,8 +289,7 @@ def _slab(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]:
              f"store + attend {(sinks + window) * chunk} keys"),
     ]
     try:
-        with _patched("kvarena.cache.slab", store=_stub_store, attend=_stub_attention,
-                      attend_history_and_own=_stub_history_and_own):
+        with _patched("kvarena.cache.slab", store=_stub_store, attend=_stub_attention):
             rollout(warm + reps, None, t_stub, warm)
         rows.append(_row("slab.forward commit, ops stubbed", batch, device, t_stub, "the pool's own Python"))
     except Exception as exc:

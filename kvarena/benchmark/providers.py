@@ -11,11 +11,11 @@ What each provider times
 ------------------------
 kvarena
     The per-layer call the pools make, with the spec and path the pool launches: decode
-    as ``PagedKVCache.forward`` attends (``ops.attend``); a chunk's ``commit`` step as
-    ``SlabKVCache.forward(commit=True)`` (``ops.store`` of the chunk into its slab, then
-    ``ops.attend`` non-causal over the visible slabs), its ``denoise`` step as
-    ``forward(commit=False)`` (``ops.attend_history_and_own``: the history and the step's
-    own K/V in one launch); ``guarded`` chunks as ``paged_attention(chunk_size=chunk)``.
+    as ``PagedKVCache.forward`` attends (``dispatch.attend``); a chunk's ``commit`` step as
+    ``SlabKVCache.forward(commit=True)`` (``dispatch.store`` of the chunk into its slab,
+    then ``dispatch.attend`` non-causal over the visible slabs), its ``denoise`` step as
+    ``forward(commit=False)`` (``dispatch.attend`` with the step's own K/V after the
+    history: one launch); ``guarded`` chunks as ``paged_attention(chunk_size=chunk)``.
     Triton on CUDA (or with ``backend="triton"`` under the interpreter), the PyTorch path
     on CPU. The public op runs once, untimed, to check the data (as FlashInfer's ``plan``
     before the timed ``run``); the overhead table (:mod:`kvarena.benchmark.overhead`)
@@ -210,7 +210,7 @@ def make_data(case: Case, device: str | torch.device, *, seed: int = 0) -> CaseD
     v_cache = randn(num_pages, page, case.h_kv, d)
     kv8 = None
     if case.kv_dtype:
-        from kvarena.attention.reference import dequantize_fp8, fp8_row_scales, quantize_fp8
+        from kvarena.attention.fp8 import dequantize_fp8, fp8_row_scales, quantize_fp8
 
         if case.kv_dtype != "float8_e4m3fn":
             raise ValueError(f"case {case.name}: kv_dtype must be '' or 'float8_e4m3fn', got {case.kv_dtype!r}")
@@ -337,7 +337,9 @@ def work_of(case: Case) -> dict[str, float]:
 
 
 def _kvarena(case: Case, data: CaseData, *, plain: bool = False, backend: str = "auto") -> Bench:
-    from kvarena.attention import ops
+    from kvarena.attention import dispatch, ops
+    from kvarena.attention.backend import resolve_backend
+    from kvarena.attention.batch import CacheView
 
     # Timed as the pools call it per layer: the public op runs once here (its checks, which
     # read the lengths and the block table, reject bad data before anything is timed), then
@@ -347,10 +349,11 @@ def _kvarena(case: Case, data: CaseData, *, plain: bool = False, backend: str = 
         slab = int(data.block_table[0, -1])  # the slot a ring would recycle next
         slots = (slab * case.chunk + torch.arange(case.chunk, device=data.device)).to(torch.int32)
         ops.store_kv(data.new_k, data.new_v, data.k_cache, data.v_cache, slots, backend=backend)
-        store_backend = ops.resolve_backend(backend, data.device, data.k_cache.dtype, False, what="k_cache")
+        store_backend = resolve_backend(backend, data.device, data.k_cache.dtype, False, what="k_cache")
+        cache = CacheView(data.k_cache, data.v_cache)
 
         def fn():
-            ops.store(data.new_k, data.new_v, data.k_cache, data.v_cache, slots, store_backend)
+            dispatch.store(data.new_k, data.new_v, cache, slots, store_backend)
             return data.k_cache[slab]
 
         return Bench(fn, to_ref=lambda out: out.reshape(data.new_k.shape), note="per-layer call (checked once)")
@@ -364,7 +367,7 @@ def _kvarena(case: Case, data: CaseData, *, plain: bool = False, backend: str = 
                      note=f"PagedKVCache.forward, layer {case.layers - 1} of {case.layers}")
     call = _ChunkCall(case, data, plain) if case.kind == "chunk" else _DecodeCall(case, data, plain)
     call.check(backend)
-    call.backend = ops.resolve_backend(backend, data.device, data.q.dtype, False)
+    call.backend = resolve_backend(backend, data.device, data.q.dtype, False)
     return Bench(call.run, note=call.note)
 
 
@@ -372,6 +375,7 @@ class _DecodeCall:
     """The per-layer attention of a decode step, as ``PagedKVCache.forward`` attends."""
 
     def __init__(self, case: Case, data: CaseData, plain: bool) -> None:
+        from kvarena.attention.batch import CacheView, KeySet, QueryRows
         from kvarena.attention.spec import AttentionSpec
 
         self.spec, self.note = AttentionSpec(), "per-layer call (checked once)"
@@ -384,6 +388,9 @@ class _DecodeCall:
             self.args = (data.q, data.kv8[0], data.kv8[1], data.block_table, data.seq_lens)
             self.scales = (data.kv8[2], data.kv8[3])
             self.note += ", fp8 KV + per-token scales"
+        self.cache = CacheView(self.args[1], self.args[2], self.scales)
+        self.keys = KeySet(data.block_table, data.seq_lens, case.kv_tokens)
+        self.rows = QueryRows(self.cu, 1)
         self.backend = "auto"
 
     def check(self, backend: str) -> None:
@@ -393,10 +400,13 @@ class _DecodeCall:
         ops.paged_attention(*self.args, self.cu, **self.kw, **fp8, backend=backend)
 
     def run(self):
-        from kvarena.attention import ops
+        from kvarena.attention import dispatch
 
-        return ops.attend(*self.args, self.cu, None, spec=self.spec, backend=self.backend, kv_scales=self.scales,
-                          **self.kw)
+        return dispatch.attend(self.q, self.cache, self.keys, self.rows, spec=self.spec, backend=self.backend)
+
+    @property
+    def q(self):
+        return self.args[0]
 
 
 class _ChunkCall:
@@ -411,10 +421,9 @@ class _ChunkCall:
 
     def __init__(self, case: Case, data: CaseData, plain: bool) -> None:
         from kvarena.attention.spec import AttentionSpec
-        from kvarena.cache.slab import _op_specs
 
         self.case, self.data, self.step = case, data, case.step
-        self.spec, self.spec_lse = _op_specs(AttentionSpec())
+        self.spec = AttentionSpec(causal=False)  # what SlabKVCache.forward passes the op
         if self.step == "guarded":
             self.spec = AttentionSpec(chunk_size=case.chunk)
         self.note = {"commit": "SlabKVCache.forward(commit=True): store + attend",
@@ -424,8 +433,7 @@ class _ChunkCall:
         self.own, self.scales = data.own_kv, None
         if data.rope is not None and not plain:
             self.q, self.k_cache, cos, sin = data.rope
-            self.spec, self.spec_lse = (x.replace(rope_cos=cos, rope_sin=sin, rope_interleaved=True)
-                                        for x in (self.spec, self.spec_lse))
+            self.spec = self.spec.replace(rope_cos=cos, rope_sin=sin, rope_interleaved=True)
             self.note += ", RoPE on read (un-rotated keys)"
         elif data.rope is not None:  # kvarena_plain: the rotated keys the others read
             self.own, _ = _newest_slab(case, data.block_table, data.k_cache, data.v_cache)
@@ -440,13 +448,25 @@ class _ChunkCall:
         self.own_table = torch.arange(b, dtype=torch.int32, device=data.device)[:, None]
         self.own_lens = torch.full((b,), t, dtype=torch.int32, device=data.device)
         self.own_flat = tuple(x.reshape(b * t, *x.shape[2:]) for x in self.own)
-        self.rope_hist = self.rope_own = None
+        self._seam(b, t)
+        self.backend = "auto"
+
+    def _seam(self, b: int, t: int) -> None:
+        """The typed metadata the pool's plan would build for this step."""
+        from kvarena.attention.batch import CacheView, KeySet, OwnKeys, QueryRows
+
+        d = self.data
+        q_pos = own_shift = None
         if self.spec.rope_cos is not None:
             # Virtual positions, as the pool plans them: the chunk's queries and its own keys
             # continue after the history (history key t at table row t).
-            q_pos = torch.full((b,), self.hist, dtype=torch.int32, device=data.device)
-            self.rope_hist, self.rope_own = (q_pos, None), (q_pos, q_pos[:, None].contiguous())
-        self.backend = "auto"
+            q_pos = torch.full((b,), self.hist, dtype=torch.int32, device=d.device)
+            own_shift = q_pos[:, None].contiguous()
+        self.cache = CacheView(self.k_cache, self.v_cache, self.scales)
+        self.rows = QueryRows(d.cu_seqlens_q, t, q_pos)
+        self.hist_keys = KeySet(self.hist_table, self.hist_lens, self.hist)
+        self.all_keys = KeySet(d.block_table, d.seq_lens, self.case.kv_tokens)
+        self.own_keys = OwnKeys(*self.own, KeySet(self.own_table, self.own_lens, t, None, own_shift))
 
     def check(self, backend: str) -> None:
         from kvarena.attention import ops
@@ -465,21 +485,14 @@ class _ChunkCall:
             ops.store_kv(*self.own_flat, self.k_cache, self.v_cache, d.own_slots, backend=backend)
 
     def run(self):
-        from kvarena.attention import ops
+        from kvarena.attention import dispatch
 
-        d, t = self.data, self.case.chunk
         if self.step == "denoise":
-            out, _ = ops.attend_history_and_own(
-                self.q, self.k_cache, self.v_cache, self.hist_table, self.hist_lens, d.cu_seqlens_q, None, self.own,
-                own_table=self.own_table, own_lens=self.own_lens, spec=self.spec, spec_lse=self.spec_lse,
-                max_seqlen_q=t, max_seqlen_k=self.hist, backend=self.backend, kv_scales=self.scales,
-                rope_hist=self.rope_hist, rope_own=self.rope_own)
-            return out
+            return dispatch.attend(self.q, self.cache, self.hist_keys, self.rows, spec=self.spec,
+                                   backend=self.backend, own=self.own_keys)
         if self.step == "commit":
-            ops.store(*self.own_flat, self.k_cache, self.v_cache, d.own_slots, self.backend)
-        return ops.attend(self.q, self.k_cache, self.v_cache, d.block_table, d.seq_lens, d.cu_seqlens_q, None,
-                          spec=self.spec, max_seqlen_q=t, max_seqlen_k=self.case.kv_tokens, backend=self.backend,
-                          kv_scales=self.scales)
+            dispatch.store(*self.own_flat, self.cache, self.data.own_slots, self.backend)
+        return dispatch.attend(self.q, self.cache, self.all_keys, self.rows, spec=self.spec, backend=self.backend)
 
 
 def _kvarena_plain(case: Case, data: CaseData, backend: str = "auto") -> Bench:
@@ -502,7 +515,9 @@ def _train_inputs(case: Case, data: CaseData):
 
 
 def _kvarena_train(case: Case, data: CaseData, backend: str = "auto") -> Bench:
-    from kvarena.attention import ops
+    from kvarena.attention import dispatch
+    from kvarena.attention.backend import resolve_backend
+    from kvarena.attention.batch import CacheView, KeySet, OwnKeys, QueryRows
     from kvarena.attention.spec import AttentionSpec
 
     b, t = case.batch, case.chunk
@@ -512,16 +527,14 @@ def _kvarena_train(case: Case, data: CaseData, backend: str = "auto") -> Bench:
     hist_lens = torch.full((b,), hist, dtype=torch.int32, device=data.device)
     cu = data.cu_seqlens_q
     spec = AttentionSpec(causal=False)  # a slab step sees its whole history and itself
-    backend = ops.resolve_backend(backend, data.device, q.dtype, True, triton_grad=True)
+    backend = resolve_backend(backend, data.device, q.dtype, True, triton_grad=True)
     dense_table = torch.arange(b, dtype=torch.int32, device=data.device)[:, None]
     own_lens = torch.full((b,), t, dtype=torch.int32, device=data.device)
-
-    spec_lse = spec.replace(return_lse=True)
+    cache, keys, rows = CacheView(data.k_cache, data.v_cache), KeySet(hist_table, hist_lens, hist), QueryRows(cu, t)
 
     def fn():  # what SlabKVCache.forward(commit=False) runs
-        out, _ = ops.attend_history_and_own(q, data.k_cache, data.v_cache, hist_table, hist_lens, cu, None, (k2, v2),
-                                            own_table=dense_table, own_lens=own_lens, spec=spec, spec_lse=spec_lse,
-                                            max_seqlen_q=t, max_seqlen_k=hist, backend=backend)
+        own = OwnKeys(k2, v2, KeySet(dense_table, own_lens, t))
+        out = dispatch.attend(q, cache, keys, rows, spec=spec, backend=backend, own=own)
         return torch.autograd.grad(out, (q, k2, v2), do)[0]
 
     note = "Triton fwd + bwd" if backend == "triton" else "torch path fwd + autograd"

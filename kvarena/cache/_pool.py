@@ -14,7 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from kvarena.attention.ops import check_head_dim, resolve_backend
+from kvarena.attention.backend import resolve_backend
+from kvarena.attention.checks import check_head_dim
 from kvarena.attention.spec import AttentionSpec
 from kvarena.cache._meta import check_forward_tensor, next_version
 from kvarena.cache.arena import KVLayout, _check_index

@@ -40,9 +40,10 @@ from dataclasses import dataclass
 import torch
 
 # The dtype rules of the ops the arena feeds: fp8 storage, and what fp8 layouts take in.
-from kvarena.attention.ops import FP8_CACHE_DTYPES as FP8_DTYPES
-from kvarena.attention.ops import KERNEL_DTYPES as _FP8_INPUT_DTYPES
-from kvarena.attention.ops import as_bytes
+from kvarena.attention.batch import CacheView
+from kvarena.attention.dtypes import FP8_CACHE_DTYPES as FP8_DTYPES
+from kvarena.attention.dtypes import KERNEL_DTYPES as _FP8_INPUT_DTYPES
+from kvarena.attention.fp8 import as_bytes
 from kvarena.attention.spec import check_int
 
 __all__ = [
@@ -660,9 +661,10 @@ class ArenaRegion:
             self._vs = [static[layer, 1] for layer in range(lay.num_layers)]
         # What the pools hand the ops: fp8 bytes and per-token scales as uint8 views, so a
         # compiled graph never sees two dtypes of views of the one arena buffer.
-        self._op = [(self._k[i], self._v[i], None) for i in range(lay.num_layers)]
+        self._op = [CacheView(self._k[i], self._v[i]) for i in range(lay.num_layers)]
         if lay.is_fp8:
-            self._op = [(as_bytes(self._k[i]), as_bytes(self._v[i]), (as_bytes(self._ks[i]), as_bytes(self._vs[i])))
+            self._op = [CacheView(as_bytes(self._k[i]), as_bytes(self._v[i]),
+                                  (as_bytes(self._ks[i]), as_bytes(self._vs[i])))
                         for i in range(lay.num_layers)]
         self.allocator = BlockAllocator(self.num_blocks)
 
@@ -687,12 +689,12 @@ class ArenaRegion:
         ks = self._ks[layer]
         return None if ks is None else (ks, self._vs[layer])
 
-    def op_views(self, layer: int):
-        """``(k, v, kv_scales)`` of ``layer`` as the pools pass them to the ops (trusted index).
+    def op_views(self, layer: int) -> CacheView:
+        """``layer``'s :class:`~kvarena.attention.batch.CacheView` as the pools pass it to the ops (trusted index).
 
         Float layouts: :meth:`k`, :meth:`v` and None. fp8: the same memory as uint8 views
         (per-token scales ``[num_blocks, block_tokens, H_kv * 4]``; static ones 0-dim fp32),
-        which ``kvarena.attention.ops`` views back.
+        which the dispatcher views back.
         """
         return self._op[layer]
 

@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvarena.attention.ops import attend, check_sink_logits, store
+from kvarena.attention.batch import KeySet, OwnKeys, QueryRows
+from kvarena.attention.checks import check_sink_logits
+from kvarena.attention.dispatch import attend, store
 from kvarena.attention.spec import check_bool
 from kvarena.cache._meta import StaleMetadataError, as_device, next_version, region_of_arena, upload
 from kvarena.cache._pool import KVPoolBase
@@ -97,6 +99,15 @@ class PagedMetadata:
     #: The step's longest sequence (host int; a graph plan's ``max_seqlen_k`` is its
     #: capacity instead). None: ``max_seqlen_k``.
     _longest: int | None = field(default=None, repr=False)
+
+    #: The typed key sets the forward hands ``attend``: one per layer group, and the query rows.
+    keys: tuple = field(init=False, repr=False)
+    rows: QueryRows = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        keys = tuple(KeySet(t, self.seq_lens, self.max_seqlen_k) for t in self.block_tables)
+        object.__setattr__(self, "keys", keys)
+        object.__setattr__(self, "rows", QueryRows(self.cu_seqlens_q, self.max_seqlen_q))
 
     @property
     def _max_seq_len(self) -> int:
@@ -1027,13 +1038,10 @@ class PagedKVCache(KVPoolBase):
         if spec.rope_mode and meta._max_seq_len > spec.rope_cos.shape[0]:
             raise ValueError(f"rope_cos: this step reaches position {meta._max_seq_len - 1}, past the "
                              f"{spec.rope_cos.shape[0]}-row rotary table of layer {layer}")
-        kc, vc, scales = region.op_views(layer)
-        store(k, v, kc, vc, meta.slot_mappings[group], store_backend, scales)
-        return attend(
-            q, kc, vc, meta.block_tables[group], meta.seq_lens, meta.cu_seqlens_q, None, spec=spec,
-            max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, backend=attn_backend,
-            new_kv=(k, v) if kv_grad else None, kv_scales=scales,
-        )
+        cache = region.op_views(layer)
+        store(k, v, cache, meta.slot_mappings[group], store_backend)
+        return attend(q, cache, meta.keys[group], meta.rows, spec=spec, backend=attn_backend,
+                      own=OwnKeys(k, v) if kv_grad else None)
 
     def _check_call(self, q, k, v, layer, options: dict, total_q: int | None = None, padded: bool = False):
         """What :meth:`forward` checks that needs no metadata, in its order: the layer, the

@@ -24,7 +24,8 @@ from collections.abc import Hashable, Mapping
 
 import torch
 
-from kvarena.attention.ops import attend, merge, store
+from kvarena.attention.batch import CacheView, KeySet
+from kvarena.attention.dispatch import attend, merge_partials, store
 from kvarena.attention.spec import check_bool
 from kvarena.cache._meta import upload
 from kvarena.cache.arena import CacheFullError, _check_int
@@ -245,18 +246,15 @@ class ContextParallelPagedKVCache(PagedKVCache):
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             raise ValueError("q: decode context parallel is inference-only; run under torch.no_grad()")
         attn_backend, store_backend, _ = self._backends(spec, q, k, v)
-        kc, vc, scales = self._region.op_views(layer)
-        store(k, v, kc, vc, meta.slot_mapping, store_backend, scales)
-        lse_spec = spec.replace(return_lse=True)
-        out_h, lse_h = attend(q, kc, vc, meta.block_table, meta.seq_lens, meta.cu_seqlens_q, None,
-                              spec=lse_spec.replace(causal=False), max_seqlen_q=meta.max_seqlen_q,
-                              max_seqlen_k=meta.max_seqlen_k, backend=attn_backend, kv_scales=scales)
+        cache = self._region.op_views(layer)
+        store(k, v, cache, meta.slot_mapping, store_backend)
+        lse_spec = spec.with_lse
+        hist = attend(q, cache, meta.keys[0], meta.rows, spec=lse_spec.replace(causal=False), backend=attn_backend)
         own_table, own_lens = meta.cp_own
         h_kv, d = k.shape[1], k.shape[2]
-        out, lse = attend(q, k.view(-1, 1, h_kv, d), v.view(-1, 1, h_kv, d), own_table, own_lens,
-                          meta.cu_seqlens_q, None, spec=lse_spec, max_seqlen_q=meta.max_seqlen_q,
-                          max_seqlen_k=meta.max_seqlen_q, backend=attn_backend)
-        outs, lses = self._cp.all_gather(out_h, layer), self._cp.all_gather(lse_h, layer)  # [N, total_q, ...]
-        for r in range(self._cp.world_size):  # own keys, then rank 0 .. N-1: the same bits on every rank
-            out, lse = merge(out, lse, outs[r], lses[r], attn_backend)
+        own = attend(q, CacheView(k.view(-1, 1, h_kv, d), v.view(-1, 1, h_kv, d)),
+                     KeySet(own_table, own_lens, meta.max_seqlen_q), meta.rows, spec=lse_spec, backend=attn_backend)
+        outs, lses = self._cp.all_gather(hist[0], layer), self._cp.all_gather(hist[1], layer)  # [N, total_q, ...]
+        # own keys, then rank 0 .. N-1: the same bits on every rank
+        out, lse = merge_partials([own, *zip(outs, lses)], attn_backend)
         return (out, lse) if spec.return_lse else out

@@ -37,8 +37,16 @@ from typing import Any
 
 import torch
 
-from kvarena.attention.ops import as_bytes, attend, attend_history_and_own, resolve_backend, store
-from kvarena.attention.reference import dequantize_fp8, fp8_round_trip, fp8_row_scales, quantize_fp8
+from kvarena.attention.backend import resolve_backend
+from kvarena.attention.batch import CacheView, KeySet, OwnKeys, QueryRows
+from kvarena.attention.dispatch import attend, merge_partials, store
+from kvarena.attention.fp8 import (
+    as_bytes,
+    dequantize_fp8,
+    fp8_round_trip,
+    fp8_row_scales,
+    quantize_fp8,
+)
 from kvarena.attention.spec import INT_LIMIT, AttentionSpec, check_bool
 from kvarena.cache._meta import (
     StaleMetadataError,
@@ -69,15 +77,14 @@ _NO_SINK_LOGITS = (
 _SLAB_COMPONENTS = frozenset({"window", "sinks", "sink_tokens", "window_tokens", "slab_tokens"})
 
 
-def _op_specs(spec: AttentionSpec) -> tuple[AttentionSpec, AttentionSpec]:
-    """What a slab forward passes to the op for a layer spec: ``(spec, spec with lse)``.
+def _op_spec(spec: AttentionSpec) -> AttentionSpec:
+    """What a slab forward passes to the op for a layer spec.
 
     The block tables list only visible chunks, so the op runs non-causal (full
     attention over them, block-causal overall). Made once per layer at construction,
     and per call only for a call with overrides.
     """
-    op = spec.replace(causal=False)
-    return op, op.replace(return_lse=True)
+    return spec.replace(causal=False)
 
 
 def _chunk_start(c: int, n0: int, st: int) -> int:
@@ -487,7 +494,7 @@ class SlabKVCache(KVPoolBase):
 
     def _attach(self, arena: KVArena, reg: ArenaRegion, specs: tuple) -> None:
         self._specs = specs
-        self._op_pairs = tuple(_op_specs(s) for s in specs)
+        self._op_specs = tuple(_op_spec(s) for s in specs)
         self._rope_modes = tuple(sorted({s.rope_positions for s in specs if s.rope_mode}))
         self.arena = arena
         self._region = reg
@@ -1068,7 +1075,7 @@ class SlabKVCache(KVPoolBase):
         ``slot * (2 * num_layers * slab_tokens / g) + i`` is rows ``i*g .. i*g+g-1`` of
         ``slot``'s slab at this layer; pages between two slabs' layer rows belong to other
         layers and are never listed. No byte moves; pages never overlap. Made once per
-        (layer, g). Returns ``(k, v, kv_scales)``: fp8 per-token scales get the same page
+        (layer, g). Returns a :class:`CacheView`: fp8 per-token scales get the same page
         views of the region's scale section (None for a float layout).
         """
         region = self._region
@@ -1085,12 +1092,12 @@ class SlabKVCache(KVPoolBase):
                 return t.as_strided(size, stride, base), t.as_strided(size, stride, base + st * h * e)
 
             k, v = pages(region.data, d)
-            scales = region.op_views(layer)[2]
+            scales = region.op_views(layer).scales
             if self.layout.is_fp8:  # as the ops take them (region.op_views): uint8 views
                 k, v = as_bytes(k), as_bytes(v)
                 if region.scales is not None:
                     scales = tuple(as_bytes(x) for x in pages(region.scales, 1))
-            views = (k, v, scales)
+            views = CacheView(k, v, scales)
             self._page_views[(layer, g)] = views
         return views
 
@@ -1201,8 +1208,6 @@ class SlabKVCache(KVPoolBase):
         """Context parallel, tokens mode: every rank attends the whole chunk's queries over
         its rows of the visible chunks; the partial (out, lse) of each rank's rows come
         back to it and merge in rank order (bitwise repeatable)."""
-        from kvarena.attention.ops import merge
-
         cp = self._cp
         layer, spec = self._cp_checks(meta, layer, commit, options)
         b, t_r, t = meta.num_seqs, meta.n_tokens, meta.q_tokens
@@ -1212,9 +1217,8 @@ class SlabKVCache(KVPoolBase):
         outs, lses = cp.scatter_rows(out, layer), cp.scatter_rows(lse, layer)  # [N, B, T_r, H_q(, D)]
         h, d = out.shape[2], out.shape[3]
         backend = resolve_backend(spec.backend, self.device, out.dtype, torch.is_grad_enabled() and out.requires_grad)
-        acc_o, acc_l = outs[0].reshape(b * t_r, h, d), lses[0].reshape(b * t_r, h)
-        for i in range(1, cp.world_size):  # fixed rank order: the same bits every run
-            acc_o, acc_l = merge(acc_o, acc_l, outs[i].reshape(b * t_r, h, d), lses[i].reshape(b * t_r, h), backend)
+        parts = [(outs[i].reshape(b * t_r, h, d), lses[i].reshape(b * t_r, h)) for i in range(cp.world_size)]
+        acc_o, acc_l = merge_partials(parts, backend)  # fixed rank order: the same bits every run
         out = acc_o.reshape(b, t_r, h, d)
         return (out, acc_l.reshape(b, t_r, h)) if spec.return_lse else out
 
@@ -1260,16 +1264,16 @@ class SlabKVCache(KVPoolBase):
             q, k, v, layer, commit, options, (b, t), tq)
         h_kv, d = self.layout.num_kv_heads, self.layout.head_dim
         self._check_committed(meta._history, layer)
-        op_spec, op_spec_lse = _op_specs(spec) if options else self._op_pairs[layer]
-        rope_full = rope_hist = rope_own = None
+        op_spec = _op_spec(spec) if options else self._op_specs[layer]
+        q_pos = full_sh = hist_sh = own_sh = None
         if spec.rope_mode:
             q_pos, full_sh, hist_sh, own_sh, top = meta.rope[spec.rope_positions]
             if top >= spec.rope_cos.shape[0]:
                 raise ValueError(f"rope_cos: this step reaches {spec.rope_positions} position {top}, past the "
                                  f"{spec.rope_cos.shape[0]}-row rotary table of layer {layer}")
-            rope_full, rope_hist, rope_own = (q_pos, full_sh), (q_pos, hist_sh), (q_pos, own_sh)
-        kc, vc, store_scales = region.op_views(layer)
-        kp, vp, scales = self._pages_of(layer, meta.page_tokens)
+        rows = QueryRows(meta.cu_seqlens_q, meta.max_seqlen_q, q_pos)
+        store_cache = region.op_views(layer)
+        pages = self._pages_of(layer, meta.page_tokens)
         qf = q.reshape(b * tq, h_q, d)
         kf, vf = k.reshape(b * t, h_kv, d), v.reshape(b * t, h_kv, d)
         multi = meta.num_chunks != b
@@ -1279,16 +1283,14 @@ class SlabKVCache(KVPoolBase):
             attn_backend = resolve_backend(spec.backend, self.device, self.layout.input_dtype, True,
                                            "k/v of a multi-chunk step")
         if commit:
-            store(kf, vf, kc, vc, meta.slot_mapping, store_backend, store_scales)
+            store(kf, vf, store_cache, meta.slot_mapping, store_backend)
             for ch in meta._current:  # host-only bookkeeping: single stores, no lock, traceable
                 ch.committed[layer] = True
         if commit and not (multi and kv_grad):
-            res = attend(
-                qf, kp, vp, meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
-                meta.kv_start if meta.has_kv_start else None, spec=op_spec, max_seqlen_q=meta.max_seqlen_q,
-                max_seqlen_k=meta.max_seqlen_k, backend=attn_backend, new_kv=(kf, vf) if kv_grad else None,
-                kv_scales=scales, rope_pos=rope_full,
-            )
+            keys = KeySet(meta.block_table, meta.seq_lens, meta.max_seqlen_k,
+                          meta.kv_start if meta.has_kv_start else None, full_sh)
+            res = attend(qf, pages, keys, rows, spec=op_spec, backend=attn_backend,
+                         own=OwnKeys(kf, vf) if kv_grad else None)
             out, lse = res if spec.return_lse else (res, None)
         else:
             # The history before the run from the arena, the run's own tokens from k, v.
@@ -1297,21 +1299,19 @@ class SlabKVCache(KVPoolBase):
             if self.layout.is_fp8:
                 # What a commit would store and read back: the denoising step attends exactly
                 # what the clean pass will (the store's rule: per-row or the layer's static scales).
-                static = store_scales if store_scales[0].dim() == 0 else (None, None)
+                static = store_cache.scales if store_cache.scales[0].dim() == 0 else (None, None)
                 kd, vd = fp8_round_trip(kd, static[0]), fp8_round_trip(vd, static[1])
-            paged = {}
             if multi:
                 g = meta.own_page_tokens
                 kd, vd = kd.reshape(b * t // g, g, h_kv, d), vd.reshape(b * t // g, g, h_kv, d)
-                paged = dict(own_kv_start=meta.dense_kv_start if meta.dense_has_kv_start else None,
-                             own_max_seqlen_k=meta.dense_max_seqlen_k)
-            hist_kv_start = meta.hist_kv_start if meta.hist_has_kv_start else None
-            out, lse = attend_history_and_own(
-                qf, kp, vp, meta.hist_block_table, meta.hist_seq_lens, meta.cu_seqlens_q, hist_kv_start, (kd, vd),
-                own_table=meta.dense_block_table, own_lens=meta.dense_seq_lens, spec=op_spec, spec_lse=op_spec_lse,
-                max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.hist_max_seqlen_k, backend=attn_backend,
-                kv_scales=scales, rope_hist=rope_hist, rope_own=rope_own, **paged,
-            )
+            own_keys = KeySet(meta.dense_block_table, meta.dense_seq_lens,
+                              meta.dense_max_seqlen_k if multi else t,
+                              meta.dense_kv_start if multi and meta.dense_has_kv_start else None, own_sh)
+            hist = KeySet(meta.hist_block_table, meta.hist_seq_lens, meta.hist_max_seqlen_k,
+                          meta.hist_kv_start if meta.hist_has_kv_start else None, hist_sh)
+            res = attend(qf, pages, hist, rows, spec=op_spec, backend=attn_backend,
+                         own=OwnKeys(kd, vd, own_keys, paged=multi))
+            out, lse = res if spec.return_lse else (res, None)
         out = out.reshape(b, tq, h_q, d)
         return (out, lse.reshape(b, tq, h_q)) if spec.return_lse else out
 

@@ -40,8 +40,8 @@ from typing import NamedTuple
 
 import torch
 
+from kvarena.attention.dtypes import accumulator_dtype
 from kvarena.attention.ops import paged_attention
-from kvarena.attention.reference import _acc_dtype
 from kvarena.attention.spec import check_backend
 
 __all__ = ["KVArenaCache", "register", "kvarena_attention", "kvarena_mask"]
@@ -285,7 +285,7 @@ _checked_positions: dict = {}
 
 def _sink_logits(s_aux: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """gpt-oss's ``s_aux`` (a parameter in the model's dtype) as kvarena's sink_logits."""
-    return None if s_aux is None else s_aux.to(_acc_dtype(dtype))
+    return None if s_aux is None else s_aux.to(accumulator_dtype(dtype))
 
 
 def kvarena_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -605,7 +605,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         pool = self.pool
         if pool is None or not self._names:
             return None
-        from kvarena.attention.reference import dequantize_fp8
+        from kvarena.attention.fp8 import dequantize_fp8
 
         region, lay, bs = pool._region, pool.layout, pool.block_size
         g, _slot = lay.group_of(layer)

@@ -1,0 +1,112 @@
+"""Trusted execution bodies: the Triton launches and the PyTorch paths for validated
+arguments and a resolved backend. Shared by the dispatcher (eager calls) and the
+``torch.library`` op implementations (compiled calls)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvarena.attention import reference
+from kvarena.attention.batch import CacheView, KeySet, OwnKeys, QueryRows
+from kvarena.attention.fp8 import from_bytes
+from kvarena.attention.spec import AttentionSpec
+
+# How the keys given in a call relate to the query rows (kernels.paged_attention_bwd).
+GIVEN_AT_QUERIES, GIVEN_AFTER_HISTORY = 0, 1
+
+
+def new_outputs(q: torch.Tensor, out: torch.Tensor | None = None, lse: bool = True):
+    """``(out, lse)`` buffers of a launch: the caller's ``out`` or a new one, an fp32 lse or None."""
+    res = torch.empty_like(q) if out is None else out
+    return res, (torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if lse else None)
+
+
+def launch_triton(q: torch.Tensor, cache: CacheView, keys: KeySet, rows: QueryRows, out: torch.Tensor,
+                  lse: torch.Tensor | None, spec: AttentionSpec, own: OwnKeys | None = None) -> bool:
+    """One Triton launch writing ``out`` (and ``lse`` unless None) in place; ``own``: dense own
+    keys after the history in the same launch. False when the launch cannot take ``own``
+    (nothing launched). fp8 views must already be float8 / fp32 (:func:`from_bytes`)."""
+    if q.device.type == "meta":
+        return True  # a dry run: the caller's outputs are allocated, no kernel runs
+    from kvarena.kernels.paged_attention import paged_attention_fwd
+
+    rope_pos = None if rows.rope_q_pos is None and keys.rope_k_shift is None else (rows.rope_q_pos, keys.rope_k_shift)
+    return paged_attention_fwd(
+        q, cache.k, cache.v, keys.block_table, keys.seq_lens, rows.cu_seqlens_q, keys.kv_start, out, lse,
+        spec=spec, max_seqlen_q=rows.max_seqlen_q, max_seqlen_k=keys.max_seqlen_k,
+        own_kv=None if own is None else (own.k, own.v), kv_scales=cache.scales, rope_pos=rope_pos,
+    )
+
+
+def run_attention(q: torch.Tensor, cache: CacheView, keys: KeySet, rows: QueryRows, spec: AttentionSpec,
+                  backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of a forward-only call on ``backend`` (fp8 views already viewed back)."""
+    if backend == "triton":
+        out, lse = new_outputs(q)
+        launch_triton(q, cache, keys, rows, out, lse, spec)
+        return out, lse
+    # No gradient here: the SDPA route when the call has no position mask, else the batched one.
+    args = (q, cache.k, cache.v, keys.block_table, keys.seq_lens, rows.cu_seqlens_q, keys.kv_start)
+    kw = dict(spec=spec, max_seqlen_q=rows.max_seqlen_q, max_seqlen_k=keys.max_seqlen_k, kv_scales=cache.scales)
+    fast = reference.paged_attention_sdpa(*args, **kw)
+    if fast is not None:
+        return fast
+    rope_pos = None if rows.rope_q_pos is None and keys.rope_k_shift is None else (rows.rope_q_pos, keys.rope_k_shift)
+    return reference.paged_attention_torch(*args, **kw, rope_pos=rope_pos)
+
+
+def dense_own_keys(k: torch.Tensor, v: torch.Tensor) -> OwnKeys:
+    """Own keys ``[B, T, H_kv, D]`` visible to all of a sequence's rows, listed as one T-token
+    block per sequence."""
+    b, t = k.shape[0], k.shape[1]
+    table = torch.arange(b, dtype=torch.int32, device=k.device)[:, None]
+    lens = torch.full((b,), t, dtype=torch.int32, device=k.device)
+    return OwnKeys(k, v, KeySet(table, lens, t))
+
+
+def history_and_own_forward(q: torch.Tensor, cache: CacheView, keys: KeySet, rows: QueryRows, own: OwnKeys,
+                            spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, fp32 lse) over the cached history plus dense own keys visible to every query, on
+    Triton: one launch, or (when one cannot take both) two and an exact merge."""
+    spec = spec.with_lse
+    out, lse = new_outputs(q)
+    if launch_triton(q, cache, keys, rows, out, lse, spec, own=own):
+        return out, lse
+    out_h, lse_h = run_attention(q, cache, keys, rows, spec, "triton")
+    own_spec = spec.replace(causal=False, window_left=None, sink_tokens=0)
+    launch_triton(q, CacheView(own.k, own.v), own.keys, rows, out, lse, own_spec)
+    return merge_impl(out_h, lse_h, out, lse, "triton")
+
+
+def store_impl(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    backend: str,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    k_cache, v_cache, kv_scales = from_bytes(k_cache, v_cache, k_scale, v_scale)
+    if backend == "triton":
+        from kvarena.kernels.store import store_kv_fwd
+
+        if k_cache.device.type != "meta":  # meta: a dry run (shapes and allocations only)
+            store_kv_fwd(k, v, k_cache, v_cache, slot_mapping, kv_scales)
+        return
+    reference.store_kv_torch(k, v, k_cache, v_cache, slot_mapping, kv_scales)
+
+
+def merge_impl(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor, backend: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if backend == "triton":
+        from kvarena.kernels.merge import merge_attention_states_fwd
+
+        out = torch.empty_like(out_a)
+        lse = torch.empty(out_a.shape[:2], dtype=torch.float32, device=out_a.device)
+        if out.device.type != "meta":  # meta: a dry run
+            merge_attention_states_fwd(out_a, lse_a, out_b, lse_b, out, lse)
+        return out, lse
+    return reference.merge_attention_states_torch(out_a, lse_a, out_b, lse_b)
