@@ -173,6 +173,13 @@ class KVPoolBase:
                              f"positions, not {spec.rope_positions!r} (in a paged pool each query row has its own "
                              "window, so there is no one [sinks | window] layout per sequence)")
 
+    @property
+    def region(self):
+        """The :class:`~kvarena.cache.arena.ArenaRegion` holding this pool's blocks (None before
+        a layout is bound): its ``data``, ``scales``, per-layer ``k(layer)``/``v(layer)`` views
+        and ``allocator`` are the pool's bytes, for inspection. Writing them bypasses the pool."""
+        return self._region
+
     # ------------------------------------------------------------------ accounting
     def _blocks(self):
         """``(allocator, bytes per block)`` or None before the pool has an arena."""

@@ -607,7 +607,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
             return None
         from kvarena.attention.fp8 import dequantize_fp8
 
-        region, lay, bs = pool._region, pool.layout, pool.block_size
+        region, lay, bs = pool.region, pool.layout, pool.block_size
         g, _slot = lay.group_of(layer)
         h, d = lay.layer_shape(layer)
         data = region.k(layer) if j == 0 else region.v(layer)  # [blocks, bs, H, D]
@@ -817,7 +817,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         pool are the real tokens' ranks, padding never stored)."""
         rows, lens, starts, which = per_query
         pool = self.pool
-        region, group = pool._region, pool.layout.group_of(layer)[0]
+        region, group = pool.region, pool.layout.group_of(layer)[0]
         tables = [pool.block_ids(name, group) for name in self._names]
         width = max(1, max(map(len, tables)))
         table = torch.tensor([[max(x, 0) for x in t] + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
