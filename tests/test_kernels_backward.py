@@ -16,6 +16,7 @@ from kvarena.attention import AttentionSpec, dispatch
 from kvarena.attention.batch import CacheView, KeySet, QueryRows
 from kvarena.attention.launch import dense_own_keys, history_and_own_forward
 from kvarena.kernels import paged_attention_bwd as bwd
+from kvarena.kernels.placement import OWN_AFTER_HISTORY, OWN_AT_QUERIES
 
 pytestmark = pytest.mark.interpreter
 
@@ -41,11 +42,11 @@ def _visible(q_pos: int, t: int, spec: AttentionSpec, kv_lo: int) -> bool:
     return spec.window_left is None or t >= q_pos - spec.window_left or t < spec.sink_tokens
 
 
-def dense_reference(case, given, mode, spec, do, dlse):
+def dense_reference(case, own, mode, spec, do, dlse):
     """fp64 (out, lse) and the gradients of ``sum(out * do) + sum(lse * dlse)`` (on the CPU)."""
     q = case["q"].detach().cpu().double().requires_grad_(True)
-    gk = given[0].detach().cpu().double().requires_grad_(True)
-    gv = given[1].detach().cpu().double().requires_grad_(True)
+    own_k = own[0].detach().cpu().double().requires_grad_(True)
+    own_v = own[1].detach().cpu().double().requires_grad_(True)
     kc, vc, table = case["k_cache"].cpu().double(), case["v_cache"].cpu().double(), case["block_table"].cpu()
     lens, cu = case["seq_lens"].tolist(), case["cu_seqlens_q"].tolist()
     starts = case["kv_start"].tolist() if case["kv_start"] is not None else [0] * len(lens)
@@ -59,19 +60,19 @@ def dense_reference(case, given, mode, spec, do, dlse):
         qn = q1 - q0
         keys, vals, pos = [], [], []
         for t in range(n):
-            if mode == bwd.GIVEN_AT_QUERIES and t >= n - qn:
+            if mode == OWN_AT_QUERIES and t >= n - qn:
                 i = q0 + t - (n - qn)
-                keys.append(gk[i])
-                vals.append(gv[i])
+                keys.append(own_k[i])
+                vals.append(own_v[i])
             else:
                 blk = int(table[b, t // bs])
                 keys.append(kc[blk, t % bs])
                 vals.append(vc[blk, t % bs])
             pos.append(t)
-        if mode == bwd.GIVEN_AFTER_HISTORY:
-            for i in range(gk.shape[1]):
-                keys.append(gk[b, i])
-                vals.append(gv[b, i])
+        if mode == OWN_AFTER_HISTORY:
+            for i in range(own_k.shape[1]):
+                keys.append(own_k[b, i])
+                vals.append(own_v[b, i])
                 pos.append(None)  # after the history: visible to every query
         if not keys:
             outs.append(torch.zeros(qn, h_q, d, dtype=torch.float64))
@@ -95,7 +96,7 @@ def dense_reference(case, given, mode, spec, do, dlse):
     dl = torch.where(torch.isneginf(lse), 0.0, lse)
     loss = (out * do.cpu().double()).sum() + (dl * dlse.cpu().double()).sum()
     loss.backward()
-    return q.grad, gk.grad, gv.grad
+    return q.grad, own_k.grad, own_v.grad
 
 
 def _rel(got, ref):
@@ -106,13 +107,13 @@ def _rel(got, ref):
 
 # (id, lens, q_lens, kv_start, options, mode): tiny and odd (head_dim 40, pages of 5/7).
 CASES = [
-    ("new-keys-causal-gqa4", [9, 23], [9, 6], None, dict(), bwd.GIVEN_AT_QUERIES),
+    ("new-keys-causal-gqa4", [9, 23], [9, 6], None, dict(), OWN_AT_QUERIES),
     ("new-keys-window-sinks-kvstart", [30, 17], [5, 1], [4, 0], dict(window_left=6, sink_tokens=2),
-     bwd.GIVEN_AT_QUERIES),
-    ("new-keys-block-causal-softcap", [21], [14], None, dict(chunk_size=7, softcap=2.5), bwd.GIVEN_AT_QUERIES),
-    ("own-keys-after-history", [14, 0], [5, 5], None, dict(causal=False), bwd.GIVEN_AFTER_HISTORY),
+     OWN_AT_QUERIES),
+    ("new-keys-block-causal-softcap", [21], [14], None, dict(chunk_size=7, softcap=2.5), OWN_AT_QUERIES),
+    ("own-keys-after-history", [14, 0], [5, 5], None, dict(causal=False), OWN_AFTER_HISTORY),
     ("own-keys-softcap-short-history", [3, 10], [4, 4], None, dict(causal=False, softcap=3.0),
-     bwd.GIVEN_AFTER_HISTORY),
+     OWN_AFTER_HISTORY),
 ]
 
 
@@ -120,7 +121,7 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("lens", "q_lens", "kv_start", "opts", "mode"), [pytest.param(*c[1:], id=c[0]) for c in CASES])
 def test_backward_kernels_match_dense_fp64_autograd(seed, dtype, lens, q_lens, kv_start, opts, mode):
-    group = 4 if mode == bwd.GIVEN_AT_QUERIES and not kv_start else 1
+    group = 4 if mode == OWN_AT_QUERIES and not kv_start else 1
     h_kv = 1 if group == 4 else 2
     case = paged_case(lens, q_lens, dtype=dtype, group=group, h_kv=h_kv, head_dim=40, block_size=5 if group == 4 else 7,
                       seed=seed, kv_start=kv_start)
@@ -128,31 +129,31 @@ def test_backward_kernels_match_dense_fp64_autograd(seed, dtype, lens, q_lens, k
     gen = torch.Generator().manual_seed(seed + 1)
     q = case["q"]
     total_q, h_q, d = q.shape
-    if mode == bwd.GIVEN_AT_QUERIES:
+    if mode == OWN_AT_QUERIES:
         # The rows' own keys as stored in the cache (the forward reads them from there).
-        gk = torch.empty(total_q, h_kv, d, dtype=dtype, device=DEVICE)
-        gv = torch.empty_like(gk)
+        own_k = torch.empty(total_q, h_kv, d, dtype=dtype, device=DEVICE)
+        own_v = torch.empty_like(own_k)
         bs = case["k_cache"].shape[1]
         for b, (n, q0, q1) in enumerate(zip(lens, case["cu_seqlens_q"][:-1].tolist(), case["cu_seqlens_q"][1:].tolist())):
             for i in range(q1 - q0):
                 t = n - (q1 - q0) + i
                 blk = int(case["block_table"][b, t // bs])
-                gk[q0 + i], gv[q0 + i] = case["k_cache"][blk, t % bs], case["v_cache"][blk, t % bs]
+                own_k[q0 + i], own_v[q0 + i] = case["k_cache"][blk, t % bs], case["v_cache"][blk, t % bs]
     else:
-        gk = torch.randn(len(lens), 6, h_kv, d, generator=gen).to(DEVICE, dtype)
-        gv = torch.randn(len(lens), 6, h_kv, d, generator=gen).to(DEVICE, dtype)
+        own_k = torch.randn(len(lens), 6, h_kv, d, generator=gen).to(DEVICE, dtype)
+        own_v = torch.randn(len(lens), 6, h_kv, d, generator=gen).to(DEVICE, dtype)
     args = (q, case["k_cache"], case["v_cache"], case["block_table"], case["seq_lens"], case["cu_seqlens_q"],
             case["kv_start"])
     fwd_spec = spec.replace(return_lse=True)
-    if mode == bwd.GIVEN_AT_QUERIES:
+    if mode == OWN_AT_QUERIES:
         out, lse = dispatch.attend(q, *_seam(args, max(q_lens), max(lens)), spec=fwd_spec, backend="triton")
     else:
-        out, lse = history_and_own_forward(q, *_seam(args, max(q_lens), max(lens)), dense_own_keys(gk, gv), fwd_spec)
+        out, lse = history_and_own_forward(q, *_seam(args, max(q_lens), max(lens)), dense_own_keys(own_k, own_v), fwd_spec)
     do = torch.randn(out.shape, generator=gen).to(DEVICE, dtype)
     dlse = torch.randn(lse.shape, generator=gen).to(DEVICE)
     dq, dk, dv = bwd.paged_attention_bwd(do, q, out, lse, dlse, *args[1:], spec=spec, max_seqlen_q=max(q_lens),
-                                         given=(gk, gv), given_mode=mode)
-    rq, rk, rv = dense_reference(case, (gk, gv), mode, spec, do, dlse)
+                                         own_k=own_k, own_v=own_v, placement=mode)
+    rq, rk, rv = dense_reference(case, (own_k, own_v), mode, spec, do, dlse)
     tol = GRAD_TOL[dtype]
     for name, got, ref in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
         err = _rel(got, ref)
@@ -172,9 +173,9 @@ def test_given_keys_no_query_sees_get_zero_gradient(monkeypatch, seed):
     args = (case["q"], case["k_cache"], case["v_cache"], case["block_table"], case["seq_lens"], case["cu_seqlens_q"],
             case["kv_start"])
     out, lse = dispatch.attend(case["q"], *_seam(args, 3, 6), spec=spec, backend="triton")
-    gk, gv = torch.randn(4, 1, 24), torch.randn(4, 1, 24)  # rows 0-2: positions 3-5 of seq 0; row 3: padding
+    own_k, own_v = torch.randn(4, 1, 24), torch.randn(4, 1, 24)  # rows 0-2: positions 3-5 of seq 0; row 3: padding
     dq, dk, dv = bwd.paged_attention_bwd(torch.randn_like(out), case["q"], out, lse, None, *args[1:], spec=spec,
-                                         max_seqlen_q=3, given=(gk, gv))
+                                         max_seqlen_q=3, own_k=own_k, own_v=own_v)
     for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
         assert torch.isfinite(g).all(), f"{name} holds unwritten rows"
     assert torch.equal(dk[0], torch.zeros_like(dk[0])) and torch.equal(dv[0], torch.zeros_like(dv[0])), "below kv_start"
@@ -193,7 +194,7 @@ def test_rows_that_see_no_key_get_zero_gradient(seed):
     assert torch.isneginf(lse[:3]).all()
     do = torch.randn_like(out)
     dq, _, _ = bwd.paged_attention_bwd(do, case["q"], out, lse, torch.randn_like(lse), *args[1:], spec=spec,
-                                       max_seqlen_q=4, given=None)
+                                       max_seqlen_q=4)
     assert torch.equal(dq[:3], torch.zeros_like(dq[:3]))
     assert torch.isfinite(dq).all()
 
@@ -299,21 +300,21 @@ def test_compiled_training_step_keeps_the_triton_backward(monkeypatch, seed, com
     forward and backward ops (fake kernels at trace time), never the score-materializing
     torch path, and the gradients equal eager."""
     from kvarena import CachePolicy, KVLayout, SlabKVCache
-    from kvarena.attention import reference
+    from kvarena.attention import torch_path
     from kvarena.kernels import paged_attention_bwd as bwd_mod
 
     calls = []
     real_bwd = bwd_mod.paged_attention_bwd
 
     def counting_bwd(*args, **kwargs):
-        calls.append(kwargs.get("given_mode"))
+        calls.append(kwargs.get("placement"))
         return real_bwd(*args, **kwargs)
 
     def no_torch_path(*args, **kwargs):
         raise AssertionError("the torch path ran under backend='triton'")
 
     monkeypatch.setattr(bwd_mod, "paged_attention_bwd", counting_bwd)
-    monkeypatch.setattr(reference, "paged_attention_torch", no_torch_path)
+    monkeypatch.setattr(torch_path, "paged_attention_torch", no_torch_path)
 
     layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=24, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)

@@ -18,10 +18,10 @@ from kvarena.attention import merge_attention_states, paged_attention, store_kv
 from kvarena.attention.reference import (
     merge_attention_states_ref,
     paged_attention_ref,
-    paged_attention_sdpa,
     store_kv_ref,
 )
 from kvarena.attention.spec import AttentionSpec
+from kvarena.attention.torch_path import paged_attention_sdpa
 
 H_KV = 2
 

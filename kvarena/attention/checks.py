@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from kvarena._checks import check_opt_int
 from kvarena.attention.dtypes import FP8_CACHE_DTYPES, MAX_HEAD_DIM, TORCH_DTYPES, accumulator_dtype
 from kvarena.attention.spec import AttentionSpec
 
@@ -44,16 +45,6 @@ def require_int_tensor(name: str, t, shape: tuple[int, ...], device: torch.devic
     if t.device != device:
         raise ValueError(f"{name}: expected device {device}, got {t.device}")
     return t
-
-
-def opt_host_int(name: str, value) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected None or an int >= 0, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name}: expected None or an int >= 0, got {value}")
-    return value
 
 
 def check_no_overlap(name: str, t: torch.Tensor) -> None:
@@ -291,8 +282,8 @@ def validate_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_
     b, max_blocks = block_table.shape
     require_int_tensor("block_table", block_table, (b, max_blocks), q.device)
     require_int_tensor("seq_lens", seq_lens, (b,), q.device)
-    max_seqlen_q = opt_host_int("max_seqlen_q", max_seqlen_q)
-    max_seqlen_k = opt_host_int("max_seqlen_k", max_seqlen_k)
+    max_seqlen_q = check_opt_int("max_seqlen_q", max_seqlen_q, 0)
+    max_seqlen_k = check_opt_int("max_seqlen_k", max_seqlen_k, 0)
     if cu_seqlens_q is None:
         if total_q != b:
             raise ValueError(f"q: with cu_seqlens_q=None there is one query per sequence ({b}), got {total_q}")

@@ -22,13 +22,11 @@ from enum import Enum
 
 import torch
 
-from kvarena.attention import library, reference  # noqa: F401  (library registers torch.ops.kvarena)
+from kvarena.attention import library, torch_path  # noqa: F401  (library registers torch.ops.kvarena)
 from kvarena.attention.backend import needs_grad
 from kvarena.attention.batch import CacheView, KeySet, OwnKeys, QueryRows
 from kvarena.attention.fp8 import as_bytes, from_bytes
 from kvarena.attention.launch import (
-    GIVEN_AFTER_HISTORY,
-    GIVEN_AT_QUERIES,
     launch_triton,
     merge_impl,
     new_outputs,
@@ -36,10 +34,9 @@ from kvarena.attention.launch import (
     store_impl,
 )
 from kvarena.attention.spec import AttentionSpec
+from kvarena.kernels.placement import OWN_AFTER_HISTORY, OWN_AT_QUERIES
 
 __all__ = ["attend", "store", "merge", "merge_partials"]
-
-
 
 
 class _Path(Enum):
@@ -99,8 +96,8 @@ def _attend_cache(q, cache: CacheView, keys: KeySet, rows: QueryRows, spec: Atte
                   own: OwnKeys | None, out):
     """One source of keys: the cache (the query rows' own keys, if given, read from ``own``
     on the differentiable paths)."""
-    kn, vn = (own.k, own.v) if own is not None else (None, None)
-    path = _path(backend, needs_grad(q, cache.k, cache.v, kn, vn, spec.sink_logits))
+    own_k, own_v = (own.k, own.v) if own is not None else (None, None)
+    path = _path(backend, needs_grad(q, cache.k, cache.v, own_k, own_v, spec.sink_logits))
     if path is _Path.TRITON_EAGER:
         # Straight into the caller's ``out`` (no copy), no lse store unless asked for.
         result, lse = new_outputs(q, out, spec.return_lse)
@@ -109,14 +106,14 @@ def _attend_cache(q, cache: CacheView, keys: KeySet, rows: QueryRows, spec: Atte
     if path is _Path.TRITON_TRAIN:
         _refuse_triton_grad(cache, spec)
         result, lse = torch.ops.kvarena.attention_train(
-            q, kn, vn, cache.k, cache.v, keys.block_table, keys.seq_lens, rows.cu_seqlens_q, keys.kv_start,
-            rows.max_seqlen_q, keys.max_seqlen_k, GIVEN_AT_QUERIES, *spec.op_args(),
+            q, own_k, own_v, cache.k, cache.v, keys.block_table, keys.seq_lens, rows.cu_seqlens_q, keys.kv_start,
+            rows.max_seqlen_q, keys.max_seqlen_k, OWN_AT_QUERIES, *spec.op_args(),
         )
     elif path is _Path.TORCH_GRAD:
-        result, lse = reference.paged_attention_torch(
+        result, lse = torch_path.paged_attention_torch(
             q, cache.k, cache.v, keys.block_table, keys.seq_lens, rows.cu_seqlens_q, keys.kv_start, spec=spec,
-            max_seqlen_q=rows.max_seqlen_q, max_seqlen_k=keys.max_seqlen_k,
-            new_kv=None if own is None else (own.k, own.v), rope_pos=_rope_pos(keys, rows),
+            max_seqlen_q=rows.max_seqlen_q, max_seqlen_k=keys.max_seqlen_k, own=own,
+            rope_q_pos=rows.rope_q_pos, rope_k_shift=keys.rope_k_shift,
         )
     elif path is _Path.COMPILED:
         result, lse = _compiled_attention(q, cache, keys, rows, spec, backend)
@@ -126,12 +123,6 @@ def _attend_cache(q, cache: CacheView, keys: KeySet, rows: QueryRows, spec: Atte
         out.copy_(result)
         result = out
     return (result, lse) if spec.return_lse else result
-
-
-def _rope_pos(keys: KeySet, rows: QueryRows):
-    if rows.rope_q_pos is None and keys.rope_k_shift is None:
-        return None
-    return rows.rope_q_pos, keys.rope_k_shift
 
 
 def _compiled_attention(q, cache: CacheView, keys: KeySet, rows: QueryRows, spec: AttentionSpec, backend: str):
@@ -149,7 +140,7 @@ def _refuse_triton_grad(cache: CacheView, spec: AttentionSpec) -> None:
     """What the Triton backward cannot differentiate (checked before anything runs)."""
     if cache.k.requires_grad or cache.v.requires_grad:
         raise ValueError("k_cache/v_cache: the Triton backward gives no gradient to a cache tensor; "
-                         "use backend='torch' (or give the keys as new_kv / own k, v)")
+                         "use backend='torch' (or give the keys as the step's own k, v)")
     refuse_rope_triton_grad(spec)
     if needs_grad(spec.sink_logits):
         raise ValueError("sink_logits: the Triton backward gives no gradient to sink_logits; use backend='torch'")
@@ -179,7 +170,7 @@ def _history_and_own(q, cache: CacheView, keys: KeySet, rows: QueryRows, own: Ow
             # two launches and a merge when one launch cannot take both sources.
             out, lse = torch.ops.kvarena.attention_train(
                 q, own.k, own.v, cache.k, cache.v, keys.block_table, keys.seq_lens, rows.cu_seqlens_q,
-                keys.kv_start, rows.max_seqlen_q, keys.max_seqlen_k, GIVEN_AFTER_HISTORY, *spec.op_args(),
+                keys.kv_start, rows.max_seqlen_q, keys.max_seqlen_k, OWN_AFTER_HISTORY, *spec.op_args(),
             )
             return out, (lse if spec.return_lse else None)
         out, lse = new_outputs(q, None, spec.return_lse)
@@ -209,7 +200,7 @@ def store(k, v, cache: CacheView, slot_mapping: torch.Tensor, backend: str) -> N
 def merge(out_a, lse_a, out_b, lse_b, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact merge of two partial attentions (validated arguments, resolved backend)."""
     if backend == "torch" and needs_grad(out_a, lse_a, out_b, lse_b):
-        return reference.merge_attention_states_torch(out_a, lse_a, out_b, lse_b)
+        return torch_path.merge_attention_states_torch(out_a, lse_a, out_b, lse_b)
     op = torch.ops.kvarena.merge_attention_states if torch.compiler.is_compiling() else merge_impl
     return op(out_a, lse_a, out_b, lse_b, backend)
 

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from kvarena.attention import reference
+from kvarena.attention import torch_path
 from kvarena.attention.batch import CacheView, KeySet, OwnKeys, QueryRows
 from kvarena.attention.fp8 import from_bytes
 from kvarena.attention.spec import AttentionSpec
-
-# How the keys given in a call relate to the query rows (kernels.paged_attention_bwd).
-GIVEN_AT_QUERIES, GIVEN_AFTER_HISTORY = 0, 1
 
 
 def new_outputs(q: torch.Tensor, out: torch.Tensor | None = None, lse: bool = True):
@@ -30,11 +27,11 @@ def launch_triton(q: torch.Tensor, cache: CacheView, keys: KeySet, rows: QueryRo
         return True  # a dry run: the caller's outputs are allocated, no kernel runs
     from kvarena.kernels.paged_attention import paged_attention_fwd
 
-    rope_pos = None if rows.rope_q_pos is None and keys.rope_k_shift is None else (rows.rope_q_pos, keys.rope_k_shift)
     return paged_attention_fwd(
         q, cache.k, cache.v, keys.block_table, keys.seq_lens, rows.cu_seqlens_q, keys.kv_start, out, lse,
         spec=spec, max_seqlen_q=rows.max_seqlen_q, max_seqlen_k=keys.max_seqlen_k,
-        own_kv=None if own is None else (own.k, own.v), kv_scales=cache.scales, rope_pos=rope_pos,
+        own_k=None if own is None else own.k, own_v=None if own is None else own.v, kv_scales=cache.scales,
+        rope_q_pos=rows.rope_q_pos, rope_k_shift=keys.rope_k_shift,
     )
 
 
@@ -48,11 +45,10 @@ def run_attention(q: torch.Tensor, cache: CacheView, keys: KeySet, rows: QueryRo
     # No gradient here: the SDPA route when the call has no position mask, else the batched one.
     args = (q, cache.k, cache.v, keys.block_table, keys.seq_lens, rows.cu_seqlens_q, keys.kv_start)
     kw = dict(spec=spec, max_seqlen_q=rows.max_seqlen_q, max_seqlen_k=keys.max_seqlen_k, kv_scales=cache.scales)
-    fast = reference.paged_attention_sdpa(*args, **kw)
+    fast = torch_path.paged_attention_sdpa(*args, **kw)
     if fast is not None:
         return fast
-    rope_pos = None if rows.rope_q_pos is None and keys.rope_k_shift is None else (rows.rope_q_pos, keys.rope_k_shift)
-    return reference.paged_attention_torch(*args, **kw, rope_pos=rope_pos)
+    return torch_path.paged_attention_torch(*args, **kw, rope_q_pos=rows.rope_q_pos, rope_k_shift=keys.rope_k_shift)
 
 
 def dense_own_keys(k: torch.Tensor, v: torch.Tensor) -> OwnKeys:
@@ -95,7 +91,7 @@ def store_impl(
         if k_cache.device.type != "meta":  # meta: a dry run (shapes and allocations only)
             store_kv_fwd(k, v, k_cache, v_cache, slot_mapping, kv_scales)
         return
-    reference.store_kv_torch(k, v, k_cache, v_cache, slot_mapping, kv_scales)
+    torch_path.store_kv_torch(k, v, k_cache, v_cache, slot_mapping, kv_scales)
 
 
 def merge_impl(
@@ -109,4 +105,4 @@ def merge_impl(
         if out.device.type != "meta":  # meta: a dry run
             merge_attention_states_fwd(out_a, lse_a, out_b, lse_b, out, lse)
         return out, lse
-    return reference.merge_attention_states_torch(out_a, lse_a, out_b, lse_b)
+    return torch_path.merge_attention_states_torch(out_a, lse_a, out_b, lse_b)

@@ -16,7 +16,6 @@ from kvarena.attention.batch import CacheView, KeySet, QueryRows
 from kvarena.attention.dtypes import accumulator_dtype
 from kvarena.attention.fp8 import from_bytes
 from kvarena.attention.launch import (
-    GIVEN_AFTER_HISTORY,
     dense_own_keys,
     history_and_own_forward,
     merge_impl,
@@ -24,6 +23,7 @@ from kvarena.attention.launch import (
     store_impl,
 )
 from kvarena.attention.spec import AttentionSpec
+from kvarena.kernels.placement import OWN_AFTER_HISTORY
 
 __all__: list[str] = []  # registers torch.ops.kvarena.*; nothing to import
 
@@ -39,7 +39,7 @@ def _typed(k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, max_
 
 _LIB = torch.library.Library("kvarena", "FRAGMENT")
 
-# ----- forward-only attention: one opaque op with a fake kernel under torch.compile
+# Forward-only attention: one opaque op with a fake kernel under torch.compile
 _LIB.define(
     "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
     "Tensor cu_seqlens_q, Tensor? kv_start, Tensor? k_scale, Tensor? v_scale, Tensor? rope_q_pos, "
@@ -65,10 +65,10 @@ def _paged_attention_op_fake(q, *args):
 _LIB.impl("paged_attention", _paged_attention_op_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("kvarena::paged_attention", _paged_attention_op_fake, lib=_LIB)
 
-# ----- the differentiable Triton attention (training): forward with lse, and its backward,
+# The differentiable Triton attention (training): forward with lse, and its backward,
 # each an opaque op with a fake kernel so torch.compile(fullgraph=True) keeps the Triton
-# backward (no [queries x keys] tensor) in its graphs. ``gk, gv``: the own keys (mode
-# GIVEN_AT_QUERIES or GIVEN_AFTER_HISTORY, see kvarena.attention.launch).
+# backward (no [queries x keys] tensor) in its graphs. The schemas' ``gk, gv`` are the own
+# keys and ``mode`` their placement (kvarena.kernels.placement).
 _LIB.define(
     "attention_train(Tensor q, Tensor? gk, Tensor? gv, Tensor k_cache, Tensor v_cache, Tensor block_table, "
     "Tensor seq_lens, Tensor cu_seqlens_q, Tensor? kv_start, SymInt max_seqlen_q, SymInt max_seqlen_k, int mode, "
@@ -81,59 +81,59 @@ _LIB.define(
 )
 
 
-def _attention_train_impl(q, gk, gv, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start,
+def _attention_train_impl(q, own_k, own_v, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start,
                           max_seqlen_q, max_seqlen_k, mode, *spec_args):
     spec = AttentionSpec.from_op_args(spec_args)
     cache, keys, rows = _typed(k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, max_seqlen_q,
                                max_seqlen_k)
-    if mode == GIVEN_AFTER_HISTORY:
-        return history_and_own_forward(q, cache, keys, rows, dense_own_keys(gk, gv), spec)
+    if mode == OWN_AFTER_HISTORY:
+        return history_and_own_forward(q, cache, keys, rows, dense_own_keys(own_k, own_v), spec)
     return run_attention(q, cache, keys, rows, spec, "triton")
 
 
-def _attention_train_bwd_impl(dout, dlse, q, gk, gv, out, lse, k_cache, v_cache, block_table, seq_lens,
+def _attention_train_bwd_impl(dout, dlse, q, own_k, own_v, out, lse, k_cache, v_cache, block_table, seq_lens,
                               cu_seqlens_q, kv_start, max_seqlen_q, mode, *spec_args):
     from kvarena.kernels.paged_attention_bwd import paged_attention_bwd
 
-    given = (gk, gv) if gk is not None else None
     dq, dk, dv = paged_attention_bwd(
         dout, q, out, lse, dlse, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start,
-        spec=AttentionSpec.from_op_args(spec_args), max_seqlen_q=int(max_seqlen_q), given=given, given_mode=mode,
+        spec=AttentionSpec.from_op_args(spec_args), max_seqlen_q=int(max_seqlen_q), own_k=own_k, own_v=own_v,
+        placement=mode,
     )
-    if dk is None:  # no given keys: 0-element placeholders (the schema returns tensors)
+    if dk is None:  # no own keys: 0-element placeholders (the schema returns tensors)
         dk, dv = q.new_empty(0), q.new_empty(0)
     return dq, dk, dv
 
 
 def _attention_train_setup(ctx, inputs, output):
-    q, gk, gv, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, max_q, _, mode, *spec_args = inputs
+    q, own_k, own_v, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, max_q, _, mode, *spec_args = inputs
     out, lse = output
     # The arena is saved through .data: a separate version counter, since every later store
     # into the arena (other layers, the next chunk) bumps the shared one and would make
     # autograd refuse a backward that reads blocks nobody touched. The caller keeps the
     # blocks the step read unchanged until backward (docs/contract.md).
-    ctx.save_for_backward(q, gk, gv, out, lse, k_cache.data, v_cache.data, block_table, seq_lens, cu_seqlens_q,
+    ctx.save_for_backward(q, own_k, own_v, out, lse, k_cache.data, v_cache.data, block_table, seq_lens, cu_seqlens_q,
                           kv_start)
     ctx.max_seqlen_q, ctx.mode, ctx.spec_args = max_q, mode, spec_args
 
 
 def _attention_train_backward(ctx, dout, dlse):
-    q, gk, gv, out, lse, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start = ctx.saved_tensors
+    q, own_k, own_v, out, lse, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.kvarena.attention_train_bwd(
-        dout, dlse, q, gk, gv, out, lse, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start,
+        dout, dlse, q, own_k, own_v, out, lse, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start,
         ctx.max_seqlen_q, ctx.mode, *ctx.spec_args,
     )
-    if gk is None:
+    if own_k is None:
         dk = dv = None
     return (dq, dk, dv, *([None] * (9 + len(ctx.spec_args))))
 
 
-def _attention_train_bwd_fake(dout, dlse, q, gk, gv, *args):
-    if gk is None:
+def _attention_train_bwd_fake(dout, dlse, q, own_k, own_v, *args):
+    if own_k is None:
         return torch.empty_like(q), q.new_empty(0), q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(gk), torch.empty_like(gv)
+    return torch.empty_like(q), torch.empty_like(own_k), torch.empty_like(own_v)
 
 
 _LIB.impl("attention_train", _attention_train_impl, "CompositeExplicitAutograd")
@@ -146,7 +146,7 @@ torch.library.register_fake("kvarena::attention_train_bwd", _attention_train_bwd
 torch.library.register_autograd("kvarena::attention_train", _attention_train_backward,
                                 setup_context=_attention_train_setup, lib=_LIB)
 
-# ----- store and merge: custom ops around the same bodies the eager calls run
+# Store and merge: custom ops around the same bodies the eager calls run
 _store_kv_op = torch.library.custom_op(
     "kvarena::store_kv", store_impl, mutates_args=("k_cache", "v_cache", "k_scale", "v_scale")
 )

@@ -25,35 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["AttentionSpec", "BACKENDS", "INT_LIMIT", "check_backend", "check_bool"]
+from kvarena._checks import INT_LIMIT, check_bool, check_int, check_opt_float, check_opt_int
+
+__all__ = ["AttentionSpec", "BACKENDS", "INT_LIMIT", "check_backend", "check_bool", "check_int"]
 
 #: The backends every op accepts: ``"auto"`` = Triton on CUDA, torch on CPU.
 BACKENDS = ("auto", "torch", "triton")
-#: Largest meaningful window / chunk / sink count: lengths are int32.
-INT_LIMIT = 2**31 - 1
-
-
-def check_bool(name: str, value) -> bool:
-    """``value`` if it is a bool; else ``TypeError`` naming ``name``.
-
-    One check for every flag of the package (``1``, ``"no"`` or ``None`` are not bools).
-    """
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected a bool (True or False), got {value!r}")
-    return value
-
-
-def check_int(name: str, value, minimum: int) -> int:
-    """``value`` itself if it is an int (not a bool) ``>= minimum``; else ``TypeError`` /
-    ``ValueError`` naming ``name``.
-
-    One check for every count argument of the package (the cache modules' ``_check_int``).
-    """
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return value
 
 
 def check_backend(backend) -> str:
@@ -63,26 +40,10 @@ def check_backend(backend) -> str:
     return backend
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _opt_count(name: str, value, minimum: int) -> int | None:
-    if value is None:
-        return None
-    if not _is_int(value):
-        raise TypeError(f"{name}: expected None or an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected None or an int >= {minimum}, got {value}")
-    return min(int(value), INT_LIMIT)
-
-
-def _opt_float(name: str, value) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: expected None or a float, got {value!r}")
-    return float(value)
+    """None, or an int ``>= minimum`` capped at :data:`INT_LIMIT`."""
+    value = check_opt_int(name, value, minimum)
+    return None if value is None else min(int(value), INT_LIMIT)
 
 
 def _op(schema: str) -> dict:
@@ -179,19 +140,15 @@ class AttentionSpec:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        scale = _opt_float("scale", self.scale)
+        scale = check_opt_float("scale", self.scale)
         if scale is not None and not math.isfinite(scale):
             raise ValueError(f"scale: expected None or a finite float, got {self.scale!r}")
         set_(self, "scale", scale)
         check_bool("causal", self.causal)
         set_(self, "chunk_size", _opt_count("chunk_size", self.chunk_size, 1))
         set_(self, "window_left", _opt_count("window_left", self.window_left, 0))
-        if not _is_int(self.sink_tokens):
-            raise TypeError(f"sink_tokens: expected an int >= 0, got {self.sink_tokens!r}")
-        if self.sink_tokens < 0:
-            raise ValueError(f"sink_tokens: expected an int >= 0, got {self.sink_tokens}")
-        set_(self, "sink_tokens", min(int(self.sink_tokens), INT_LIMIT))
-        softcap = _opt_float("softcap", self.softcap)
+        set_(self, "sink_tokens", min(int(check_int("sink_tokens", self.sink_tokens, 0)), INT_LIMIT))
+        softcap = check_opt_float("softcap", self.softcap)
         if softcap is not None and not softcap >= 0:  # negative or NaN
             raise ValueError(f"softcap: expected None, 0 / inf (off) or a float > 0, got {self.softcap!r}")
         set_(self, "softcap", softcap if softcap is not None and 0 < softcap < math.inf else None)
@@ -227,7 +184,6 @@ class AttentionSpec:
                                  f"device {c.device} (the kernels index both with one row stride), got "
                                  f"{tuple(sn.shape)}, {sn.stride()} on {sn.device}")
 
-    # ------------------------------------------------------------------ derived values
     @property
     def rope_mode(self) -> int:
         """0: no RoPE on read; 1: half-split pairs; 2: interleaved pairs (the kernel's ROPE)."""
@@ -267,7 +223,6 @@ class AttentionSpec:
                 object.__setattr__(self, "_with_lse", made)
         return made
 
-    # ------------------------------------------------------------------ custom-op plumbing
     def op_args(self) -> tuple:
         """The fields that the custom op takes, in schema order."""
         return tuple(getattr(self, f.name) for f in _OP_FIELDS)

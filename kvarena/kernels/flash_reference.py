@@ -13,8 +13,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# ----------------------------------------------------------------------------- kernels
-
 
 @triton.jit
 def _flash_reference_kernel(
@@ -46,9 +44,6 @@ def _flash_reference_kernel(
         m_i = m_new
     o = acc / l_i[:, None]
     tl.store(o_ptr + rows[:, None] * stride_om + d[None, :], o.to(o_ptr.dtype.element_ty))
-
-
-# ----------------------------------------------------------------------------- launcher
 
 
 def flash_reference_fwd(q, k, v, out, *, block_m: int = 16, block_n: int = 16) -> None:

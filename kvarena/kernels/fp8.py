@@ -20,13 +20,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# ----------------------------------------------------------------------------- constants
-
 FP8_MAX = 448.0
 # Decoded fp16 values are the fp8 value / 256 (see the module docstring).
 FP8_DECODE_SCALE = 256.0
-
-# ----------------------------------------------------------------------------- kernels
 
 
 @triton.jit

@@ -13,8 +13,6 @@ import triton.language as tl
 
 from kvarena.kernels._common import row_tile
 
-# ----------------------------------------------------------------------------- kernels
-
 
 @triton.jit
 def _merge_states_kernel(
@@ -57,9 +55,6 @@ def _merge_states_kernel(
     tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok)
     lse = tl.where(has_key, m_safe + tl.log(tl.where(has_key, tot, 1.0)), float("-inf"))
     tl.store(l_ptr + n * stride_ln + h * stride_lh, lse, mask=r_ok)
-
-
-# ----------------------------------------------------------------------------- launcher
 
 
 def _pick_config(head_dim: int) -> dict:

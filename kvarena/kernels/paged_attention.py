@@ -973,9 +973,185 @@ def plan_launch(*, head_dim: int, group: int, elem_bytes: int, num_seqs: int, nu
     return LaunchPlan(cfg, num_q_tiles, programs, num_splits, tiles_per_split, ctas, guard, large_ok, own_kv)
 
 
+@dataclass(frozen=True)
+class _ForwardLaunch:
+    """The host half of one attention launch, planned before any tensor is touched: the
+    :class:`LaunchPlan`, the kernel's constexprs and its scalar mask arguments."""
+
+    plan: LaunchPlan
+    meta: dict  # the constexprs of _paged_attn_kernel (_attn_constexprs)
+    scale_log2: float
+    softcap_inv: float
+    softcap_log2: float
+    causal_chunk: int  # chunk_size of the causal rule (1: plain causal or no causal mask)
+    window: int  # window_left, capped at _NO_WINDOW (the cap when there is no window)
+    sinks: int  # sink_tokens when there is a window, else 0
+
+    @property
+    def split(self) -> bool:
+        return self.plan.num_splits > 1
+
+
+def _plan_forward(q, k_cache, v_cache, *, num_seqs: int, spec, max_seqlen_q: int, max_seqlen_k: int,
+                  own_len: int | None, has_kv_start: bool, write_lse: bool, kv_fp8: bool, rope_q_pos: bool,
+                  rope_k_shift: bool) -> _ForwardLaunch | None:
+    """The launch :func:`paged_attention_fwd` makes, from host values only (shapes, strides,
+    the spec); None when it cannot take the ``own_len`` own keys per sequence (None: no own
+    keys; see :func:`plan_launch`)."""
+    head_dim = q.shape[2]
+    h_kv, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = q.shape[1] // h_kv
+    scale = spec.scale_for(head_dim)
+    causal, chunk_size, window_left, softcap = spec.causal, spec.chunk_size, spec.window_left, spec.softcap
+    if causal and chunk_size is not None and chunk_size >= max_seqlen_k:
+        # Every position lies in chunk 0: block-causal is full attention (and the chunk
+        # end (p // C + 1) * C could pass int32 for a huge C).
+        causal = False
+    dev = None
+    if q.device.type == "cuda":
+        dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    plan = plan_launch(
+        head_dim=head_dim, group=group, elem_bytes=q.element_size(), num_seqs=num_seqs, num_kv_heads=h_kv,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_size=block_size,
+        causal=causal, window_left=window_left, sink_tokens=spec.sink_tokens, softcap=bool(softcap),
+        num_splits=spec.num_splits, deterministic=spec.deterministic, capability=_capability(dev),
+        sm_count=_sm_count(dev), large_ok=block_size * max(k_cache.stride(1), v_cache.stride(1)) < I32_MAX,
+        own_len=own_len or 0, rope=bool(spec.rope_mode), kv_fp8=kv_fp8,
+    )
+    if own_len is not None and not plan.own_kv:
+        return None
+    split = plan.num_splits > 1
+    meta = _attn_constexprs(plan.cfg, group, head_dim, causal=causal, has_kv_start=has_kv_start,
+                            write_lse=write_lse or split, split=split, upcast=interpreting(),
+                            guard=plan.guard, softcap=bool(softcap), block_size=block_size,
+                            elem_bytes=q.element_size(), large_ok=plan.large_ok, own_kv=plan.own_kv,
+                            sink_logits=spec.sink_logits is not None, kv_fp8=kv_fp8,
+                            capability=_capability(dev), rope=spec.rope_mode, rope_q_pos=rope_q_pos,
+                            rope_k_shift=rope_k_shift)
+    return _ForwardLaunch(
+        plan, meta, scale * LOG2E,
+        softcap_inv=scale / softcap if softcap else 0.0, softcap_log2=softcap * LOG2E if softcap else 0.0,
+        causal_chunk=(chunk_size if chunk_size is not None else 1) if causal else 1,
+        window=_NO_WINDOW if window_left is None else min(window_left, _NO_WINDOW),
+        sinks=spec.sink_tokens if window_left is not None else 0,
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class _Outputs:
+    """Where the attention kernel writes: the split partials, or (unsplit) the caller's
+    ``out`` / ``lse`` or, for a view whose rows pass the int32 tile offsets, a fresh copy."""
+
+    o: torch.Tensor
+    o_strides: tuple[int, ...]  # (split, token, head, dim)
+    lse: torch.Tensor  # o itself when no lse is written
+    lse_strides: tuple[int, ...]  # (split, token, head)
+    lse_target: torch.Tensor | None  # unsplit: the lse written (None: none)
+
+
+def _outputs(out: torch.Tensor, lse: torch.Tensor | None, fwd: _ForwardLaunch, group: int) -> _Outputs:
+    if fwd.split:
+        part = torch.empty((fwd.plan.num_splits, *out.shape), dtype=torch.float32, device=out.device)
+        part_lse = torch.empty((fwd.plan.num_splits, *out.shape[:2]), dtype=torch.float32, device=out.device)
+        return _Outputs(part, part.stride(), part_lse, part_lse.stride(), None)
+    block_m = fwd.plan.cfg["BLOCK_M"]
+    out_k, lse_k = out, lse
+    if _tile_span(out, block_m, group) > I32_MAX:
+        out_k = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    if lse is not None and _tile_span(lse, block_m, group) > I32_MAX:
+        lse_k = torch.empty(lse.shape, dtype=lse.dtype, device=lse.device)
+    if lse_k is None:  # never written when WRITE_LSE is False
+        return _Outputs(out_k, (0, *out_k.stride()), out_k, (0, 0, 0), None)
+    return _Outputs(out_k, (0, *out_k.stride()), lse_k, (0, *lse_k.stride()), lse_k)
+
+
+@dataclass(frozen=True, eq=False)
+class _RopeOperands:
+    """The kernel's RoPE-on-read arguments (a dummy tensor where never read)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_pos: torch.Tensor
+    k_shift: torch.Tensor
+    stride_rp: int
+    stride_rb: int
+    n_pos: int
+
+
+def _rope_operands(spec, rope_q_pos, rope_k_shift, dummy: torch.Tensor) -> _RopeOperands:
+    on = bool(spec.rope_mode)
+    cos, sin = (spec.rope_cos, spec.rope_sin) if on else (dummy, dummy)
+    k_shift = dummy if rope_k_shift is None else rope_k_shift
+    if rope_k_shift is not None and rope_k_shift.shape[1] > 1 and rope_k_shift.stride(1) != 1:
+        k_shift = rope_k_shift.contiguous()
+    return _RopeOperands(cos, sin, rope_q_pos.contiguous() if rope_q_pos is not None else dummy, k_shift,
+                         stride_rp=cos.stride(0) if on else 0,
+                         stride_rb=k_shift.stride(0) if rope_k_shift is not None else 0,
+                         n_pos=cos.shape[0] if on else 1)
+
+
+def _launch_attention(fwd: _ForwardLaunch, dst: _Outputs, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
+                      kv_start, sink, spec, own_k, own_v, kv_scales, rope_q_pos, rope_k_shift) -> None:
+    """One ``_paged_attn_kernel`` launch of ``fwd`` into ``dst``."""
+    # 1-D metadata is read with unit stride; .contiguous() is free when it already is.
+    seq_lens, cu_seqlens_q = seq_lens.contiguous(), cu_seqlens_q.contiguous()
+    kv_start_arg = kv_start.contiguous() if kv_start is not None else seq_lens  # else never read
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
+    ks, vs, sc_strides = k_cache, v_cache, (0,) * 6  # never read without KV_FP8
+    if kv_scales is not None:
+        ks, vs = kv_scales
+        if ks.dim():
+            sc_strides = (*ks.stride(), *vs.stride())
+        if not fwd.meta["FP8_NATIVE"]:
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    own = fwd.plan.own_kv
+    own_k, own_v = (own_k, own_v) if own else (k_cache, v_cache)  # never read without OWN_KV
+    own_strides = (*own_k.stride()[-4:-1], *own_v.stride()[-4:-1]) if own else (0,) * 6
+    rope = _rope_operands(spec, rope_q_pos, rope_k_shift, seq_lens)
+    cfg, plan = fwd.plan.cfg, fwd.plan
+    _paged_attn_kernel[(plan.programs, plan.num_splits)](
+        q, k_cache, v_cache, dst.o, dst.lse,
+        block_table, seq_lens, cu_seqlens_q, kv_start_arg,
+        own_k, own_v, sink, ks, vs, rope.cos, rope.sin, rope.q_pos, rope.k_shift,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *sc_strides,
+        *own_strides,
+        *dst.o_strides, *dst.lse_strides,
+        block_table.stride(0), rope.stride_rp, rope.stride_rb,
+        fwd.scale_log2, fwd.softcap_inv, fwd.softcap_log2,
+        k_cache.shape[1], fwd.causal_chunk, fwd.window, fwd.sinks, own_k.shape[1] if own else 0,
+        k_cache.shape[2], plan.num_q_tiles, plan.tiles_per_split, rope.n_pos,
+        **fwd.meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg["maxnreg"],
+    )
+
+
+def _launch_reduce(fwd: _ForwardLaunch, dst: _Outputs, out: torch.Tensor, lse: torch.Tensor | None, sink) -> None:
+    """``_split_reduce_kernel``: the split partials of ``dst`` into ``out`` (and ``lse``)."""
+    total_q, h_q, head_dim = out.shape
+    part, part_lse = dst.o, dst.lse
+    block_r = _reduce_block_rows(fwd.plan.cfg["HEAD_DIM_PAD"])
+    n_rows = total_q * h_q
+    lse_out = lse if lse is not None else part_lse  # dummy pointer when not written
+    lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+    _split_reduce_kernel[(triton.cdiv(n_rows, block_r),)](
+        part, part_lse, out, lse_out,
+        part.stride(0), part.stride(1), part.stride(2),
+        part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        *lse_strides,
+        sink,
+        n_rows, h_q, fwd.plan.num_splits,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=fwd.plan.cfg["HEAD_DIM_PAD"], BLOCK_R=block_r,
+        WRITE_LSE=lse is not None, HAS_SINK_LOGITS=fwd.meta["HAS_SINK_LOGITS"], num_warps=ROW_TILE_WARPS,
+    )
+
+
 def paged_attention_fwd(
     q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, out, lse, *,
-    spec, max_seqlen_q, max_seqlen_k, own_kv=None, kv_scales=None, rope_pos=None,
+    spec, max_seqlen_q, max_seqlen_k, own_k=None, own_v=None, kv_scales=None, rope_q_pos=None, rope_k_shift=None,
 ) -> bool:
     """Launch block-table attention; writes ``out`` and (if not None) ``lse`` in place.
 
@@ -983,7 +1159,7 @@ def paged_attention_fwd(
     ``AttentionSpec`` (its normalized fields are read here). No host read of device
     data: the grid comes from ``max_seqlen_q`` / ``max_seqlen_k`` alone.
 
-    ``own_kv = (k, v)``, each ``[B, T, H_kv, D]`` (last dim contiguous): keys after each
+    ``own_k``, ``own_v``, each ``[B, T, H_kv, D]`` (last dim contiguous): keys after each
     sequence's cached ones that every query sees (a denoising step's own k/v), attended in
     the same launch and the same online softmax. Returns False, launching nothing, when
     this launch cannot take them (see :func:`plan_launch`); True otherwise.
@@ -995,10 +1171,9 @@ def paged_attention_fwd(
     ``_older_triton_config``).
 
     RoPE on read (``spec.rope_cos`` / ``rope_sin`` ``[P, D/2]`` fp32): queries and keys are
-    rotated as loaded. ``rope_pos = (q_pos, k_shift)``, each optional: query i of sequence
-    b takes table row ``q_pos[b] + i`` (None: ``seq_len - q_len + i``, or ``seq_len + i``
-    with own k/v); cached key t takes row ``t + k_shift[b, t // block_size]`` (None: t);
-    own key r takes row ``q_pos[b] + r``.
+    rotated as loaded. Query i of sequence b takes table row ``rope_q_pos[b] + i`` (None:
+    ``seq_len - q_len + i``, or ``seq_len + i`` with own k/v); cached key t takes row ``t +
+    rope_k_shift[b, t // block_size]`` (None: t); own key r takes row ``rope_q_pos[b] + r``.
 
     ``spec.num_splits``: split-KV count (None = ``_pick_num_splits``; 1 = never split).
     ``spec.deterministic``: the tile config ignores ``max_seqlen_q`` and each split covers a
@@ -1007,139 +1182,30 @@ def paged_attention_fwd(
     ``ceil(max_seqlen_k / 4096) * total_q * H_q * (D + 1) * 4`` bytes: meant for decode
     batches, costly for long-context chunk prefill.
     """
-    total_q, h_q, head_dim = q.shape
-    b_count = seq_lens.shape[0]
-    h_kv = k_cache.shape[2]
-    group = h_q // h_kv
-    if total_q == 0 or b_count == 0 or max_seqlen_q == 0:
+    if q.shape[0] == 0 or seq_lens.shape[0] == 0 or max_seqlen_q == 0:
         return True  # no query row exists
-    num_splits, deterministic = spec.num_splits, spec.deterministic
-    rq, rk = rope_pos if rope_pos is not None and spec.rope_mode else (None, None)
-    scale = spec.scale_for(head_dim)
-    causal, chunk_size, window_left = spec.causal, spec.chunk_size, spec.window_left
-    sink_tokens, softcap = spec.sink_tokens, spec.softcap
-    if causal and chunk_size is not None and chunk_size >= max_seqlen_k:
-        # Every position lies in chunk 0: block-causal is full attention (and the chunk
-        # end (p // C + 1) * C could pass int32 for a huge C).
-        causal = False
-    dev = None
-    if q.device.type == "cuda":
-        dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    block_size = k_cache.shape[1]
-    plan = plan_launch(
-        head_dim=head_dim, group=group, elem_bytes=q.element_size(), num_seqs=b_count, num_kv_heads=h_kv,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_size=block_size,
-        causal=causal, window_left=window_left, sink_tokens=sink_tokens, softcap=bool(softcap),
-        num_splits=num_splits, deterministic=deterministic, capability=_capability(dev), sm_count=_sm_count(dev),
-        large_ok=block_size * max(k_cache.stride(1), v_cache.stride(1)) < I32_MAX,
-        own_len=0 if own_kv is None else own_kv[0].shape[1], rope=bool(spec.rope_mode),
-        kv_fp8=kv_scales is not None,
-    )
-    if own_kv is not None and not plan.own_kv:
+    if not spec.rope_mode:
+        rope_q_pos = rope_k_shift = None
+    fwd = _plan_forward(q, k_cache, v_cache, num_seqs=seq_lens.shape[0], spec=spec, max_seqlen_q=max_seqlen_q,
+                        max_seqlen_k=max_seqlen_k, own_len=None if own_k is None else own_k.shape[1],
+                        has_kv_start=kv_start is not None, write_lse=lse is not None, kv_fp8=kv_scales is not None,
+                        rope_q_pos=rope_q_pos is not None, rope_k_shift=rope_k_shift is not None)
+    if fwd is None:
         return False
-    cfg, num_q_tiles, programs = plan.cfg, plan.num_q_tiles, plan.programs
-    block_m = cfg["BLOCK_M"]
-    num_splits, tiles_per_split, guard, large_ok = plan.num_splits, plan.tiles_per_split, plan.guard, plan.large_ok
-
-    if softcap:
-        softcap_inv, softcap_log2 = scale / softcap, softcap * LOG2E
-    else:
-        softcap_inv, softcap_log2 = 0.0, 0.0
-    causal_chunk = (chunk_size if chunk_size is not None else 1) if causal else 1
-    window = _NO_WINDOW if window_left is None else min(window_left, _NO_WINDOW)
-    sinks = sink_tokens if window_left is not None else 0
-    split = num_splits > 1
-    write_lse = lse is not None or split
-    upcast = interpreting()
-    meta = _attn_constexprs(cfg, group, head_dim, causal=causal, has_kv_start=kv_start is not None,
-                            write_lse=write_lse, split=split, upcast=upcast,
-                            guard=guard, softcap=bool(softcap), block_size=block_size,
-                            elem_bytes=q.element_size(), large_ok=large_ok, own_kv=plan.own_kv,
-                            sink_logits=spec.sink_logits is not None, kv_fp8=kv_scales is not None,
-                            capability=_capability(dev), rope=spec.rope_mode, rope_q_pos=rq is not None,
-                            rope_k_shift=rk is not None)
-    sink_arg = spec.sink_logits if spec.sink_logits is not None else seq_lens  # else never read
-    # 1-D metadata is read with unit stride; .contiguous() is free when it already is.
-    seq_lens, cu_seqlens_q = seq_lens.contiguous(), cu_seqlens_q.contiguous()
-    kv_start_arg = kv_start.contiguous() if kv_start is not None else seq_lens  # else never read
-    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
-        block_table = block_table.contiguous()
-
+    group = q.shape[1] // k_cache.shape[2]
+    sink = spec.sink_logits if spec.sink_logits is not None else seq_lens  # else never read
     # The kernel addresses rows as an int64 tile base + int32 in-tile offsets; a view with a
     # row stride near 2**31 / BLOCK_M elements (never a real activation) goes via a copy.
-    if _tile_span(q, block_m, group) > I32_MAX:
+    if _tile_span(q, fwd.plan.cfg["BLOCK_M"], group) > I32_MAX:
         q = q.contiguous()
-    out_k, lse_k = out, lse
-    if not split and _tile_span(out, block_m, group) > I32_MAX:
-        out_k = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-    if not split and lse is not None and _tile_span(lse, block_m, group) > I32_MAX:
-        lse_k = torch.empty(lse.shape, dtype=lse.dtype, device=lse.device)
-
-    if split:
-        part = torch.empty((num_splits, total_q, h_q, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_splits, total_q, h_q), dtype=torch.float32, device=q.device)
-        o_arg, lse_arg = part, part_lse
-        o_strides = (part.stride(0), part.stride(1), part.stride(2), part.stride(3))
-        l_strides = part_lse.stride()
-    else:
-        o_arg = out_k
-        o_strides = (0, out_k.stride(0), out_k.stride(1), out_k.stride(2))
-        lse_arg = lse_k if lse_k is not None else out_k  # never written when WRITE_LSE is False
-        l_strides = (0, lse_k.stride(0), lse_k.stride(1)) if lse_k is not None else (0, 0, 0)
-
-    grid = (programs, num_splits)
-    ks, vs, sc_strides = k_cache, v_cache, (0,) * 6  # never read without KV_FP8
-    if kv_scales is not None:
-        ks, vs = kv_scales
-        if ks.dim():
-            sc_strides = (*ks.stride(), *vs.stride())
-        if not meta["FP8_NATIVE"]:
-            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    k2, v2 = own_kv if plan.own_kv else (k_cache, v_cache)  # never read without OWN_KV
-    cos, sin = (spec.rope_cos, spec.rope_sin) if spec.rope_mode else (seq_lens, seq_lens)  # else never read
-    rope_strides = (cos.stride(0) if spec.rope_mode else 0, rk.stride(0) if rk is not None else 0)
-    n_pos = cos.shape[0] if spec.rope_mode else 1
-    rq_arg = rq.contiguous() if rq is not None else seq_lens
-    rk_arg = rk if rk is not None else seq_lens
-    if rk is not None and rk.shape[1] > 1 and rk.stride(1) != 1:
-        rk_arg = rk.contiguous()
-        rope_strides = (rope_strides[0], rk_arg.stride(0))
-    own_strides = (*k2.stride()[-4:-1], *v2.stride()[-4:-1]) if plan.own_kv else (0,) * 6
-    _paged_attn_kernel[grid](
-        q, k_cache, v_cache, o_arg, lse_arg,
-        block_table, seq_lens, cu_seqlens_q, kv_start_arg,
-        k2, v2, sink_arg, ks, vs, cos, sin, rq_arg, rk_arg,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *sc_strides,
-        *own_strides,
-        *o_strides, *l_strides,
-        block_table.stride(0), *rope_strides,
-        scale * LOG2E, softcap_inv, softcap_log2,
-        k_cache.shape[1], causal_chunk, window, sinks, k2.shape[1] if plan.own_kv else 0,
-        h_kv, num_q_tiles, tiles_per_split, n_pos,
-        **meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg["maxnreg"],
-    )
-    if not split:
-        if out_k is not out:
-            out.copy_(out_k)
-        if lse_k is not lse:
-            lse.copy_(lse_k)
+    dst = _outputs(out, lse, fwd, group)
+    _launch_attention(fwd, dst, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, sink, spec,
+                      own_k, own_v, kv_scales, rope_q_pos, rope_k_shift)
+    if fwd.split:
+        _launch_reduce(fwd, dst, out, lse, sink)
         return True
-    block_r = _reduce_block_rows(cfg["HEAD_DIM_PAD"])
-    n_rows = total_q * h_q
-    lse_out = lse if lse is not None else part_lse  # dummy pointer when not written
-    lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-    _split_reduce_kernel[(triton.cdiv(n_rows, block_r),)](
-        part, part_lse, out, lse_out,
-        part.stride(0), part.stride(1), part.stride(2),
-        part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        *lse_strides,
-        sink_arg,
-        n_rows, h_q, num_splits,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_R=block_r,
-        WRITE_LSE=lse is not None, HAS_SINK_LOGITS=spec.sink_logits is not None, num_warps=ROW_TILE_WARPS,
-    )
+    if dst.o is not out:
+        out.copy_(dst.o)
+    if dst.lse_target is not lse:
+        lse.copy_(dst.lse_target)
     return True

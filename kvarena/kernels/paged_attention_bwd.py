@@ -8,15 +8,15 @@ Two kernels, no atomics (deterministic by construction):
 * ``_attn_bwd_dq_kernel``: one program per (q tile, sequence, kv head), the forward's
   GQA row packing (rows ``j = position * GROUP + head``). It walks every key the tile's
   rows can see (the sink range, then the window range, through the block table, then the
-  step's own keys when a second source is given) and accumulates
+  step's own keys when they are a second source) and accumulates
   ``dQ = scale * sum_keys dS K`` with ``dS = P * (dP - Delta)``, ``dP = dO V^T``.
-* ``_attn_bwd_dkdv_kernel``: one program per (key tile, sequence, kv head) of the keys
-  *given in the call* (the history read from the arena is a constant). It walks the
-  sequence's query rows of the kv head's whole group and accumulates ``dV = P^T dO`` and
-  ``dK = scale * dS^T Q``. The given keys are either the query rows' own keys (stored at
-  the rows' positions ``L - q_len + i``: the paged pool's new tokens, a slab chunk
-  committed in the same call) or a second source after the history (a denoising step's
-  own k/v, visible to every query).
+* ``_attn_bwd_dkdv_kernel``: one program per (key tile, sequence, kv head) of the step's
+  own keys, the tensors given in the call (the history read from the arena is a
+  constant). It walks the sequence's query rows of the kv head's whole group and
+  accumulates ``dV = P^T dO`` and ``dK = scale * dS^T Q``. The own keys are placed
+  (:mod:`kvarena.kernels.placement`) either at the query rows (stored at the rows'
+  positions ``L - q_len + i``: the paged pool's new tokens, a slab chunk committed in the
+  same call) or after the history (a denoising step's own k/v, visible to every query).
 
 ``Delta = rowsum(dO * O) - dlse`` (a gradient on the returned lse adds ``P * dlse`` to
 ``dS``: ``d lse / d s = P``). Softcap multiplies ``dS`` by ``1 - tanh^2``. A row that saw
@@ -25,22 +25,15 @@ no key (``lse = -inf``) has ``P = 0`` everywhere: zero gradient, no NaN.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from kvarena.kernels._common import LOG2E, head_dim_pad, interpreting
 from kvarena.kernels.paged_attention import _NO_WINDOW, _tanh
-
-# ----------------------------------------------------------------------------- constants
-
-# Given keys are the query rows' own keys at positions L - q_len + i (paged new tokens,
-# a committed slab chunk), or a second source after the history (a denoising step).
-GIVEN_AT_QUERIES = 0
-GIVEN_AFTER_HISTORY = 1
-
-
-# ----------------------------------------------------------------------------- kernels
+from kvarena.kernels.placement import OWN_AFTER_HISTORY, OWN_AT_QUERIES
 
 
 @triton.jit
@@ -252,7 +245,7 @@ def _attn_bwd_dkdv_kernel(
         return
     kv_lo = tl.load(kv_start_ptr + b) if HAS_KV_START else 0
 
-    n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key index in the given source
+    n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key index in the own keys
     key_ok = n < k_len
     t = kpos0 + n  # [BLOCK_N] key positions
     if GIVEN == 0:
@@ -288,14 +281,11 @@ def _attn_bwd_dkdv_kernel(
         dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision="ieee")
     dk = dk * scale
     out_off = key_off[:, None] + d[None, :]
-    # Every given key gets a row, zeros for one no query sees (a seq_len-0 padding row of a
+    # Every own key gets a row, zeros for one no query sees (a seq_len-0 padding row of a
     # CUDA-graph batch, a key below kv_start): dk/dv are allocated uninitialized.
     om = (n < k_len)[:, None] & d_ok[None, :]
     tl.store(dk_ptr + out_off, dk.to(dk_ptr.dtype.element_ty), mask=om)
     tl.store(dv_ptr + out_off, dv.to(dv_ptr.dtype.element_ty), mask=om)
-
-
-# ----------------------------------------------------------------------------- launcher
 
 
 def pick_bwd_config(head_dim: int, elem_bytes: int) -> dict:
@@ -323,6 +313,38 @@ def pick_bwd_config(head_dim: int, elem_bytes: int) -> dict:
     return dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM_PAD=d_pad, num_warps=warps, num_stages=stages, maxnreg=maxnreg)
 
 
+@dataclass(frozen=True)
+class _BackwardLaunch:
+    """The host half of both backward launches: tiles, constexprs and scalar arguments."""
+
+    cfg: dict  # pick_bwd_config
+    constexprs: dict  # shared by both kernels, num_warps / num_stages / maxnreg included
+    scale: float
+    softcap_inv: float
+    softcap_log2: float
+    chunk: int  # chunk_size of the causal rule, capped (1: plain causal)
+    window: int  # window_left, capped at _NO_WINDOW (the cap when there is no window)
+
+
+def _plan_backward(q: torch.Tensor, h_kv: int, has_kv_start: bool, spec) -> _BackwardLaunch:
+    d = q.shape[2]
+    cfg = pick_bwd_config(d, q.element_size())
+    scale = spec.scale_for(d)
+    softcap = spec.softcap
+    constexprs = dict(GROUP=q.shape[1] // h_kv, HEAD_DIM=d, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"],
+                      BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=spec.causal, HAS_KV_START=has_kv_start,
+                      HAS_SOFTCAP=bool(softcap), UPCAST=interpreting() and q.dtype != torch.float32,
+                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if cfg["maxnreg"] is not None:
+        constexprs["maxnreg"] = cfg["maxnreg"]
+    return _BackwardLaunch(
+        cfg, constexprs, scale,
+        softcap_inv=scale / softcap if softcap else 0.0, softcap_log2=softcap * LOG2E if softcap else 0.0,
+        chunk=1 if spec.chunk_size is None else min(spec.chunk_size, _NO_WINDOW),
+        window=_NO_WINDOW if spec.window_left is None else min(spec.window_left, _NO_WINDOW),
+    )
+
+
 def paged_attention_bwd(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -338,90 +360,73 @@ def paged_attention_bwd(
     *,
     spec,
     max_seqlen_q: int,
-    given: tuple[torch.Tensor, torch.Tensor] | None,
-    given_mode: int = GIVEN_AT_QUERIES,
+    own_k: torch.Tensor | None = None,
+    own_v: torch.Tensor | None = None,
+    placement: int = OWN_AT_QUERIES,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``(dq, dk, dv)`` of block-table attention; ``dk, dv`` for the ``given`` keys only.
+    """``(dq, dk, dv)`` of block-table attention; ``dk, dv`` for the own keys only.
 
     Parameters
     ----------
     do, q, out : ``[total_q, H_q, D]``; ``lse``, ``dlse`` : fp32 ``[total_q, H_q]``.
     k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start
-        As the forward (already validated; the cache holds the history and, in
-        ``GIVEN_AT_QUERIES`` mode, the given keys at the rows' positions).
-    given : ``(k, v)`` or None
-        ``GIVEN_AT_QUERIES``: ``[total_q, H_kv, D]``, key i of sequence b at position
-        ``L - q_len + i``. ``GIVEN_AFTER_HISTORY``: ``[B, T, H_kv, D]`` after the history
-        (a second key source of the forward, visible to every query).
+        As the forward (already validated; the cache holds the history and, with
+        ``OWN_AT_QUERIES``, the own keys at the rows' positions).
+    own_k, own_v : Tensor or None
+        The step's own keys, given in the call (None: none, dk and dv are None), placed as
+        ``placement`` says (:mod:`kvarena.kernels.placement`): ``OWN_AT_QUERIES``
+        ``[total_q, H_kv, D]``, key i of sequence b at position ``L - q_len + i``;
+        ``OWN_AFTER_HISTORY`` ``[B, T, H_kv, D]`` after the history (a second key source
+        of the forward, visible to every query).
     """
-    total_q, h_q, d = q.shape
-    b_count = seq_lens.shape[0]
-    h_kv = k_cache.shape[2]
-    group = h_q // h_kv
-    cfg = pick_bwd_config(d, q.element_size())
-    block_m, block_n, d_pad = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["HEAD_DIM_PAD"]
-    scale = spec.scale_for(d)
-    softcap = spec.softcap
-    softcap_inv, softcap_log2 = (scale / softcap, softcap * LOG2E) if softcap else (0.0, 0.0)
-    window = _NO_WINDOW if spec.window_left is None else min(spec.window_left, _NO_WINDOW)
-    chunk = 1 if spec.chunk_size is None else min(spec.chunk_size, _NO_WINDOW)
-    upcast = interpreting() and q.dtype != torch.float32
+    b_count, h_kv = seq_lens.shape[0], k_cache.shape[2]
+    bwd = _plan_backward(q, h_kv, kv_start is not None, spec)
     q_c, do_c = q.contiguous(), do.contiguous()
     delta = (do_c.float() * out.float()).sum(-1)  # [total_q, H_q]
     if dlse is not None:
         delta = delta - dlse.float()
     lse_c = lse.float().contiguous()
     dq = torch.empty_like(q_c)
-    own = given is not None and given_mode == GIVEN_AFTER_HISTORY
-    own_len = given[0].shape[1] if own else 0
-    k2 = given[0] if own else k_cache
-    v2 = given[1] if own else v_cache
-    if own:
-        k2, v2 = k2.contiguous(), v2.contiguous()
+    if own_k is not None:
+        own_k, own_v = own_k.contiguous(), own_v.contiguous()
+    after = own_k is not None and placement == OWN_AFTER_HISTORY
+    own_len = own_k.shape[1] if after else 0
+    dq_k, dq_v = (own_k, own_v) if after else (k_cache, v_cache)  # never read without OWN_KV
     kv_start_arg = kv_start if kv_start is not None else seq_lens
-    common = dict(GROUP=group, HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-                  CAUSAL=spec.causal, HAS_KV_START=kv_start is not None, HAS_SOFTCAP=bool(softcap), UPCAST=upcast,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if cfg["maxnreg"] is not None:
-        common["maxnreg"] = cfg["maxnreg"]
-    num_q_tiles = triton.cdiv(max(max_seqlen_q, 1) * group, block_m)
+    num_q_tiles = triton.cdiv(max(max_seqlen_q, 1) * bwd.constexprs["GROUP"], bwd.cfg["BLOCK_M"])
     run = q.device.type != "meta"  # meta: a dry run (the allocations, no kernel)
     if run:
         _attn_bwd_dq_kernel[(num_q_tiles * b_count * h_kv,)](
             q_c, do_c, lse_c, delta, dq,
             k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start_arg,
-            k2, v2,
+            dq_k, dq_v,
             q_c.stride(0), q_c.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            k2.stride(0), k2.stride(1), k2.stride(2),
+            dq_k.stride(0), dq_k.stride(1), dq_k.stride(2),
             block_table.stride(0),
-            scale, scale * LOG2E, softcap_inv, softcap_log2,
-            k_cache.shape[1], chunk, window, spec.sink_tokens, own_len,
+            bwd.scale, bwd.scale * LOG2E, bwd.softcap_inv, bwd.softcap_log2,
+            k_cache.shape[1], bwd.chunk, bwd.window, spec.sink_tokens, own_len,
             h_kv, num_q_tiles,
-            OWN_KV=own, **common,
+            OWN_KV=after, **bwd.constexprs,
         )
-    if given is None:
+    if own_k is None:
         return dq, None, None
-    kn, vn = given[0].contiguous(), given[1].contiguous()
-    dk, dv = torch.empty_like(kn), torch.empty_like(vn)
-    if own:
-        stride_nb, stride_nt, stride_nh = kn.stride(0), kn.stride(1), kn.stride(2)
-        k_max = own_len
-    else:
-        stride_nb, stride_nt, stride_nh = 0, kn.stride(0), kn.stride(1)
-        k_max = max_seqlen_q
-    num_k_tiles = triton.cdiv(max(k_max, 1), block_n)
+    dk, dv = torch.empty_like(own_k), torch.empty_like(own_v)
+    # Strides of the own keys as (sequence, key, head): packed rows at the queries have no
+    # sequence stride.
+    own_strides = own_k.stride()[:3] if after else (0, own_k.stride(0), own_k.stride(1))
+    num_k_tiles = triton.cdiv(max(own_len if after else max_seqlen_q, 1), bwd.cfg["BLOCK_N"])
     if run:
         _attn_bwd_dkdv_kernel[(num_k_tiles * b_count * h_kv,)](
             q_c, do_c, lse_c, delta,
-            kn, vn, dk, dv,
+            own_k, own_v, dk, dv,
             seq_lens, cu_seqlens_q, kv_start_arg,
             q_c.stride(0), q_c.stride(1),
-            stride_nb, stride_nt, stride_nh,
-            scale, scale * LOG2E, softcap_inv, softcap_log2,
-            chunk, window, spec.sink_tokens, own_len,
+            *own_strides,
+            bwd.scale, bwd.scale * LOG2E, bwd.softcap_inv, bwd.softcap_log2,
+            bwd.chunk, bwd.window, spec.sink_tokens, own_len,
             h_kv, num_k_tiles,
-            GIVEN=GIVEN_AFTER_HISTORY if own else GIVEN_AT_QUERIES, **common,
+            GIVEN=OWN_AFTER_HISTORY if after else OWN_AT_QUERIES, **bwd.constexprs,
         )
     return dq, dk, dv

@@ -23,19 +23,15 @@ import triton.language as tl
 from kvarena.kernels._common import interpreting, row_tile
 from kvarena.kernels.fp8 import _fp8e4m3_bits
 
-# ----------------------------------------------------------------------------- constants
-
 # What a store does to the values (QUANT): copy them, or quantize to fp8 with per-(token,
 # kv head) scales computed here, or with one static scale. The scale rule's constants
-# (fp32(1/448), 2**-126) are kvarena.attention.reference's, so both paths store equal bytes.
+# (fp32(1/448), 2**-126) are kvarena.attention.fp8's, so both paths store equal bytes.
 QUANT_NONE, QUANT_TOKEN, QUANT_STATIC = 0, 1, 2
 # Triton's interpreter widens bf16 to fp32 wrongly below 2**-126 (subnormals come out as
 # other values), so under it bf16 rows are widened through their bits: the 16 bits are the
 # top half of the fp32, exactly what a GPU's conversion gives. Compiled kernels (this is
 # False there) keep the plain cast.
 _BF16_BITS = tl.constexpr(interpreting())
-
-# ----------------------------------------------------------------------------- kernels
 
 
 @triton.jit
@@ -99,9 +95,6 @@ def _store_kv_kernel(
         v = _quantize_rows(v, live, vs_ptr, blk * stride_wb + row * stride_wt + head * stride_wh, QUANT)
     tl.store(k_cache_ptr + k_dst[:, None] + d[None, :], k, mask=mask)
     tl.store(v_cache_ptr + v_dst[:, None] + d[None, :], v, mask=mask)
-
-
-# ----------------------------------------------------------------------------- launcher
 
 
 def _pick_config(head_dim: int) -> dict:
