@@ -287,7 +287,8 @@ def case_paged_decode_prefill_fork_truncate(cp):
     spec = AttentionSpec(softcap=20.0)
     ref = PagedKVCache(policy, layout=lay, block_size=4, attention=spec)
     pool = PagedKVCache(policy, layout=lay, block_size=4, attention=spec, context_parallel=tcp)
-    assert type(pool).__name__ == "ContextParallelPagedKVCache" and pool.total_blocks == -(-96 // tcp.world_size)
+    assert type(pool) is PagedKVCache and pool.context_parallel is tcp
+    assert pool.total_blocks == -(-96 // tcp.world_size) and ref.context_parallel is None
     g = torch.Generator().manual_seed(21)
 
     def step(batch):

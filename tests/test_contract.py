@@ -47,7 +47,7 @@ def pool_state(pool) -> tuple:
         a = pool.allocator
         recs = {ns: ([list(b) for b in s.blocks], s.seq_len, s.version) for ns, s in pool._seqs.items()}
     else:
-        a = pool._region.allocator
+        a = pool.region.allocator
         recs = {ns: (r.last, r.version, {i: (c.slot, c.n_tokens, tuple(c.committed)) for i, c in r.chunks.items()})
                 for ns, r in pool._rollouts.items()}
     return buf, dict(a._ref), list(a._free), a._fresh, recs

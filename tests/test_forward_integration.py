@@ -58,7 +58,7 @@ def test_graph_plan_buffers_stay_put_and_replay_new_metadata(seed):
         out = cache.forward(q, k, k, meta, 0)
         assert not out.isnan().any()
         # the padded rows see nothing (out 0); the real rows equal the reference on the same metadata
-        ref = paged_attention_ref(q, cache.arena[cache._region.name].k(0), cache.arena[cache._region.name].v(0),
+        ref = paged_attention_ref(q, cache.arena[cache.region.name].k(0), cache.arena[cache.region.name].v(0),
                                   meta.block_table, meta.seq_lens, meta.cu_seqlens_q)
         rel = ((out - ref).norm() / ref.norm()).item()
         assert rel <= 1e-5, f"step {step}: rel err {rel:.2e}"
@@ -84,7 +84,7 @@ def test_compile_fullgraph_paged_layer_equals_eager(seed):
     fn = torch.compile(_paged_layer, fullgraph=True, backend="aot_eager")
     got = fn(comp, meta_c, q, k, k)
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
-    region = eager._region.name
+    region = eager.region.name
     assert torch.equal(eager.arena[region].k(1), comp.arena[region].k(1)), "compiled store_kv differs"
 
 

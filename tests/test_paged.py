@@ -196,20 +196,19 @@ def test_metadata_contents_and_incremental_table(seed) -> None:
     assert meta.seq_lens.tolist() == [5, 2] and meta.cu_seqlens_q.tolist() == [0, 5, 7]
     assert (meta.max_seqlen_q, meta.max_seqlen_k, meta.total_q, meta.num_seqs) == (5, 5, 7, 2)
     assert meta.block_table.dtype == torch.int32 and meta.slot_mapping.dtype == torch.int32
-    table_ptr = cache._table.data_ptr()
+    table_ptr = cache.table.data_ptr()
     for _ in range(6):
         cache.plan({"a": 1, "b": 1})
-        assert not cache._pending  # changed entries flushed at plan
-    assert cache._table.data_ptr() == table_ptr, "the persistent block table was re-allocated"
-    row = cache._seqs["a"].row
-    assert cache._table[0, row, : len(cache.block_ids("a"))].tolist() == cache.block_ids("a")
+        for ns in ("a", "b"):  # changed entries flushed at plan
+            assert cache.table[0, cache.table_row(ns), : len(cache.block_ids(ns))].tolist() == cache.block_ids(ns)
+    assert cache.table.data_ptr() == table_ptr, "the persistent block table was re-allocated"
 
 
 def test_table_grows_by_doubling(seed) -> None:
     cache = _cache(blocks=40, max_seqs=1, max_blocks_per_seq=1)
     hist = History(2)
     run_step(cache, hist, {"a": 9, "b": 5, "c": 1}, torch.float32, "grown")
-    assert cache._table.shape[1] >= 3 and cache._table.shape[2] >= 3
+    assert cache.table.shape[1] >= 3 and cache.table.shape[2] >= 3
     run_step(cache, hist, {"c": 1, "b": 1, "a": 1}, torch.float32, "after growth")
 
 
@@ -224,12 +223,12 @@ def test_fork_shares_blocks_and_copy_on_write_keeps_source(seed) -> None:
     shared = cache.block_ids("a")
     assert cache.block_ids("b") == shared and cache.seq_len("b") == 6
     assert all(cache.allocator.refcount(x) == 2 for x in shared)
-    src_bytes = cache._region.data[shared].clone()
+    src_bytes = cache.region.data[shared].clone()
     run_step(cache, hist, {"b": 1}, torch.float32, "fork appends")
     b_blocks = cache.block_ids("b")
     assert b_blocks[0] == shared[0] and b_blocks[1] != shared[1], "partial shared block not copied"
     assert cache.allocator.refcount(shared[1]) == 1 and cache.allocator.refcount(shared[0]) == 2
-    assert torch.equal(cache._region.data[shared].view(-1).nan_to_num(7.0), src_bytes.view(-1).nan_to_num(7.0)), "CoW changed the source's data"
+    assert torch.equal(cache.region.data[shared].view(-1).nan_to_num(7.0), src_bytes.view(-1).nan_to_num(7.0)), "CoW changed the source's data"
     run_step(cache, hist, {"a": 3, "b": 2}, torch.float32, "both append")
     assert cache.block_ids("a")[1] == shared[1]  # a owned it alone by then: written in place
     with pytest.raises(KeyError, match="zz"):
@@ -286,7 +285,7 @@ def _state(cache: PagedKVCache):
         {ns: (cache.block_ids(ns), cache.seq_len(ns)) for ns in cache.namespaces()},
         cache.free,
         [cache.allocator.refcount(b) for b in range(cache.total_blocks)],
-        cache._table.clone(),
+        cache.table.clone(),
     )
 
 
@@ -398,10 +397,10 @@ def test_forward_bad_input(seed, change: dict, exc: type, match: str) -> None:
     args = dict(q=torch.randn(3, H_Q, 16), k=torch.randn(3, 2, 16), v=torch.randn(3, 2, 16), layer=0)
     extra = {k: change.pop(k) for k in list(change) if k not in args}
     args.update(change)
-    before = cache._region.data.clone()
+    before = cache.region.data.clone()
     with pytest.raises(exc, match=match):
         cache.forward(args["q"], args["k"], args["v"], meta, args["layer"], **extra)
-    assert torch.equal(before.nan_to_num(3.0), cache._region.data.nan_to_num(3.0)), "a failed forward wrote the cache"
+    assert torch.equal(before.nan_to_num(3.0), cache.region.data.nan_to_num(3.0)), "a failed forward wrote the cache"
 
 
 # ---------------------------------------------------------------------------------------
@@ -519,7 +518,7 @@ class PagedMachine(RuleBasedStateMachine):
     def contents(self) -> None:
         c = self.cache
         assert sorted(c.namespaces()) == sorted(self.tokens)
-        kc = c._region.k(0)
+        kc = c.region.k(0)
         for ns, toks in self.tokens.items():
             assert c.seq_len(ns) == len(toks)
             blocks = c.block_ids(ns)

@@ -46,7 +46,7 @@ def _pool(name: str, blocks: int = 160, *, dtype=torch.float64, free=True, rollb
 def _poison_free(pool: PagedKVCache) -> None:
     free = [b for b in range(pool.total_blocks) if pool.allocator.refcount(b) == 0]
     idx = torch.tensor(free, dtype=torch.long)
-    for data in pool._region.group_data:
+    for data in pool.region.group_data:
         data[idx] = float("nan")
 
 
@@ -107,14 +107,15 @@ def _live(pool, ns, group) -> int:
     return sum(b != -1 for b in pool.block_ids(ns, group))
 
 
-def _expected_live(pool, kinds, group: int, old: int, new: int) -> int:
-    """Blocks a sequence holds in ``group`` after a plan from ``old`` to ``new`` tokens."""
+def _expected_live(pool, kinds, group: int, old: int, new: int, rollback: int = 0) -> int:
+    """Blocks a sequence holds in ``group`` after a plan from ``old`` to ``new`` tokens
+    (``rollback``: the pool's ``rollback_tokens``)."""
     layers = pool.layout.layer_groups[group].layers
     ws = [kinds[i][0] for i in layers]
     total = -(-new // BS)
     if any(w is None for w in ws):
         return total  # a full-attention group keeps every block
-    w, sinks = max(ws) + pool._rollback, max(kinds[i][1] for i in layers)
+    w, sinks = max(ws) + rollback, max(kinds[i][1] for i in layers)
     sink_blocks = -(-sinks // BS)
     return total - max(0, max(0, old - w) // BS - sink_blocks)
 

@@ -24,7 +24,7 @@ def _pool(blocks: int = 64, *, dtype=torch.float64, graph=None, free=True, rollb
     pool = PagedKVCache(CachePolicy("paged_kv", lay.block_bytes(BS) * blocks), layout=lay, block_size=BS,
                         attention={0: spec, 1: spec.replace(window_left=W - 3)}, free_out_of_window=free,
                         graph_capacity=graph, rollback_tokens=rollback, **kw)
-    pool._region.data.fill_(float("nan"))
+    pool.region.data.fill_(float("nan"))
     return pool
 
 
@@ -46,7 +46,7 @@ def _poison_free(pool: PagedKVCache) -> None:
     """NaN into every block nobody holds (released ones included)."""
     alloc = pool.allocator
     free = [b for b in range(pool.total_blocks) if alloc.refcount(b) == 0]
-    pool._region.data[torch.tensor(free, dtype=torch.long)] = float("nan")
+    pool.region.data[torch.tensor(free, dtype=torch.long)] = float("nan")
 
 
 class History:

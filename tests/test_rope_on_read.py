@@ -193,7 +193,7 @@ def test_paged_pool_stores_unrotated_and_rotates_on_read(backend) -> None:
         keys, vals = torch.cat([keys, k]), torch.cat([vals, v])
         total = keys.shape[0]
         ids = torch.tensor(pool.block_ids("a"))
-        assert torch.equal(pool._region.k(0).cpu()[ids].flatten(0, 1)[:total], keys), "the arena holds un-rotated keys"
+        assert torch.equal(pool.region.k(0).cpu()[ids].flatten(0, 1)[:total], keys), "the arena holds un-rotated keys"
         kr = _rot(keys, torch.arange(total), cos, sin, False)
         for i in range(n):
             p = total - n + i

@@ -18,7 +18,7 @@ from kvarena.attention.backend import resolve_backend
 from kvarena.attention.checks import check_head_dim
 from kvarena.attention.spec import AttentionSpec
 from kvarena.cache._meta import check_forward_tensor, next_version
-from kvarena.cache.arena import KVLayout, _check_index
+from kvarena.cache.arena import KVArena, KVLayout, _check_index
 from kvarena.cache.keys import CachePolicy
 
 __all__ = ["KVPoolBase", "layer_specs"]
@@ -115,8 +115,6 @@ class KVPoolBase:
             )
         layer_specs(attention, None)  # types now; layer coverage once the layout is known
         self.policy = policy
-        self.hits = 0
-        self.misses = 0
         self._lock = threading.RLock()
         self._cache_id = next_version()  # process-unique, never reused (unlike id())
         self._attention = attention
@@ -128,6 +126,16 @@ class KVPoolBase:
     #: The metadata class the pool's ``plan`` returns (subclasses).
     META_TYPE: type = object
 
+    @property
+    def hits(self) -> int:
+        """int: always 0 (kept for the original ``cache_pools.py`` interface; a KV pool has no lookups)."""
+        return 0
+
+    @property
+    def misses(self) -> int:
+        """int: always 0 (see :attr:`hits`)."""
+        return 0
+
     def _require_current(self, meta) -> None:
         """Raise unless ``meta`` is this pool's and still current: O(1) when it was planned at
         the current epoch, else :meth:`check_metadata` (host data only: no sync). Skipped
@@ -137,6 +145,23 @@ class KVPoolBase:
             return
         if not (type(meta) is self.META_TYPE and meta._owner == self._cache_id and meta._epoch == self._epoch):
             self.check_metadata(meta)
+
+    def _check_meta_owner(self, meta) -> None:
+        """The first checks of ``check_metadata``: ``meta`` is a ``META_TYPE`` (TypeError)
+        planned by this pool (ValueError)."""
+        if not isinstance(meta, self.META_TYPE):
+            raise TypeError(f"meta: expected a {self.META_TYPE.__name__}, got {type(meta).__name__}")
+        if meta._owner != self._cache_id:
+            raise ValueError(f"meta: this metadata was planned by another {type(self).__name__}")
+
+    @staticmethod
+    def _stale_namespaces(meta, records: Mapping):
+        """The namespaces of ``meta`` whose record (an object with a ``version``) is gone or
+        has a newer version than the one ``meta`` was planned at, in ``meta``'s order."""
+        for ns, ver in zip(meta.namespaces, meta._versions):
+            rec = records.get(ns)
+            if rec is None or rec.version != ver:
+                yield ns
 
     def _stamp(self) -> int:
         """A new version for a changed namespace; also moves the pool's epoch."""
@@ -155,6 +180,21 @@ class KVPoolBase:
                 if spec.rope_mode:
                     self._check_rope(spec, f"attention[{i}]", layout.layer_shape(i)[1], device)
         return specs
+
+    def _check_block_bytes(self, block_bytes: int, tokens: int, layout: KVLayout | None = None) -> None:
+        """``policy.block_bytes`` must be 0 (derived) or ``block_bytes``, the layout's bytes of a
+        ``tokens``-token block (``layout``, when given, is named in the message)."""
+        given = int(getattr(self.policy, "block_bytes", 0))
+        if given not in (0, block_bytes):
+            of = "" if layout is None else f" for {layout}"
+            raise ValueError(f"policy.block_bytes: expected 0 (derived) or {block_bytes} = layout.block_bytes"
+                             f"({tokens}){of}, got {given}")
+
+    def _own_arena(self, layout: KVLayout, tokens: int, device: torch.device | None) -> KVArena:
+        """The pool's own arena: one region named ``CLASS_NAME`` of ``tokens``-token blocks in
+        ``policy.max_bytes``, made after the layout is bound (``_specs`` resolved for it)."""
+        self._specs = self._bind_layout(layout, device or torch.device("cpu"))
+        return KVArena.single(self.CLASS_NAME, layout, tokens, self.policy.max_bytes, device=device)
 
     def _check_spec(self, spec: AttentionSpec, where: str) -> None:
         """Pool-specific limits of a spec (subclasses)."""

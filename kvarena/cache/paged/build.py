@@ -1,0 +1,141 @@
+"""The device side of a paged plan: the step's rows gathered from the block table into
+:class:`PagedMetadata` (packed, padded or into the CUDA-graph buffers), one upload each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvarena.attention.batch import KeySet, QueryRows
+from kvarena.cache._meta import upload
+from kvarena.cache.paged.meta import GraphBuffers, PagedMetadata
+from kvarena.cache.paged.table import SeqRecord
+
+__all__ = ["StepRows", "graph_meta", "packed_meta", "padded_meta"]
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """The planned batch on the host: its items, their records and lengths before the step."""
+
+    items: list
+    seqs: list[SeqRecord]
+    old_lens: list[int]
+    max_blocks: int
+
+    @property
+    def namespaces(self) -> tuple:
+        return tuple(ns for ns, _n in self.items)
+
+    @property
+    def versions(self) -> tuple:
+        return tuple(s.version for s in self.seqs)
+
+
+@dataclass(frozen=True)
+class _Gathered:
+    """A packed batch's rows on the device."""
+
+    table: torch.Tensor  # [G, B, max_blocks]
+    slots: torch.Tensor  # [G, total_q], int64
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    total_q: int
+    longest: int
+
+
+def _keys(tables, seq_lens, max_k: int) -> tuple:
+    return tuple(KeySet(t, seq_lens, max_k) for t in tables)
+
+
+def _gather(pool, step: StepRows) -> _Gathered:
+    bs, dev = pool.block_size, pool.device
+    nseq = len(step.items)
+    cu = [0]
+    for _ns, n in step.items:
+        cu.append(cu[-1] + n)
+    total_q = cu[-1]
+    lens = [s.seq_len for s in step.seqs]
+    # One upload: rows | seq_lens | old_lens | cu_seqlens_q.
+    packed = upload([s.row for s in step.seqs] + lens + step.old_lens + cu, torch.int32, dev)
+    rows = packed[:nseq]
+    seq_lens = packed[nseq : 2 * nseq]
+    olds = packed[2 * nseq : 3 * nseq]
+    cu_t = packed[3 * nseq :]
+    table = pool._table.data[:, :, : step.max_blocks].index_select(1, rows.long())  # [G, B, max_blocks]
+    # Slot of every new token, on the device: token i of row b sits at position
+    # old_len[b] + i - cu[b] and goes to block_table[g, b, pos // bs], row pos % bs.
+    q_lens = cu_t[1:] - cu_t[:-1]
+    row_of = torch.repeat_interleave(torch.arange(nseq, device=dev), q_lens, output_size=total_q)
+    pos = torch.arange(total_q, device=dev) - cu_t[:-1].long()[row_of] + olds.long()[row_of]
+    slots = table.long()[:, row_of, pos // bs] * bs + pos % bs  # [G, total_q]
+    return _Gathered(table, slots, seq_lens, cu_t, total_q, max(lens))
+
+
+def packed_meta(pool, step: StepRows) -> PagedMetadata:
+    """Metadata of a packed batch: row b's queries are its new tokens."""
+    got = _gather(pool, step)
+    table, seq_lens, cu_t, total_q, longest = got.table, got.seq_lens, got.cu_seqlens_q, got.total_q, got.longest
+    slots = got.slots.to(pool._slot_dtype)
+    tables = tuple(table)
+    max_q = max(n for _ns, n in step.items)
+    return PagedMetadata(
+        slot_mapping=slots[0], block_table=table[0], slot_mappings=tuple(slots), block_tables=tables,
+        seq_lens=seq_lens, cu_seqlens_q=cu_t, max_seqlen_q=max_q, max_seqlen_k=longest, total_q=total_q,
+        num_seqs=len(step.items), namespaces=step.namespaces, num_tokens=total_q,
+        keys=_keys(tables, seq_lens, longest), rows=QueryRows(cu_t, max_q),
+        _owner=pool._cache_id, _versions=step.versions, _epoch=pool._epoch,
+    )
+
+
+def graph_meta(pool, step: StepRows, g: GraphBuffers, generation: int) -> PagedMetadata:
+    """Metadata of a graph plan: the batch written into the fixed buffers ``g``."""
+    got = _gather(pool, step)
+    nseq, total_q = len(step.items), got.total_q
+    g.slot_mapping[:, :total_q].copy_(got.slots)
+    g.slot_mapping[:, total_q:].fill_(-1)
+    g.block_table[:, :nseq, : got.table.shape[2]].copy_(got.table)
+    g.block_table[:, nseq:].zero_()
+    g.seq_lens[:nseq].copy_(got.seq_lens)
+    g.seq_lens[nseq:].zero_()
+    return PagedMetadata(
+        slot_mapping=g.slot_mapping[0], block_table=g.block_table[0], slot_mappings=tuple(g.slot_mapping),
+        block_tables=tuple(k.block_table for k in g.keys), seq_lens=g.seq_lens, cu_seqlens_q=g.cu_seqlens_q,
+        max_seqlen_q=g.q_per_seq, max_seqlen_k=g.max_blocks * pool.block_size, _longest=got.longest,
+        total_q=g.max_batch * g.q_per_seq, num_seqs=g.max_batch, namespaces=step.namespaces, num_tokens=total_q,
+        keys=g.keys, rows=g.rows,
+        _owner=pool._cache_id, _versions=step.versions, _epoch=pool._epoch, _graph_gen=generation,
+    )
+
+
+def padded_meta(pool, step: StepRows, pad_to: int) -> PagedMetadata:
+    """Metadata of a padded batch: row b's ``pad_to`` queries, its new tokens last."""
+    bs, dev = pool.block_size, pool.device
+    nseq = len(step.items)
+    lens = [s.seq_len for s in step.seqs]
+    news = [n for _ns, n in step.items]
+    total_q = nseq * pad_to
+    packed = upload([s.row for s in step.seqs] + lens + step.old_lens + news, torch.int32, dev)
+    rows, seq_lens = packed[:nseq], packed[nseq : 2 * nseq]
+    olds, new_t = packed[2 * nseq : 3 * nseq].long(), packed[3 * nseq :].long()
+    # At least one column: a batch of padding only (no row holds a token) still indexes it.
+    max_blocks = max(step.max_blocks, 1)
+    table = pool._table.data[:, :, :max_blocks].index_select(1, rows.long())  # [G, B, max_blocks]
+    j = torch.arange(pad_to, device=dev)[None, :]  # [1, S]
+    first = pad_to - new_t[:, None]  # [B, 1]: the first real query row
+    pos = olds[:, None] + j - first  # [B, S] token position; < old_len on padding rows
+    real = j >= first
+    col = (pos.clamp(min=0) // bs).clamp(max=max(max_blocks - 1, 0))  # [B, S]
+    blk = table.long().gather(2, col.expand(table.shape[0], -1, -1).clamp(max=max_blocks - 1))  # [G, B, S]
+    slots = torch.where(real, blk * bs + pos.clamp(min=0) % bs, torch.full_like(blk, -1))
+    slots = slots.reshape(table.shape[0], -1).to(pool._slot_dtype)  # [G, B * S]
+    cu = torch.arange(0, (nseq + 1) * pad_to, pad_to, dtype=torch.int32, device=dev)
+    tables = tuple(table)
+    return PagedMetadata(
+        slot_mapping=slots[0], block_table=table[0], slot_mappings=tuple(slots), block_tables=tables,
+        seq_lens=seq_lens, cu_seqlens_q=cu, max_seqlen_q=pad_to, max_seqlen_k=max(lens), total_q=total_q,
+        num_seqs=nseq, namespaces=step.namespaces, num_tokens=sum(news),
+        keys=_keys(tables, seq_lens, max(lens)), rows=QueryRows(cu, pad_to),
+        _owner=pool._cache_id, _versions=step.versions, _epoch=pool._epoch, pad_to=pad_to,
+    )
