@@ -371,15 +371,15 @@ def _paged_pools(input_dtype, *, static=False, blocks=24, bs=16, device=None):
     pf = PagedKVCache(CachePolicy("paged_kv", layf.block_bytes(bs) * blocks), layout=layf, block_size=bs, attention=spec,
                       device=device)
     for p in (p8, pf):  # poison: unwritten slots are NaN bytes and NaN scales / NaN floats
-        p._region.data.view(torch.uint8).fill_(0x7F if p is p8 else 0xFF)
-        if p._region.scales is not None:
-            p._region.scales.fill_(float("nan"))
+        p.region.data.view(torch.uint8).fill_(0x7F if p is p8 else 0xFF)
+        if p.region.scales is not None:
+            p.region.scales.fill_(float("nan"))
     return p8, pf
 
 
 def _stored_values(p8, ns, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 copies of the K/V the fp8 pool holds for ``ns`` at ``layer`` (its bytes x its scales)."""
-    r = p8._region
+    r = p8.region
     ks, vs = r.kv_scales(layer)
     ids = torch.tensor(p8.block_ids(ns), device=r.data.device)
     n = p8.seq_len(ns)
@@ -446,9 +446,9 @@ def _slab_pools(input_dtype, per, device=None):
     for lay in (lay8, layf):
         pol = CachePolicy("slab_kv", lay.block_bytes(st) * 12, per_component=per)
         p = SlabKVCache(pol, layout=lay, slab_tokens=st, device=device)
-        p._region.data.view(torch.uint8).fill_(0x7F if lay.is_fp8 else 0xFF)
-        if p._region.scales is not None:
-            p._region.scales.fill_(float("nan"))
+        p.region.data.view(torch.uint8).fill_(0x7F if lay.is_fp8 else 0xFF)
+        if p.region.scales is not None:
+            p.region.scales.fill_(float("nan"))
         pools.append(p)
     return pools
 
@@ -479,7 +479,7 @@ def test_slab_rollout_equals_a_float_pool_of_the_stored_values(backend, per) -> 
                 assert_close(out8, outf.double(), torch.float32, f"slab chunk {c} commit={commit} layer {layer}")
     got = p8.get("r")
     assert got and got[-1].k.dtype == torch.float32
-    last = max(p8._rollouts["r"].chunks)
+    last = max(p8.chunk_indices("r"))
     assert torch.equal(got[-1].k[0], _slab_stored(p8, last, 0, 0)[0]), "get() returns the stored values"
     assert p8.used_bytes == pf.used_bytes * p8.layout.token_bytes // pf.layout.token_bytes
 
@@ -492,11 +492,10 @@ def _round_trip(x: torch.Tensor, scale: float | None = None) -> torch.Tensor:
 
 
 def _slab_stored(p8, chunk: int, layer: int, j: int) -> torch.Tensor:
-    r = p8._rollouts["r"]
-    ch = r.chunks[chunk]
+    ch = next(ch for ch in p8.rollout_info("r").chunks if ch.index == chunk)
     st = p8.slab_tokens
-    x = p8._region.data[ch.slot, layer, j, st - ch.n_tokens :]
-    sc = p8._region.scales[ch.slot, layer, j, st - ch.n_tokens :]
+    x = p8.region.data[ch.slot, layer, j, st - ch.n_tokens :]
+    sc = p8.region.scales[ch.slot, layer, j, st - ch.n_tokens :]
     return dequantize_fp8(x, sc, torch.float32)[None]
 
 

@@ -354,12 +354,12 @@ def test_cuda_graph_replays_slab_denoise_and_commit_per_chunk(seed) -> None:
     steps (new q/k/v copied into the static inputs each time; Self-Forcing runs its
     denoising steps of a chunk on the same metadata), then the clean pass (``commit=True``)
     is captured and replayed. One graph cannot serve the next chunk: ``SlabKVCache.plan``
-    builds new metadata tensors each call (one fresh ``upload`` of every table, length and
-    offset, kvarena/cache/slab.py:960, and a new ``slot_mapping``, slab.py:974-982) where
+    builds new metadata tensors each call (one fresh upload of every table, length and
+    offset, and a new ``slot_mapping``: ``_upload`` in kvarena/cache/slab/meta.py) where
     the paged pool's ``graph_capacity`` has persistent buffers; its tables' widths and host
     maxima (``max_seqlen_k``, ``hist_max_seqlen_k``, ``has_kv_start``, ``page_tokens``,
-    slab.py:941, 988-1009) change with the chunk index until the window is full; and the
-    commit flags are host records set by ``forward`` (slab.py:1291), which a replay does
+    ``build_meta`` there) change with the chunk index until the window is full; and the
+    commit flags are host records set by ``forward`` (kvarena/cache/slab/pool.py), which a replay does
     not run (here the capture's host pass sets them). The committed slabs equal the clean
     passes' k/v and the eager pool's, bit for bit."""
     _slab_graph_rollout("cuda", cuda_graph, seed)

@@ -13,13 +13,14 @@ import pytest
 import torch
 from _helpers import blob, one_torch_thread, run_threads  # noqa: F401 - autouse fixture
 
-import kvarena.cache.slab as slab_mod
+import kvarena.cache.slab.claim as slab_claim
 from kvarena.cache._meta import StaleMetadataError
 from kvarena.cache.arena import CacheFullError, KVArena, KVLayout, RegionSpec
 from kvarena.cache.feature import FeatureCache
 from kvarena.cache.handle import CacheHandle
 from kvarena.cache.keys import CacheKey, CachePolicy, content_hash
 from kvarena.cache.paged import PagedKVCache
+from kvarena.cache.paged.table import BlockTable
 from kvarena.cache.residual import ResidualCache
 from kvarena.cache.slab import Slab, SlabKVCache
 
@@ -39,22 +40,29 @@ def _slab(slots=6, window=2, sinks=0, training=False) -> SlabKVCache:
     return SlabKVCache(policy, layout=LAY, slab_tokens=ST)
 
 
-def _paged_state(p: PagedKVCache) -> tuple:
+def _current(p: PagedKVCache, meta) -> bool:
+    try:
+        p.check_metadata(meta)
+    except StaleMetadataError:
+        return False
+    return True
+
+
+def _paged_state(p: PagedKVCache, *metas) -> tuple:
+    """The pool's public state, and whether each of ``metas`` is still current."""
     a = p.allocator
+    groups = range(len(p.layout.layer_groups))
     return (
-        {ns: ([list(b) for b in s.blocks], list(s.released), s.seq_len, s.row, s.version) for ns, s in p._seqs.items()},
-        list(a._free), dict(a._ref), a._fresh, p._table.clone(), dict(p._pending), list(p._free_rows),
-        p._graph_gen, p.arena.buffer.clone(),  # bytes: NaN-safe
+        {ns: ([p.block_ids(ns, g) for g in groups], p.seq_len(ns), p.table_row(ns)) for ns in p.namespaces()},
+        list(a._free), dict(a._ref), a._fresh, p.table.clone(), p.stats(), [_current(p, m) for m in metas],
+        p.arena.buffer.clone(),  # bytes: NaN-safe
     )
 
 
 def _slab_state(c: SlabKVCache) -> tuple:
-    a = c._region.allocator
+    a = c.region.allocator
     return (
-        {
-            ns: (r.last, r.version, [(i, ch.slot, ch.n_tokens, list(ch.committed), id(ch)) for i, ch in r.chunks.items()])
-            for ns, r in c._rollouts.items()
-        },
+        {ns: c.rollout_info(ns) for ns in c.namespaces()},  # last chunk, version, each chunk's record
         list(a._free), dict(a._ref), a._fresh, c.arena.buffer.clone(),  # bytes: NaN-safe
     )
 
@@ -97,7 +105,7 @@ def test_fork_between_plan_and_forward_makes_the_source_metadata_stale(monkeypat
     p.fork("a", "f")
     p.plan({"f": 1})
     fb, ab = p.block_ids("f")[1], p.block_ids("a")[1]
-    assert fb != ab and torch.equal(p._region.k(0)[fb, 0], k[0])
+    assert fb != ab and torch.equal(p.region.k(0)[fb, 0], k[0])
 
 
 def test_paged_plan_is_all_or_nothing_when_a_pool_on_the_same_region_allocates(monkeypatch) -> None:
@@ -110,14 +118,14 @@ def test_paged_plan_is_all_or_nothing_when_a_pool_on_the_same_region_allocates(m
     b = PagedKVCache(CachePolicy("paged_kv", 0), arena=arena)
     a.plan({"y": 1})
     a.fork("y", "z")  # the next plan of z copies a shared partial block
-    orig = PagedKVCache._ensure_cols
+    orig = BlockTable.ensure_cols
 
     def thief(self, n):  # the other pool allocating between the check and the apply
         if not b.namespaces():
             b.allocate("thief", 2)
         return orig(self, n)
 
-    monkeypatch.setattr(PagedKVCache, "_ensure_cols", thief)
+    monkeypatch.setattr(BlockTable, "ensure_cols", thief)
     before = _paged_state(a)
     try:
         a.plan({"z": 1, "x": 3})  # 1 CoW + 2 new = 3 = every free block
@@ -126,9 +134,10 @@ def test_paged_plan_is_all_or_nothing_when_a_pool_on_the_same_region_allocates(m
     else:  # the thief ran after the pool took its blocks: then IT must have failed
         assert a.seq_len("x") == 3 and b.namespaces() == []
     refs = [0] * 4
-    for s in (*a._seqs.values(), *b._seqs.values()):
-        for blk in s.blocks[0]:
-            refs[blk] += 1
+    for pool in (a, b):
+        for ns in pool.namespaces():
+            for blk in pool.block_ids(ns):
+                refs[blk] += 1
     assert refs == [a.allocator.refcount(i) for i in range(4)]
 
 
@@ -136,7 +145,7 @@ def test_slab_plan_is_all_or_nothing_when_a_pool_on_the_same_region_allocates(mo
     """Same race for SlabKVCache: 'p' got its slab, 'q' was left as an empty rollout."""
     c = SlabKVCache(CachePolicy("slab_kv", 0), arena=KVArena({"s": RegionSpec(LAY, ST, LAY.block_bytes(ST) * 2)}))
     thief = PagedKVCache(CachePolicy("paged_kv", 0), arena=c.arena)
-    orig = slab_mod._Rollout
+    orig = slab_claim._Rollout
 
     class Racing(orig):
         def __init__(self, *args) -> None:
@@ -144,7 +153,7 @@ def test_slab_plan_is_all_or_nothing_when_a_pool_on_the_same_region_allocates(mo
             if not thief.namespaces():
                 thief.allocate("t", 1)
 
-    monkeypatch.setattr(slab_mod, "_Rollout", Racing)
+    monkeypatch.setattr(slab_claim, "_Rollout", Racing)
     before = _slab_state(c)
     try:
         c.plan({"p": 0, "q": 0})
@@ -152,8 +161,8 @@ def test_slab_plan_is_all_or_nothing_when_a_pool_on_the_same_region_allocates(mo
         assert _same(before, _slab_state(c))
     else:
         assert c.chunk_indices("p") == c.chunk_indices("q") == [0] and thief.namespaces() == []
-    for r in c._rollouts.values():
-        assert r.chunks, "a rollout without chunks was left behind"
+    for ns in c.namespaces():
+        assert c.rollout_info(ns).chunks, "a rollout without chunks was left behind"
 
 
 def test_two_pools_on_one_region_from_threads_keep_the_allocator_consistent() -> None:
@@ -259,15 +268,16 @@ def test_paged_graph_metadata_goes_stale_on_every_rule(monkeypatch) -> None:
     p.truncate("b", 3)
     with pytest.raises(StaleMetadataError, match="'b'"):
         p.forward(_tok(2), _tok(2), _tok(2), m2, 0)
-    before = _paged_state(p)
+    m3 = p.plan({"a": 1, "b": 1}, graph=True)
+    before = _paged_state(p, m3)
     with pytest.raises(ValueError, match="max_batch"):
         p.plan({"a": 1, "b": 1, "c": 1}, graph=True)
-    assert _same(before, _paged_state(p))
-    p.plan({"a": 8 - p.seq_len("a")})  # 4 full blocks: the graph capacity
-    before = _paged_state(p)
+    assert _same(before, _paged_state(p, m3)) and before[6] == [True]
+    m4 = p.plan({"a": 8 - p.seq_len("a")})  # 4 full blocks: the graph capacity
+    before = _paged_state(p, m4)
     with pytest.raises(ValueError, match="max_blocks"):
         p.plan({"a": 1}, graph=True)
-    assert _same(before, _paged_state(p))
+    assert _same(before, _paged_state(p, m4)) and before[6] == [True]
 
 
 # ---------------------------------------------------------------------------------------
@@ -315,11 +325,11 @@ def test_slab_sinks_and_window_combinations_hold_flat_memory(sinks, window) -> N
     c = _slab(slots=8, window=window, sinks=sinks)
     for i in range(8):
         m = c.plan({"a": i})
-        r = c._rollouts["a"]
+        held = {ch.index: ch for ch in c.rollout_info("a").chunks}
         vis = c.visible_chunks(i)
         assert vis == sorted(set(range(min(sinks, i + 1))) | set(range(max(0, i - window + 1), i + 1)))
-        assert m.block_table[0].tolist() == [r.chunks[j].slot for j in vis]
-        assert list(r.chunks) == list(range(min(sinks, i + 1))) + list(range(max(sinks, i - window + 1), i + 1))
+        assert m.block_table[0].tolist() == [held[j].slot for j in vis]
+        assert list(held) == list(range(min(sinks, i + 1))) + list(range(max(sinks, i - window + 1), i + 1))
         _commit(c, m)
     assert c.used_bytes == (sinks + window) * c.slab_bytes
 
@@ -360,7 +370,7 @@ def test_slab_cfg_namespaces_share_nothing_and_clear_during_live_metadata() -> N
     c = _slab()
     m = c.plan({"v/cond": 0, "v/uncond": 0})
     _commit(c, m)
-    slots = {ns: c._rollouts[ns].chunks[0].slot for ns in ("v/cond", "v/uncond")}
+    slots = {ns: c.rollout_info(ns).chunks[0].slot for ns in ("v/cond", "v/uncond")}
     assert len(set(slots.values())) == 2
     m = c.plan({"v/cond": 1, "v/uncond": 1})
     c.clear_namespace("v/uncond")

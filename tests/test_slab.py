@@ -138,7 +138,8 @@ def test_shared_arena_with_a_paged_pool(seed) -> None:
 # planning rules
 def _snap(cache: SlabKVCache):
     return (
-        {ns: [(i, ch.slot, ch.n_tokens, list(ch.committed)) for i, ch in r.chunks.items()] for ns, r in cache._rollouts.items()},
+        {ns: [(ch.index, ch.slot, ch.n_tokens, ch.committed) for ch in cache.rollout_info(ns).chunks]
+         for ns in cache.namespaces()},
         cache.used_bytes,
     )
 
@@ -211,11 +212,11 @@ def test_recycling_is_in_place_and_moves_no_retained_bytes(seed) -> None:
     for c in range(3):
         k = torch.randn(2, ST, 2, 16)
         cache.append("a", Slab(c, k, k))
-    slots = {i: ch.slot for i, ch in cache._rollouts["a"].chunks.items()}
+    slots = {ch.index: ch.slot for ch in cache.rollout_info("a").chunks}
     kept = {s.chunk_index: s.k.clone() for s in cache.get("a")}
     ptrs = {s.chunk_index: s.k.data_ptr() for s in cache.get("a")}
     cache.append("a", Slab(3, torch.randn(2, ST, 2, 16), torch.randn(2, ST, 2, 16)))
-    now = cache._rollouts["a"].chunks
+    now = {ch.index: ch for ch in cache.rollout_info("a").chunks}
     assert list(now) == [0, 2, 3] and now[3].slot == slots[1], "the evicted chunk's slot must be reused"
     for s in cache.get("a"):
         if s.chunk_index in kept:
@@ -365,7 +366,7 @@ def test_forward_bad_input_leaves_cache_unchanged(seed, change: dict, exc: type,
     with pytest.raises(exc, match=match):
         cache.forward(args["q"], args["k"], args["v"], meta, args["layer"], **extra)
     assert torch.equal(cache.arena.buffer, before)
-    assert not any(cache._rollouts["a"].chunks[0].committed)
+    assert not any(cache.rollout_info("a").chunks[0].committed)
 
 
 @pytest.mark.parametrize(

@@ -159,7 +159,7 @@ class CausalKVCache:
 
     def reset(self, namespaces: Sequence[Hashable] | None = None) -> None:
         """Forget rollouts (all by default), freeing their slabs: a new video."""
-        for ns in list(self.pool._rollouts) if namespaces is None else namespaces:
+        for ns in self.pool.namespaces() if namespaces is None else namespaces:
             self.pool.clear_namespace(ns)
 
     @property
@@ -248,8 +248,7 @@ class CausalStep(Sequence):
         pool = self._cache.pool
         names = self._namespaces if self._namespaces is not None else tuple(range(q.shape[0]))
         batch = {ns: pool.chunks_for_tokens(ns, current_start, q.shape[1]) for ns in names}  # the plan's own checks
-        layer = pool._check_call(q, k, v, layer, self.clean, options, (len(names), q.shape[1]))[0]
-        pool._check_committed(pool._history_of(batch), layer)
+        pool.check_forward(batch, q, k, v, layer, commit=self.clean, **options)
 
     def __enter__(self) -> CausalStep:
         return self
