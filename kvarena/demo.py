@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from dataclasses import dataclass
 
 from kvarena.cli import UsageError, device_name, positive_int
 
@@ -109,7 +110,48 @@ class _Progress:
         self.stream.flush()
 
 
+_NAMES = ("causal DiT rollout (slab KV)", "AR decode (paged KV)", "hybrid decode (layer groups)")
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one ``kvarena demo`` runs: the device and backend, sizes, whether it checks."""
+
+    device: str
+    backend: str
+    dtype: object  # torch.dtype (torch is imported in run)
+    tiny: bool  # the interpreter's run: fewer steps, a smaller window
+    chunks: int
+    new_tokens: int
+    check: bool
+
+
+@dataclass(frozen=True)
+class _Reports:
+    """The three workloads' reports (``CausalDiTReport``, ``ARDecodeReport`` x 2)."""
+
+    dit: object
+    ar: object
+    hy: object
+
+
 def run(args: argparse.Namespace) -> int:
+    plan = _plan(args)
+    print(f"kvarena demo: device={plan.device} backend={plan.backend} dtype={str(plan.dtype).replace('torch.', '')}")
+    reports = _run_workloads(plan)
+    rows = _table_rows(reports, plan.check)
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    print()
+    for i, row in enumerate(rows):
+        print("| " + " | ".join(f"{c:<{w}}" for c, w in zip(row, widths)) + " |")
+        if i == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    print(_LEGEND.format(tol=_tolerance(plan.dtype)))
+    return _verdict(reports, plan)
+
+
+def _plan(args: argparse.Namespace) -> _Plan:
+    """The run's device, dtype and sizes; sets ``TRITON_INTERPRET`` for a Triton run on CPU."""
     # Importing torch does not import triton, so the device can be resolved before
     # TRITON_INTERPRET is chosen: the interpreter is for a CPU run only.
     import torch
@@ -122,48 +164,53 @@ def run(args: argparse.Namespace) -> int:
         if os.environ["TRITON_INTERPRET"] != "1":
             raise UsageError("--backend", "triton on CPU needs the Triton interpreter, but TRITON_INTERPRET="
                                           f"{os.environ['TRITON_INTERPRET']!r} is set; unset it or set it to 1")
+    tiny = not on_cuda and args.backend == "triton"
+    # None is the only "use the default" value: the parser rejects 0 and negatives.
+    return _Plan(device=device, backend=args.backend, dtype=torch.bfloat16 if on_cuda else torch.float32, tiny=tiny,
+                 chunks=args.chunks if args.chunks is not None else (5 if tiny else 8),
+                 new_tokens=args.new_tokens if args.new_tokens is not None else (3 if tiny else 8),
+                 check=not args.no_check)
 
+
+def _run_workloads(plan: _Plan) -> _Reports:
+    """The DiT rollout, the AR decode and the hybrid decode, each with its progress line."""
     from kvarena.examples.ar_decode import GEMMA3_LIKE, DecoderConfig, run_ar_decode
     from kvarena.examples.causal_dit import run_causal_dit
 
-    # The interpreter's hybrid model: Gemma 3's 5 sliding : 1 full, with an 8-token window.
-    tiny_hybrid = DecoderConfig(num_layers=6, windows=(7,) * 5 + (None,))
-    dtype = torch.bfloat16 if on_cuda else torch.float32
-    tiny = not on_cuda and args.backend == "triton"
-    # None is the only "use the default" value: the parser rejects 0 and negatives.
-    chunks = args.chunks if args.chunks is not None else (5 if tiny else 8)
-    new_tokens = args.new_tokens if args.new_tokens is not None else (3 if tiny else 8)
-    check = not args.no_check
-    print(f"kvarena demo: device={device} backend={args.backend} dtype={str(dtype).replace('torch.', '')}")
-
-    names = ("causal DiT rollout (slab KV)", "AR decode (paged KV)", "hybrid decode (layer groups)")
+    tiny, new_tokens = plan.tiny, plan.new_tokens
+    common = dict(dtype=plan.dtype, device=plan.device, backend=plan.backend, check=plan.check)
     # The interpreter's tiny run (2 denoising steps a chunk) still fills the window and
     # recycles slabs (sink 1 + window 3 frames: from chunk 3 on), and its hybrid model
     # slides an 8-token window over 4-token blocks.
     sink_frames, window_frames = (1, 3) if tiny else (2, 5)
-    bar = _Progress(names[0], chunks, "chunks")
-    dit = run_causal_dit(num_chunks=chunks, steps=2 if tiny else 4, dtype=dtype, device=device, backend=args.backend, check=check,
-                         sink_frames=sink_frames, window_frames=window_frames, residual_threshold=0.2,
-                         progress=lambda done, total: bar.update(done))
+    bar = _Progress(_NAMES[0], plan.chunks, "chunks")
+    dit = run_causal_dit(num_chunks=plan.chunks, steps=2 if tiny else 4, sink_frames=sink_frames,
+                         window_frames=window_frames, residual_threshold=0.2,
+                         progress=lambda done, total: bar.update(done), **common)
     bar.finish(dit.wall_s)
 
-    bar = _Progress(names[1], _decode_tokens(_AR_PROMPT_LENS, new_tokens), "tokens")
+    bar = _Progress(_NAMES[1], _decode_tokens(_AR_PROMPT_LENS, new_tokens), "tokens")
     ar = run_ar_decode(prompt_lens=_AR_PROMPT_LENS, new_tokens=new_tokens, block_size=_AR_BLOCK_SIZE,
-                       num_blocks=_ar_num_blocks(new_tokens), dtype=dtype, device=device,
-                       backend=args.backend, check=check, progress=lambda rep: bar.update(rep.tokens))
+                       num_blocks=_ar_num_blocks(new_tokens), progress=lambda rep: bar.update(rep.tokens), **common)
     bar.finish(ar.wall_s)
     # Hybrid: prompts of 100 and 37 tokens, then 4x --new-tokens (32 by default: both
     # requests run past the 64-token window); the interpreter's run is shorter and its
-    # window smaller.
+    # window smaller (Gemma 3's 5 sliding : 1 full, with an 8-token window).
     hy_new = new_tokens if tiny else 4 * new_tokens
     hy_lens = (20, 9) if tiny else _HYBRID_PROMPT_LENS
-    hy_cfg = tiny_hybrid if tiny else GEMMA3_LIKE
+    hy_cfg = DecoderConfig(num_layers=6, windows=(7,) * 5 + (None,)) if tiny else GEMMA3_LIKE
     hy_block = 4 if tiny else _AR_BLOCK_SIZE
-    bar = _Progress(names[2], _decode_tokens(hy_lens, hy_new), "tokens")
+    bar = _Progress(_NAMES[2], _decode_tokens(hy_lens, hy_new), "tokens")
     hy = run_ar_decode(config=hy_cfg, prompt_lens=hy_lens, new_tokens=hy_new, prefill_chunk=32,
-                       block_size=hy_block, num_blocks=_ar_num_blocks(hy_new, hy_lens, hy_block), dtype=dtype,
-                       device=device, backend=args.backend, check=check, progress=lambda rep: bar.update(rep.tokens))
+                       block_size=hy_block, num_blocks=_ar_num_blocks(hy_new, hy_lens, hy_block),
+                       progress=lambda rep: bar.update(rep.tokens), **common)
     bar.finish(hy.wall_s)
+    return _Reports(dit, ar, hy)
+
+
+def _table_rows(reports: _Reports, check: bool) -> list[tuple[str, ...]]:
+    """The table: a header row, then one row per measure with a cell per workload."""
+    dit, ar, hy = reports.dit, reports.ar, reports.hy
     full = [g for g, w in enumerate(hy.group_windows) if w is None]
     slid = [g for g, w in enumerate(hy.group_windows) if w is not None]
     kept_all = hy.group_blocks_peak[full[0]] * len(hy.group_windows) * hy.block_bytes  # no release: all like full
@@ -179,8 +226,8 @@ def run(args: argparse.Namespace) -> int:
     if check:
         dit_err = f"{dit.max_err:.1e} ({dit.checked_passes} of {dit.passes} passes"
         dit_err += f"; {dit.passes - dit.checked_passes} reused residuals)" if dit.checked_passes < dit.passes else ")"
-    rows = [
-        ("workload", *names),
+    return [
+        ("workload", *_NAMES),
         ("work", f"{dit.chunks} chunks x 4 streams, {dit.passes} passes", f"{ar.requests} requests, {ar.steps} steps",
          f"{hy.requests} requests, {hy.steps} steps"),
         ("attends to", dit.visibility, "whole history",
@@ -199,21 +246,19 @@ def run(args: argparse.Namespace) -> int:
         ("max error vs dense", dit_err, err(ar), err(hy)),
         ("wall time", f"{dit.wall_s:.1f} s", f"{ar.wall_s:.1f} s", f"{hy.wall_s:.1f} s"),
     ]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    print()
-    for i, row in enumerate(rows):
-        print("| " + " | ".join(f"{c:<{w}}" for c, w in zip(row, widths)) + " |")
-        if i == 0:
-            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    print(_LEGEND.format(tol=_tolerance(dtype)))
+
+
+def _verdict(reports: _Reports, plan: _Plan) -> int:
+    """Print the result line; the exit code (0: OK, or ran unchecked with --no-check)."""
+    dit, ar, hy = reports.dit, reports.ar, reports.hy
     # OK means: every requested chunk and token ran, and each was checked against dense
     # recomputation. A run that did less never reports OK, nor does one that was not checked.
-    ran = dit.chunks == chunks and dit.tokens > 0 and ar.tokens > 0 and ar.steps > 0 and hy.steps > 0
-    tol = _tolerance(dtype)
+    ran = dit.chunks == plan.chunks and dit.tokens > 0 and ar.tokens > 0 and ar.steps > 0 and hy.steps > 0
+    tol = _tolerance(plan.dtype)
     if not ran:
-        print(f"\nresult: INCOMPLETE (ran {dit.chunks}/{chunks} DiT chunks, {ar.tokens} AR tokens)")
+        print(f"\nresult: INCOMPLETE (ran {dit.chunks}/{plan.chunks} DiT chunks, {ar.tokens} AR tokens)")
         return 1
-    if not check:
+    if not plan.check:
         print("\nresult: ran, not checked against the dense reference (--no-check)")
         return 0
     ok = (dit.checked_passes > 0 and dit.max_err <= tol and ar.max_logit_err <= tol and ar.greedy_match

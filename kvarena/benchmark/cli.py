@@ -24,7 +24,9 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvarena.cli import (
     UsageError,
@@ -127,8 +129,6 @@ def run(args: argparse.Namespace) -> int:
         For flags that parse but select nothing or contradict each other (``kvarena.cli.main``
         turns it into argparse's exit 2), before anything is measured.
     """
-    from kvarena.benchmark import cases as C
-
     if args.report is not None:
         from kvarena.benchmark.report import markdown_from_jsonl
 
@@ -138,11 +138,40 @@ def run(args: argparse.Namespace) -> int:
         print(markdown_from_jsonl(path))
         return 0
     # --sections, --providers, --device, --out, --threads, --budget-s were checked by the parser.
-    sections = args.sections
     if args.quick and args.set_name not in (None, "quick"):
         raise UsageError("--quick", "not allowed with --set gpu (--quick means --set quick)")
+    sel = _select(args)
+    if args.list:
+        from kvarena.benchmark import cases as C
 
+        for c in sel.cases:
+            provs = [p for p in C.providers_for(c)
+                     if (not args.providers or p in args.providers) and p not in c.skip_providers]
+            print(f"{c.name:28s} {c.kind:7s} kv_tokens={c.kv_tokens:<8d} providers={','.join(provs)}")
+        return 0
+    if args.warmup_only:
+        from kvarena.benchmark.warmup import warm_up
+
+        return warm_up(sel.cases, sel.device, jobs=args.jobs, backend=args.backend, log=_log)
+    if sel.set_name == "gpu" and sel.device.type != "cuda":
+        _log("kvarena bench: note: the gpu set on a CPU materializes GiB-sized score tensors; "
+             "use --quick (or --cases) unless you mean it")
+    return _bench(args, sel)
+
+
+@dataclass(frozen=True)
+class _Selection:
+    """What the flags select: the device, the case set and its cases."""
+
+    device: Any  # torch.device (torch is imported when run)
+    set_name: str
+    cases: list
+
+
+def _select(args: argparse.Namespace) -> _Selection:
     import torch
+
+    from kvarena.benchmark import cases as C
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     set_name = "quick" if args.quick else (args.set_name or C.default_set(str(device)))
@@ -150,99 +179,79 @@ def run(args: argparse.Namespace) -> int:
     if args.cases and not case_list:
         raise UsageError("--cases", f"{','.join(args.cases)} matches no case of the {set_name} set "
                                     f"(kvarena bench --set {set_name} --list lists them)")
-    providers = args.providers
-    if args.list:
-        for c in case_list:
-            provs = [p for p in C.providers_for(c)
-                     if (not providers or p in providers) and p not in c.skip_providers]
-            print(f"{c.name:28s} {c.kind:7s} kv_tokens={c.kv_tokens:<8d} providers={','.join(provs)}")
-        return 0
-    if args.warmup_only:
-        from kvarena.benchmark.warmup import warm_up
+    return _Selection(device, set_name, case_list)
 
-        return warm_up(case_list, device, jobs=args.jobs, backend=args.backend, log=_log)
-    if set_name == "gpu" and device.type != "cuda":
-        _log("kvarena bench: note: the gpu set on a CPU materializes GiB-sized score tensors; "
-             "use --quick (or --cases) unless you mean it")
 
-    from kvarena.benchmark import report
-    from kvarena.benchmark.runner import measure_ceilings, run_kernels
-
+def _out_dir(args: argparse.Namespace) -> Path:
+    """The output directory, created (before any measurement or global setting, so that a
+    bad directory costs nothing)."""
     out_dir = args.out if args.out is not None else default_out_dir()
-    try:  # before any measurement or global setting, so that a bad directory costs nothing
+    try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         hint = "" if args.out is not None else " (the default; choose another with --out)"
         raise UsageError("--out", f"cannot create {out_dir}{hint}: {exc.strerror or exc}") from None
+    return out_dir
+
+
+def _set_threads(args: argparse.Namespace, sel: _Selection) -> None:
+    import torch
 
     threads = args.threads
-    if threads is None and device.type == "cpu" and set_name == "quick":
+    if threads is None and sel.device.type == "cpu" and sel.set_name == "quick":
         # Tiny shapes gain nothing from intra-op threads, and on a shared 2-core host the
         # OpenMP barriers turn a 12 us 64x64 matmul into 30-50 ms at the 90th percentile
         # (measured while writing this); one thread keeps the quick numbers readable.
         threads = 1
     if threads is not None:
         torch.set_num_threads(threads)
+
+
+@dataclass(frozen=True)
+class _Sink:
+    """Where a run's results go: the ``results`` document, its JSON lines, its directory."""
+
+    results: dict
+    jsonl: Any  # report.JsonLines
+    out_dir: Path
+
+    def checkpoint(self) -> None:
+        """JSON/CSV after every section, so a run killed by an outer timeout keeps its numbers."""
+        from kvarena.benchmark import report
+
+        report.write_json(self.out_dir / "results.json", self.results)
+        report.write_csv(self.out_dir / "results.csv", self.results)
+
+
+def _bench(args: argparse.Namespace, sel: _Selection) -> int:
+    """The measured run: every selected section, its tables printed and its results written."""
+    from kvarena.benchmark import report
+
+    out_dir = _out_dir(args)
+    _set_threads(args, sel)
     t_start = time.monotonic()
     deadline = t_start + args.budget_s if args.budget_s is not None else math.inf
-    show = not args.no_progress
-    results: dict = {"meta": report.run_metadata(device, set_name), "ceilings": None, "kernels": [],
+    results: dict = {"meta": report.run_metadata(sel.device, sel.set_name), "ceilings": None, "kernels": [],
                      "recycle": None, "recycle_tokens": None, "overhead": None, "notes": []}
     results["meta"]["argv"] = sys.argv[1:]
     results["meta"]["KVARENA_DEBUG"] = os.environ.get("KVARENA_DEBUG")
     results["meta"]["backend"] = args.backend
-    jsonl = report.JsonLines(out_dir / "results.jsonl")
-    jsonl.write("meta", results["meta"])
-    if device.type == "cpu":
+    sink = _Sink(results, report.JsonLines(out_dir / "results.jsonl"), out_dir)
+    sink.jsonl.write("meta", results["meta"])
+    if sel.device.type == "cpu":
         results["notes"].append("CPU run: kvarena runs its PyTorch path (no Triton); throughput targets "
                                 "in docs/contract.md apply to the GPU run only")
     exit_code = 0
-
-    def checkpoint() -> None:
-        # JSON/CSV after every section, so a run killed by an outer timeout keeps its numbers.
-        report.write_json(out_dir / "results.json", results)
-        report.write_csv(out_dir / "results.csv", results)
-
-    if "kernels" in sections and case_list:
-        _log(f"kvarena bench: {len(case_list)} cases ({set_name} set) on {device}; measuring ceilings ...")
-        ceil = measure_ceilings(device, quick=set_name == "quick")
-        results["ceilings"] = ceil
-        jsonl.write("ceilings", ceil)
-        timing = {} if args.cpu_reps is None else {"cpu_reps": args.cpu_reps}
-        rows = run_kernels(case_list, device, ceilings=ceil, deadline=deadline, show_progress=show,
-                           providers=providers, skip=args.skip_providers or (), backend=args.backend,
-                           on_row=lambda row: jsonl.write("kernel", row), **timing)
-        results["kernels"] = rows
-        print(report.format_table(rows, ceil), flush=True)
-        for r in rows:
-            if r["provider"] == "kvarena" and r["reason"].startswith("error"):
-                exit_code = 1
-                _log(f"kvarena bench: kvarena failed on {r['case']}: {r['reason']}")
-        checkpoint()
-    if "recycle" in sections:
-        from kvarena.benchmark.recycle import run_recycle
-
-        # Whole-chunk sinks/window, then Self-Forcing's token rule (I2V first frame).
-        for key, cfg_name in (("recycle", set_name), ("recycle_tokens", f"{set_name}-tokens")):
-            if time.monotonic() > deadline:
-                results[key] = {"status": "skipped", "reason": "time budget exhausted"}
-            else:
-                try:
-                    results[key] = run_recycle(cfg_name, device, log=_log if show else (lambda m: None))
-                    if not results[key]["sanity"]["same_output"]:
-                        exit_code = 1
-                except Exception as exc:
-                    results[key] = {"status": "skipped", "reason": f"error: {type(exc).__name__}: {exc}"}
-                    exit_code = 1
-            print("\n" + report.format_recycle(results[key]), flush=True)
-            jsonl.write(key, results[key])
-            checkpoint()
-    if "overhead" in sections:
+    if "kernels" in args.sections and sel.cases:
+        exit_code |= _kernels_section(args, sel, sink, deadline)
+    if "recycle" in args.sections:
+        exit_code |= _recycle_section(args, sel, sink, deadline)
+    if "overhead" in args.sections:
         from kvarena.benchmark.overhead import run_overhead
 
-        reps, warm = (10, 2) if set_name == "quick" else (50, 5)
-        results["overhead"] = run_overhead(device, reps=reps, warm=warm, deadline=deadline)
-        jsonl.write("overhead", {"rows": results["overhead"]})
+        reps, warm = (10, 2) if sel.set_name == "quick" else (50, 5)
+        results["overhead"] = run_overhead(sel.device, reps=reps, warm=warm, deadline=deadline)
+        sink.jsonl.write("overhead", {"rows": results["overhead"]})
         print("\n" + report.format_overhead(results["overhead"]), flush=True)
     results["meta"]["elapsed_s"] = time.monotonic() - t_start
     paths = report.write_all(out_dir, results)
@@ -250,4 +259,52 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     print(f"wrote {paths['json']}, {paths['csv']}" + (f", {paths['png']}" if paths["png"] else "")
           + f" ({results['meta']['elapsed_s']:.1f} s)")
+    return exit_code
+
+
+def _kernels_section(args: argparse.Namespace, sel: _Selection, sink: _Sink, deadline: float) -> int:
+    """The kernel table; 1 when kvarena's own provider failed on some case."""
+    from kvarena.benchmark import report
+    from kvarena.benchmark.runner import measure_ceilings, run_kernels
+
+    exit_code = 0
+    _log(f"kvarena bench: {len(sel.cases)} cases ({sel.set_name} set) on {sel.device}; measuring ceilings ...")
+    ceil = measure_ceilings(sel.device, quick=sel.set_name == "quick")
+    sink.results["ceilings"] = ceil
+    sink.jsonl.write("ceilings", ceil)
+    timing = {} if args.cpu_reps is None else {"cpu_reps": args.cpu_reps}
+    rows = run_kernels(sel.cases, sel.device, ceilings=ceil, deadline=deadline, show_progress=not args.no_progress,
+                       providers=args.providers, skip=args.skip_providers or (), backend=args.backend,
+                       on_row=lambda row: sink.jsonl.write("kernel", row), **timing)
+    sink.results["kernels"] = rows
+    print(report.format_table(rows, ceil), flush=True)
+    for r in rows:
+        if r["provider"] == "kvarena" and r["reason"].startswith("error"):
+            exit_code = 1
+            _log(f"kvarena bench: kvarena failed on {r['case']}: {r['reason']}")
+    sink.checkpoint()
+    return exit_code
+
+
+def _recycle_section(args: argparse.Namespace, sel: _Selection, sink: _Sink, deadline: float) -> int:
+    """Whole-chunk sinks/window, then Self-Forcing's token rule (I2V first frame); 1 when
+    a comparison failed or its schemes disagree."""
+    from kvarena.benchmark import report
+    from kvarena.benchmark.recycle import run_recycle
+
+    exit_code, results = 0, sink.results
+    for key, cfg_name in (("recycle", sel.set_name), ("recycle_tokens", f"{sel.set_name}-tokens")):
+        if time.monotonic() > deadline:
+            results[key] = {"status": "skipped", "reason": "time budget exhausted"}
+        else:
+            try:
+                results[key] = run_recycle(cfg_name, sel.device, log=_log if not args.no_progress else (lambda m: None))
+                if not results[key]["sanity"]["same_output"]:
+                    exit_code = 1
+            except Exception as exc:
+                results[key] = {"status": "skipped", "reason": f"error: {type(exc).__name__}: {exc}"}
+                exit_code = 1
+        print("\n" + report.format_recycle(results[key]), flush=True)
+        sink.jsonl.write(key, results[key])
+        sink.checkpoint()
     return exit_code

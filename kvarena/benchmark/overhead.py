@@ -228,7 +228,7 @@ def _paged(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]
              f"store + attend, up to {pool.seq_len(names[0])} keys/seq"),
     ]
     try:
-        with _patched("kvarena.cache.paged", store=_stub_store, attend=_stub_attention):
+        with _patched("kvarena.cache.paged.local", store=_stub_store, attend=_stub_attention):
             decode(None, t_stub)
         rows.append(_row("paged.forward, ops stubbed", batch, device, t_stub, "the pool's own Python"))
     except Exception as exc:
@@ -289,7 +289,7 @@ def _slab(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]:
              f"store + attend {(sinks + window) * chunk} keys"),
     ]
     try:
-        with _patched("kvarena.cache.slab", store=_stub_store, attend=_stub_attention):
+        with _patched("kvarena.cache.slab.pool", store=_stub_store, attend=_stub_attention):
             rollout(warm + reps, None, t_stub, warm)
         rows.append(_row("slab.forward commit, ops stubbed", batch, device, t_stub, "the pool's own Python"))
     except Exception as exc:

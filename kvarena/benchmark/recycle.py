@@ -1,37 +1,10 @@
 """Recycling: kvarena's in-place slab ring against the shift-left copy window.
 
-The baseline
-------------
-Self-Forcing and LongLive keep, per layer, one fixed-size K buffer and one V buffer of
-``(sinks + window) * chunk`` tokens. Until the buffer is full a chunk is written at the
-end of what is there. Once it is full, every new chunk first shifts the retained non-sink
-tokens left by one chunk, ``buf[:, s:s+r] = buf[:, s+c:s+c+r].clone()`` (a clone because
-source and destination overlap), and then writes the new chunk into the freed tail. So
-after the window fills, each chunk moves ``(window - 1) * chunk`` retained tokens of K and
-of V, twice (into the clone, then back), in every layer. :class:`ShiftLeftKVCache`
-implements that scheme here (written for this benchmark, not copied).
+The baseline is :class:`~kvarena.benchmark.shift_left.ShiftLeftKVCache`; the bytes each scheme
+moves are counted by :class:`~kvarena.benchmark.bytecount.KVByteCounter`.
 
 kvarena's ring (``SlabKVCache.plan`` / ``forward(commit=True)``) overwrites the evicted
 slab in place: the only KV bytes it writes are the new chunk's.
-
-Counting bytes
---------------
-:class:`KVByteCounter` is a ``TorchDispatchMode`` that watches the KV storages (the
-arena; the baseline's buffers) and sorts every byte written by a copy or a mutating op:
-
-``new``
-    written into KV storage from data that did not come from KV storage (the chunk's
-    fresh K/V);
-``retained``
-    written into KV storage from data that came from KV storage, directly or through a
-    copy (``clone``, ``_to_copy``, ``cat``, ...): retained KV moved;
-``temp``
-    copies of KV data made outside KV storage (the baseline's ``.clone()``).
-
-Attention's own reads (the gathers inside the CPU attention path, ``aten.index``) are
-not moves: the Triton kernel reads the arena in place. Triton kernel launches are
-invisible to a dispatch mode, so the counted rollout always runs the PyTorch path
-(``backend="torch"``); it writes exactly the bytes the store kernel writes.
 """
 
 from __future__ import annotations
@@ -42,209 +15,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from kvarena.benchmark.bytecount import KVByteCounter
+from kvarena.benchmark.shift_left import ShiftLeftKVCache
 
 __all__ = ["ShiftLeftKVCache", "KVByteCounter", "RecycleConfig", "CONFIGS", "run_recycle", "chunk_stepper"]
-
-aten = torch.ops.aten
-
-
-class ShiftLeftKVCache:
-    """The copy-based sliding window of Self-Forcing / LongLive (the baseline).
-
-    Parameters
-    ----------
-    num_layers, batch, chunk_tokens : int
-    window : int
-        Chunks attended and kept, the newest included.
-    sinks : int
-        Leading chunks kept forever.
-    num_kv_heads, head_dim : int
-    dtype, device : torch dtype and device of the buffers.
-
-    Attributes
-    ----------
-    k, v : list of Tensor
-        Per layer, ``[batch, (sinks + window) * chunk_tokens, H_kv, D]``.
-    end : list of int
-        Per layer, tokens currently held (Self-Forcing's ``local_end_index``).
-    """
-
-    def __init__(self, num_layers: int, batch: int, chunk_tokens: int, *, window: int, sinks: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device,
-                 sink_tokens: int | None = None, window_tokens: int | None = None) -> None:
-        if window < 1:
-            raise ValueError(f"window: expected >= 1, got {window}")
-        self.chunk = chunk_tokens
-        self.window, self.sinks = window, sinks
-        # Token counts (Self-Forcing's sink_size * frame_seqlen and local_attn_size * frame_seqlen
-        # - sink): the buffer holds S + W tokens and rolls token by token.
-        self.sink_tokens = sinks * chunk_tokens if sink_tokens is None else sink_tokens
-        self.capacity = self.sink_tokens + (window * chunk_tokens if window_tokens is None else window_tokens)
-        shape = (batch, self.capacity, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.end = [0] * num_layers
-
-    @property
-    def reserved_bytes(self) -> int:
-        """Bytes of the K and V buffers of all layers."""
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
-
-    @property
-    def transient_bytes(self) -> int:
-        """The largest temporary a shift allocates: one ``.clone()`` of the rolled tokens."""
-        buf = self.k[0]
-        rolled = max(0, self.capacity - self.sink_tokens - self.chunk)
-        return rolled * buf.shape[0] * buf.shape[2] * buf.shape[3] * buf.element_size()
-
-    def store(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> None:
-        """Append one chunk ``k, v [B, T, H_kv, D]`` to ``layer``, shifting when full."""
-        n = k.shape[1]
-        end = self.end[layer]
-        sink = self.sink_tokens
-        if end + n > self.capacity:
-            evicted = end + n - self.capacity
-            rolled = end - evicted - sink
-            for buf in (self.k[layer], self.v[layer]):
-                # Overlapping ranges: the clone is what makes the shift well defined.
-                buf[:, sink:sink + rolled] = buf[:, sink + evicted:sink + evicted + rolled].clone()
-            end -= evicted
-        self.k[layer][:, end:end + n] = k
-        self.v[layer][:, end:end + n] = v
-        self.end[layer] = end + n
-
-    def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
-        """Full attention of ``q [B, T, H_q, D]`` over what ``layer`` holds; ``[B, T, H_q, D]``."""
-        end = self.end[layer]
-        kk = self.k[layer][:, :end].transpose(1, 2)
-        vv = self.v[layer][:, :end].transpose(1, 2)
-        gqa = q.shape[2] != kk.shape[1]
-        return F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, enable_gqa=gqa).transpose(1, 2)
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-        """Store the chunk's K/V, then attend (the clean, committing pass)."""
-        self.store(k, v, layer)
-        return self.attend(q, layer)
-
-
-# --- byte counting ----------------------------------------------------------------------
-
-# Ops that produce a copy of their input(s). aten.index (a gather) is deliberately absent:
-# it is how the CPU attention path reads keys, not a move of the cache.
-_COPY_OPS = {
-    aten.clone.default,
-    aten._to_copy.default,
-    aten.cat.default,
-    aten.stack.default,
-    aten.roll.default,
-    aten.slice_scatter.default,
-    aten.select_scatter.default,
-    aten.index_copy.default,
-    aten.index_put.default,
-}
-
-
-def _tensors(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
-    return []
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _sptr(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-class KVByteCounter(TorchDispatchMode):
-    """Sort the bytes written by copies and in-place ops into new / retained / temp.
-
-    Usage::
-
-        counter = KVByteCounter()
-        counter.watch(*kv_tensors)          # any views of the KV storages
-        with counter:
-            for c in range(chunks):
-                counter.begin_chunk()
-                ...                         # store + attend every layer
-        counter.per_chunk                   # [{"new": b, "retained": b, "temp": b}, ...]
-
-    ``watch`` may also be called inside the ``with`` (e.g. once a lazily built arena
-    exists). Temporaries derived from KV are held until the next ``begin_chunk`` so their
-    addresses cannot be reused by unrelated tensors while being tracked.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._kv: set[int] = set()
-        self._derived: dict[int, torch.Tensor] = {}
-        self.per_chunk: list[dict[str, int]] = []
-
-    def watch(self, *tensors: torch.Tensor) -> None:
-        """Register the storages of ``tensors`` as KV storage."""
-        for t in tensors:
-            self._kv.add(_sptr(t))
-
-    def begin_chunk(self) -> None:
-        """Start the next chunk's tally."""
-        self._derived.clear()
-        self.per_chunk.append({"new": 0, "retained": 0, "temp": 0})
-
-    def _from_kv(self, t: torch.Tensor) -> bool:
-        p = _sptr(t)
-        return p in self._kv or p in self._derived
-
-    def _tally(self, key: str, n: int) -> None:
-        if not self.per_chunk:
-            self.begin_chunk()
-        self.per_chunk[-1][key] += n
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        schema = func._schema
-        written: list[torch.Tensor] = []
-        for i, a in enumerate(schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write:
-                val = args[i] if i < len(args) else kwargs.get(a.name)
-                written += _tensors(val)
-        if written:
-            ids = {id(w) for w in written}
-            sources = [t for t in _tensors(list(args)) + _tensors(list(kwargs.values())) if id(t) not in ids]
-            from_kv = any(self._from_kv(s) for s in sources if s.is_floating_point())
-            for w in written:
-                if _sptr(w) in self._kv:
-                    self._tally("retained" if from_kv else "new", self._written_bytes(func, w, args))
-        elif func in _COPY_OPS:
-            ins = _tensors(list(args))
-            kv_in = [t for t in ins if t.is_floating_point() and self._from_kv(t)]
-            if kv_in:
-                outs = _tensors(out)
-                n = sum(_nbytes(t) for t in kv_in) if func in (aten.cat.default, aten.stack.default) \
-                    else sum(_nbytes(t) for t in outs)
-                self._tally("temp", n)
-                for t in outs:
-                    self._derived[_sptr(t)] = t
-        return out
-
-    @staticmethod
-    def _written_bytes(func, dest: torch.Tensor, args) -> int:
-        if func in (aten.index_put_.default, aten._index_put_impl_.default):
-            indices = [i for i in args[1] if i is not None]
-            if indices and all(i.dtype != torch.bool for i in indices):
-                rows = math.prod(torch.broadcast_shapes(*(i.shape for i in indices)))
-                return rows * math.prod(dest.shape[len(args[1]):]) * dest.element_size()
-            return _nbytes(args[2])
-        return _nbytes(dest)
-
-
-# --- the rollout comparison ----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -528,10 +303,40 @@ def run_recycle(cfg: RecycleConfig | str = "quick", device: str | torch.device =
     inputs = _Inputs(cfg, device)
     fill = cfg.fill  # chunk index from which the baseline shifts
     counted = min(cfg.chunks, cfg.counted or cfg.chunks)
-    keep = sorted({0, fill - 1, fill, fill + 1, counted - 1})
     result: dict[str, Any] = {"config": asdict(cfg), "device": str(device)}
-
     # 1) counting pass (dispatch mode on, PyTorch path), also collecting outputs to compare.
+    counts = _count_bytes(cfg, device, inputs, counted, log)
+    result["sanity"] = counts.sanity
+    # 2) timed pass (no mode; the default backend: Triton on CUDA).
+    timed = {name: _time_rollout(name, fn, cfg, device, inputs, log)
+             for name, fn in (("kvarena", _rollout_kvarena), ("shift_left", _rollout_shift))}
+    result["kvarena"] = {"counts": _summarize_counts(counts.kvarena.per_chunk, fill), **timed["kvarena"]}
+    result["shift_left"] = {"counts": _summarize_counts(counts.shift_left.per_chunk, fill), **timed["shift_left"]}
+    el = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    token_bytes = cfg.batch * cfg.h_kv * cfg.head_dim * el
+    # What the baseline must move per chunk once full: (window - 1) chunks of K and of V in
+    # every layer, written back into the buffer ("retained") after being cloned ("temp":
+    # the same amount again). A check on the counter itself.
+    window_tokens = cfg.window_tokens if cfg.tokens else cfg.window * cfg.chunk
+    result["expected_shift_retained_bytes_per_chunk"] = 2 * cfg.layers * (window_tokens - cfg.chunk) * token_bytes
+    result["new_chunk_bytes"] = 2 * cfg.layers * cfg.chunk * token_bytes
+    return result
+
+
+@dataclass(frozen=True)
+class _Counts:
+    """The counting pass: each scheme's byte counter and the outputs' agreement."""
+
+    kvarena: KVByteCounter
+    shift_left: KVByteCounter
+    sanity: dict
+
+
+def _count_bytes(cfg: RecycleConfig, device: torch.device, inputs: _Inputs, counted: int, log) -> _Counts:
+    """Both schemes over ``counted`` chunks under a :class:`KVByteCounter` (dispatch mode
+    on, PyTorch path), with the outputs of a few chunks compared."""
+    fill = cfg.fill
+    keep = sorted({0, fill - 1, fill, fill + 1, counted - 1})
     log(f"recycle: counting bytes over {counted} chunks ({cfg.layers} layers) ...")
     c_kv = KVByteCounter()
     with c_kv:
@@ -545,49 +350,41 @@ def run_recycle(cfg: RecycleConfig | str = "quick", device: str | torch.device =
         a, b = out_kv[c].float(), out_sl[c].float()
         errs[c] = ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
     tol = 3e-2 if cfg.dtype in ("bfloat16", "float16") else 1e-4
-    result["sanity"] = {"max_rel_err_by_chunk": errs, "max_rel_err": max(errs.values()),
-                        "tolerance": tol, "same_output": max(errs.values()) <= tol}
+    sanity = {"max_rel_err_by_chunk": errs, "max_rel_err": max(errs.values()), "tolerance": tol,
+              "same_output": max(errs.values()) <= tol}
+    return _Counts(c_kv, c_sl, sanity)
 
-    # 2) timed pass (no mode; the default backend: Triton on CUDA).
-    timed = {}
-    for name, fn in (("kvarena", _rollout_kvarena), ("shift_left", _rollout_shift)):
-        log(f"recycle: timing {name} over {cfg.chunks} chunks ...")
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        t0 = time.perf_counter()
-        obj, per_chunk_s, _, mem_fill = fn(cfg, device, inputs, chunks=cfg.chunks)
-        total = time.perf_counter() - t0
-        mem = {}
-        if name == "kvarena":
-            mem["reserved_bytes"] = _slab_reserved_bytes(obj)
-            mem["peak_kv_bytes"] = mem["reserved_bytes"]  # the arena never grows or copies
-        else:
-            mem["reserved_bytes"] = obj.reserved_bytes
-            mem["peak_kv_bytes"] = obj.reserved_bytes + obj.transient_bytes
-        if device.type == "cuda":
-            mem["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device) - base
-            end = torch.cuda.memory_allocated(device)
-            mem["cuda_growth_after_fill_bytes"] = None if mem_fill is None else end - mem_fill
-        timed[name] = {
-            "memory": mem,
-            "time": {
-                "total_s": total,
-                "chunks": cfg.chunks,
-                "per_chunk_ms_median": 1e3 * _median(per_chunk_s[fill:]),
-                "per_chunk_ms_median_before_full": 1e3 * _median(per_chunk_s[:fill]),
-            },
-        }
-        del obj
-    result["kvarena"] = {"counts": _summarize_counts(c_kv.per_chunk, fill), **timed["kvarena"]}
-    result["shift_left"] = {"counts": _summarize_counts(c_sl.per_chunk, fill), **timed["shift_left"]}
-    el = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
-    token_bytes = cfg.batch * cfg.h_kv * cfg.head_dim * el
-    # What the baseline must move per chunk once full: (window - 1) chunks of K and of V in
-    # every layer, written back into the buffer ("retained") after being cloned ("temp":
-    # the same amount again). A check on the counter itself.
-    window_tokens = cfg.window_tokens if cfg.tokens else cfg.window * cfg.chunk
-    result["expected_shift_retained_bytes_per_chunk"] = 2 * cfg.layers * (window_tokens - cfg.chunk) * token_bytes
-    result["new_chunk_bytes"] = 2 * cfg.layers * cfg.chunk * token_bytes
-    return result
+
+def _time_rollout(name: str, fn, cfg: RecycleConfig, device: torch.device, inputs: _Inputs, log) -> dict:
+    """One scheme's timed rollout over ``cfg.chunks`` chunks: its memory and times."""
+    fill = cfg.fill
+    log(f"recycle: timing {name} over {cfg.chunks} chunks ...")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    t0 = time.perf_counter()
+    obj, per_chunk_s, _, mem_fill = fn(cfg, device, inputs, chunks=cfg.chunks)
+    total = time.perf_counter() - t0
+    mem = {}
+    if name == "kvarena":
+        mem["reserved_bytes"] = _slab_reserved_bytes(obj)
+        mem["peak_kv_bytes"] = mem["reserved_bytes"]  # the arena never grows or copies
+    else:
+        mem["reserved_bytes"] = obj.reserved_bytes
+        mem["peak_kv_bytes"] = obj.reserved_bytes + obj.transient_bytes
+    if device.type == "cuda":
+        mem["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device) - base
+        end = torch.cuda.memory_allocated(device)
+        mem["cuda_growth_after_fill_bytes"] = None if mem_fill is None else end - mem_fill
+    # Dropped here: the next scheme's memory is measured without this one's buffers.
+    del obj
+    return {
+        "memory": mem,
+        "time": {
+            "total_s": total,
+            "chunks": cfg.chunks,
+            "per_chunk_ms_median": 1e3 * _median(per_chunk_s[fill:]),
+            "per_chunk_ms_median_before_full": 1e3 * _median(per_chunk_s[:fill]),
+        },
+    }

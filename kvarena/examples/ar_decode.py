@@ -152,35 +152,83 @@ def run_ar_decode(
     torch.manual_seed(seed)
     cfg = config or DecoderConfig()
     model = TinyDecoder(cfg).to(device=device, dtype=dtype).eval()
+    cache = _make_cache(cfg, block_size, num_blocks, dtype, device)
+    report = DecodeReport(requests=len(prompt_lens) + 1)
+    report.arena_reserved_bytes = cache.arena.reserved_bytes
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    prompts = {f"r{i}": torch.randint(0, cfg.vocab, (n,), generator=gen).tolist() for i, n in enumerate(prompt_lens)}
+    run = _Decoding(model, cache, report, prompts, device=device, backend=backend, check=check)
+    t0 = time.perf_counter()
+    while run.unfinished(new_tokens):
+        run.sample(run.step(run.next_batch(prefill_chunk, new_tokens)))
+        if progress is not None:
+            progress(report)
+    if check:
+        _check_against_dense(model, run.seqs, run.cached, report, device)
+    report.wall_s = time.perf_counter() - t0
+    report.group_windows = tuple(g["window_left"] for g in cache.stats()["groups"])
+    report.block_bytes = cache.block_bytes
+    report.outputs = {ns: s for ns, s in run.seqs.items()}
+    for ns in list(run.seqs):
+        cache.free_namespace(ns)
+    if cache.free != cache.total_blocks:
+        raise RuntimeError(f"paged cache leaked blocks: {cache.total_blocks - cache.free} still used")
+    return report
+
+
+def _make_cache(cfg: DecoderConfig, block_size: int, num_blocks: int, dtype: torch.dtype, device) -> PagedKVCache:
+    """The run's paged cache: a layer group per kind of layer for a hybrid ``cfg`` (the
+    sliding groups' old blocks released), ``num_blocks`` blocks per group."""
     windows = cfg.layer_windows
     sliding = any(w is not None for w in windows)
     groups = group_layers(windows) if sliding and None in windows else None
     layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, groups=groups)
     n_groups = len(layout.layer_groups)
     policy = CachePolicy("paged_kv", max_bytes=num_blocks * n_groups * layout.block_bytes(block_size))
-    cache = PagedKVCache(policy, layout=layout, block_size=block_size, device=device,
-                         attention=[AttentionSpec(window_left=w) for w in windows], free_out_of_window=sliding)
-    report = DecodeReport(requests=len(prompt_lens) + 1)
-    report.arena_reserved_bytes = cache.arena.reserved_bytes
+    return PagedKVCache(policy, layout=layout, block_size=block_size, device=device,
+                        attention=[AttentionSpec(window_left=w) for w in windows], free_out_of_window=sliding)
 
-    gen = torch.Generator().manual_seed(seed + 1)
-    seqs = {f"r{i}": torch.randint(0, cfg.vocab, (n,), generator=gen).tolist() for i, n in enumerate(prompt_lens)}
-    prefilled = dict.fromkeys(seqs, 0)  # tokens of each sequence already in the cache
-    produced = {ns: 0 for ns in seqs}
-    forked = False
-    # Per sequence: (first position, the cached run's logits of that step's rows).
-    cached: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    t0 = time.perf_counter()
 
-    def step(batch: dict[str, int]) -> dict[str, torch.Tensor]:
+class _Decoding:
+    """The requests of one :func:`run_ar_decode`: their tokens, how many of each the cache
+    holds, and (with ``check``) each step's logits, kept for the dense comparison."""
+
+    def __init__(self, model: TinyDecoder, cache: PagedKVCache, report: DecodeReport, prompts: dict, *, device,
+                 backend: str, check: bool) -> None:
+        self.model, self.cache, self.report = model, cache, report
+        self.device, self.backend, self.check = device, backend, check
+        self.seqs = prompts
+        self.prefilled = dict.fromkeys(prompts, 0)  # tokens of each sequence already in the cache
+        self.produced = {ns: 0 for ns in prompts}
+        self.forked = False
+        # Per sequence: (first position, the cached run's logits of that step's rows).
+        self.cached: dict[str, list[tuple[int, torch.Tensor]]] = {}
+
+    def unfinished(self, new_tokens: int) -> bool:
+        return any(self.produced[ns] < new_tokens for ns in self.seqs)
+
+    def next_batch(self, prefill_chunk: int, new_tokens: int) -> dict[str, int]:
+        """Each unfinished request's next rows: a prompt chunk, or its last sampled token."""
+        batch = {}
+        for ns in self.seqs:
+            pending = len(self.seqs[ns]) - self.prefilled[ns]  # prompt remainder, or the last sampled token
+            if pending > 0 and self.produced[ns] < new_tokens:
+                batch[ns] = min(prefill_chunk, pending)
+        return batch
+
+    def step(self, batch: dict[str, int]) -> dict[str, torch.Tensor]:
+        """One plan and one cached forward over ``batch``; each sequence's last logits."""
+        cache, report, prefilled = self.cache, self.report, self.prefilled
         meta = cache.plan(batch)
         toks, pos = [], []
         for ns, n in batch.items():
             start = prefilled[ns]
-            toks += seqs[ns][start:start + n]
+            toks += self.seqs[ns][start:start + n]
             pos += list(range(start, start + n))
-        logits = model.forward_cached(
-            torch.tensor(toks, device=device), torch.tensor(pos, device=device), cache, meta, backend=backend
+        logits = self.model.forward_cached(
+            torch.tensor(toks, device=self.device), torch.tensor(pos, device=self.device), cache, meta,
+            backend=self.backend,
         )
         report.steps += 1
         report.tokens += len(toks)
@@ -192,44 +240,26 @@ def run_ar_decode(
             start = prefilled[ns]
             prefilled[ns] += n
             last[ns] = logits[row + n - 1]
-            if check:  # compared with the dense model once per sequence, after the run
-                cached.setdefault(ns, []).append((start, logits[row:row + n].float().clone()))
+            if self.check:  # compared with the dense model once per sequence, after the run
+                self.cached.setdefault(ns, []).append((start, logits[row:row + n].float().clone()))
             row += n
         return last
 
-    while any(produced[ns] < new_tokens for ns in seqs):
-        batch = {}
-        for ns in seqs:
-            pending = len(seqs[ns]) - prefilled[ns]  # prompt remainder, or the last sampled token
-            if pending > 0 and produced[ns] < new_tokens:
-                batch[ns] = min(prefill_chunk, pending)
-        last = step(batch)
+    def sample(self, last: dict[str, torch.Tensor]) -> None:
+        """Greedy tokens for the sequences past their prompt; ``r0`` forks after its prompt."""
         for ns, logit in last.items():
-            if prefilled[ns] < len(seqs[ns]):
+            if self.prefilled[ns] < len(self.seqs[ns]):
                 continue  # still prefilling: this logit predicts a prompt token
             top2 = logit.float().topk(2).indices.tolist()
-            if ns == "r0" and not forked:
+            if ns == "r0" and not self.forked:
                 # Fork after the prompt: the fork shares r0's blocks and takes the runner-up token.
-                cache.fork("r0", "r0.fork")
-                seqs["r0.fork"] = list(seqs["r0"]) + [top2[1]]
-                prefilled["r0.fork"] = prefilled["r0"]
-                produced["r0.fork"] = 1
-                forked = True
-            seqs[ns].append(top2[0])
-            produced[ns] += 1
-        if progress is not None:
-            progress(report)
-    if check:
-        _check_against_dense(model, seqs, cached, report, device)
-    report.wall_s = time.perf_counter() - t0
-    report.group_windows = tuple(g["window_left"] for g in cache.stats()["groups"])
-    report.block_bytes = cache.block_bytes
-    report.outputs = {ns: s for ns, s in seqs.items()}
-    for ns in list(seqs):
-        cache.free_namespace(ns)
-    if cache.free != cache.total_blocks:
-        raise RuntimeError(f"paged cache leaked blocks: {cache.total_blocks - cache.free} still used")
-    return report
+                self.cache.fork("r0", "r0.fork")
+                self.seqs["r0.fork"] = list(self.seqs["r0"]) + [top2[1]]
+                self.prefilled["r0.fork"] = self.prefilled["r0"]
+                self.produced["r0.fork"] = 1
+                self.forked = True
+            self.seqs[ns].append(top2[0])
+            self.produced[ns] += 1
 
 
 def _check_against_dense(model: TinyDecoder, seqs: dict, cached: dict, report: DecodeReport, device) -> None:

@@ -16,170 +16,25 @@ per request and branch in a :class:`ResidualCache`.
 ``run_causal_dit`` checks every pass against a dense recomputation of the whole video so
 far with the explicit token mask (a query of the chunk ending at ``e`` sees ``t < e`` with
 ``t < S`` or ``t >= e - W``): each history chunk then attends to exactly the keys it saw when
-it was committed, so the current chunk's output must match.
+it was committed, so the current chunk's output must match. The model and that dense
+reference are :mod:`kvarena.examples.dit_model`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from kvarena.cache.feature import FeatureCache
 from kvarena.cache.keys import CacheKey, CachePolicy, content_hash
 from kvarena.cache.residual import ResidualCache
 from kvarena.cache.slab import SlabKVCache
-from kvarena.examples.common import apply_rope, rms_norm, rope_tables
+from kvarena.examples.dit_model import DiTConfig, TinyCausalDiT, dense_forward, sink_window_mask
 from kvarena.integrations.causal_wan import CausalKVCache
-
-
-@dataclass(frozen=True)
-class DiTConfig:
-    channels: int = 8  # latent channels per token
-    dim: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    head_dim: int = 16
-    ffn: int = 128
-    text_len: int = 7
-    vocab: int = 50
-    frame_tokens: int = 6
-    frames_per_chunk: int = 2
-    first_chunk_frames: int = 1  # image-to-video style short first chunk
-    rope_base: float = 10000.0
-
-    @property
-    def chunk_tokens(self) -> int:
-        return self.frame_tokens * self.frames_per_chunk
-
-    def chunk_len(self, c: int) -> int:
-        return self.frame_tokens * (self.first_chunk_frames if c == 0 else self.frames_per_chunk)
-
-    def chunk_start(self, c: int) -> int:
-        """Global position of chunk c's first token (RoPE and the dense check use it)."""
-        return 0 if c == 0 else self.chunk_len(0) + (c - 1) * self.chunk_tokens
-
-
-def _timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
-    half = dim // 2
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
-    ang = t.float()[..., None] * 1000.0 * freqs
-    return torch.cat((ang.cos(), ang.sin()), dim=-1)
-
-
-class TinyCausalDiT(nn.Module):
-    """adaLN blocks of self-attention (RoPE before caching), text cross-attention and FFN."""
-
-    def __init__(self, cfg: DiTConfig):
-        super().__init__()
-        c = cfg
-        self.cfg = cfg
-        hd = c.num_heads * c.head_dim
-        self.patch_in = nn.Linear(c.channels, c.dim)
-        self.patch_out = nn.Linear(c.dim, c.channels)
-        self.t_mlp = nn.Sequential(nn.Linear(c.dim, c.dim), nn.SiLU(), nn.Linear(c.dim, c.dim))
-        self.ada = nn.ModuleList(nn.Linear(c.dim, 6 * c.dim) for _ in range(c.num_layers))
-        self.qkv = nn.ModuleList(nn.Linear(c.dim, 3 * hd) for _ in range(c.num_layers))
-        self.proj = nn.ModuleList(nn.Linear(hd, c.dim) for _ in range(c.num_layers))
-        self.cross_q = nn.ModuleList(nn.Linear(c.dim, hd) for _ in range(c.num_layers))
-        self.cross_kv = nn.ModuleList(nn.Linear(c.dim, 2 * hd) for _ in range(c.num_layers))
-        self.cross_o = nn.ModuleList(nn.Linear(hd, c.dim) for _ in range(c.num_layers))
-        self.ffn = nn.ModuleList(
-            nn.Sequential(nn.Linear(c.dim, c.ffn), nn.GELU(), nn.Linear(c.ffn, c.dim)) for _ in range(c.num_layers)
-        )
-        self.text_embed = nn.Embedding(c.vocab, c.dim)
-        self.text_mlp = nn.Sequential(nn.Linear(c.dim, c.dim), nn.GELU(), nn.Linear(c.dim, c.dim))
-        for m in self.ada:  # small modulation, as adaLN-zero-like init keeps activations tame
-            nn.init.normal_(m.weight, std=0.02)
-
-    # -- text encoder + per-layer text K/V (what FeatureCache stores) ---------------------
-    def text_kv(self, prompt: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-        """prompt ids ``[text_len]`` -> per layer (k, v), each ``[text_len, H, D]``."""
-        c = self.cfg
-        e = self.text_mlp(self.text_embed(prompt))
-        out = []
-        for layer in range(c.num_layers):
-            k, v = self.cross_kv[layer](e).view(-1, 2, c.num_heads, c.head_dim).unbind(1)
-            out.append((k, v))
-        return tuple(out)
-
-    # -- one layer, split so that DBCache can stop after the first block -----------------
-    def block(self, layer: int, h: torch.Tensor, temb: torch.Tensor, pos: torch.Tensor, text, attn_fn) -> torch.Tensor:
-        """h ``[B, T, dim]``, temb ``[B, T, dim]``, pos ``[B, T]``, text: per-row (k, v) ``[B, S, H, D]``."""
-        c = self.cfg
-        b, t, _ = h.shape
-        sh1, sc1, g1, sh2, sc2, g2 = self.ada[layer](temb).chunk(6, dim=-1)
-        x = rms_norm(h) * (1 + sc1) + sh1
-        q, k, v = self.qkv[layer](x).view(b, t, 3, c.num_heads, c.head_dim).unbind(2)
-        cos, sin = rope_tables(pos.reshape(-1), c.head_dim, c.rope_base)
-        q = apply_rope(q.reshape(b * t, c.num_heads, c.head_dim), cos, sin).view(b, t, c.num_heads, c.head_dim)
-        k = apply_rope(k.reshape(b * t, c.num_heads, c.head_dim), cos, sin).view(b, t, c.num_heads, c.head_dim)
-        o = attn_fn(layer, q, k, v)  # [B, T, H, D]
-        h = h + g1 * self.proj[layer](o.reshape(b, t, -1))
-        # text cross-attention (full, no mask)
-        tq = self.cross_q[layer](rms_norm(h)).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
-        tk, tv = text[layer]
-        co = F.scaled_dot_product_attention(tq, tk.transpose(1, 2), tv.transpose(1, 2))
-        h = h + self.cross_o[layer](co.transpose(1, 2).reshape(b, t, -1))
-        x = rms_norm(h) * (1 + sc2) + sh2
-        return h + g2 * self.ffn[layer](x)
-
-    def embed(self, x: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x ``[B, T, C]``, sigma ``[B, T]`` -> (h, temb), both ``[B, T, dim]``."""
-        temb = _timestep_embedding(sigma, self.cfg.dim).to(x.dtype)
-        return self.patch_in(x), self.t_mlp(temb)
-
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        return self.patch_out(rms_norm(h))
-
-
-# --- dense reference ------------------------------------------------------------------
-
-
-def sink_window_mask(cfg: DiTConfig, n_chunks: int, sink_frames: int, window_frames: int, device) -> torch.Tensor:
-    """Boolean ``[N, N]`` over the tokens of chunks ``0..n_chunks-1``: a query of the chunk
-    ending at token ``e`` sees key ``t`` iff ``t < e`` and (``t < S`` or ``t >= e - W``), with
-    ``S``, ``W`` the sink and window frames in tokens."""
-    s, w = sink_frames * cfg.frame_tokens, window_frames * cfg.frame_tokens
-    ends = torch.cat([torch.full((cfg.chunk_len(c),), cfg.chunk_start(c) + cfg.chunk_len(c), device=device)
-                      for c in range(n_chunks)])
-    e, t = ends[:, None], torch.arange(ends.shape[0], device=device)[None, :]
-    return (t < e) & ((t < s) | (t >= e - w))
-
-
-def dense_forward(model: TinyCausalDiT, x: torch.Tensor, sigma: torch.Tensor, text, mask: torch.Tensor,
-                  *, detach_keys_before: int = 0) -> torch.Tensor:
-    """The whole sequence ``x [1, N, C]`` through every layer with masked SDPA -> ``[1, N, C]``.
-
-    ``detach_keys_before``: the K/V of tokens before it are constants to autograd (what a
-    cached history is to a training step: computed earlier, under no_grad).
-    """
-    c = model.cfg
-    n = x.shape[1]
-    pos = torch.arange(n, device=x.device)[None]
-    h, temb = model.embed(x, sigma)
-    cut = detach_keys_before
-
-    def attn(layer, q, k, v):
-        if cut:
-            k = torch.cat([k[:, :cut].detach(), k[:, cut:]], 1)
-            v = torch.cat([v[:, :cut].detach(), v[:, cut:]], 1)
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2).double(), k.transpose(1, 2).double(), v.transpose(1, 2).double(), attn_mask=mask
-        )
-        return o.transpose(1, 2).to(q.dtype)
-
-    for layer in range(c.num_layers):
-        h = model.block(layer, h, temb, pos, text, attn)
-    return model.head(h)
-
-
-# --- the rollout ----------------------------------------------------------------------
 
 
 @dataclass
@@ -245,81 +100,19 @@ def run_causal_dit(
     kv = _causal_kv(cfg, dtype, device, len(namespaces), sink_frames, window_frames, backend)
     pool = kv.pool
     features = FeatureCache(CachePolicy("feature", max_bytes=1 << 24))
-    residuals = ResidualCache(CachePolicy("residual", max_bytes=1 << 24))
     report = RolloutReport(arena_reserved_bytes=pool.arena.reserved_bytes, visibility=(
         f"sinks {sink_frames} + window {window_frames} frames ({pool.sink_tokens} + {pool.window_tokens} tokens)"))
     report.arena_used_bytes_after_window = []
 
     gen = torch.Generator().manual_seed(seed + 1)
     prompts = {r: torch.randint(1, cfg.vocab, (cfg.text_len,), generator=gen) for r in range(rollouts)}
-    null_prompt = torch.zeros(cfg.text_len, dtype=torch.long)
-
-    def text_for(ns: str):
-        r, br = int(ns.split("/")[0][5:]), ns.split("/")[1]
-        prompt = prompts[r] if br == "cond" else null_prompt
-        key = CacheKey("dit.text_kv", content_hash(prompt), weights_version="dit-v1")
-        return features.get_or_compute(key, lambda: model.text_kv(prompt.to(device)))
-
-    clean: dict[str, list[torch.Tensor]] = {ns: [] for ns in namespaces}  # committed latents (dense check)
-    arena_ptr = None
+    opts = _RolloutOptions(rollouts=rollouts, steps=steps, sink_frames=sink_frames, window_frames=window_frames,
+                           cfg_scale=cfg_scale, residual_threshold=residual_threshold, dtype=dtype, device=device,
+                           check=check)
+    roll = _Rollout(model, kv, features, report, namespaces, gen, prompts, opts)
     t0 = time.perf_counter()
     for c in range(num_chunks):
-        t_len, start = cfg.chunk_len(c), cfg.chunk_start(c)
-        before = _retained_state(pool, namespaces)
-        ptr = pool.arena.data_ptr()
-        arena_ptr = ptr if arena_ptr is None else arena_ptr
-        report.arena_ptr_stable &= ptr == arena_ptr
-        texts = [text_for(ns) for ns in namespaces]
-        text = tuple(
-            (torch.stack([t[layer][0] for t in texts]), torch.stack([t[layer][1] for t in texts]))
-            for layer in range(cfg.num_layers)
-        )
-        pos = (cfg.chunk_start(c) + torch.arange(t_len, device=device))[None].expand(len(namespaces), -1)
-        noise = torch.randn(rollouts, t_len, cfg.channels, generator=gen).to(device=device, dtype=dtype)
-        x = noise
-        sigmas = [1.0 - i / steps for i in range(steps)]
-        with contextlib.ExitStack() as stack:
-            for r in range(rollouts):  # residuals live for this chunk's denoising steps only
-                stack.enter_context(residuals.scope(f"video{r}"))
-            for i, sigma in enumerate(sigmas):
-                xb = x.repeat_interleave(2, dim=0)  # [B=rollouts*2, T, C]: cond, uncond per video
-                sig = torch.full(xb.shape[:2], sigma, device=device, dtype=dtype)
-                with kv.step(namespaces, clean=False) as layers:
-                    velocity, skipped = _forward_pass(
-                        model, layers, start, xb, sig, pos, text,
-                        residuals=residuals if residual_threshold > 0 else None, namespaces=namespaces,
-                        threshold=residual_threshold,
-                    )
-                report.passes += 1
-                report.skipped_layer_evals += skipped
-                if check and not skipped:
-                    report.max_err = max(report.max_err, _dense_check(model, clean, namespaces, c, xb, sig, text, velocity,
-                                                                      sink_frames, window_frames))
-                    report.checked_passes += 1
-                v = velocity[0::2] + cfg_scale * (velocity[0::2] - velocity[1::2])
-                x0 = x - sigma * v
-                nxt = sigmas[i + 1] if i + 1 < steps else 0.0
-                fresh = torch.randn(x.shape, generator=gen).to(device=device, dtype=dtype)
-                x = x0 if nxt == 0.0 else (1 - nxt) * x0 + nxt * fresh
-        # clean pass: timestep 0, commits every layer's K/V into the chunk's slab
-        xb = x.repeat_interleave(2, dim=0)
-        sig = torch.zeros(xb.shape[:2], device=device, dtype=dtype)
-        with kv.step(namespaces, clean=True) as layers:
-            out, _ = _forward_pass(model, layers, start, xb, sig, pos, text, residuals=None, namespaces=namespaces,
-                                   threshold=0.0)
-        report.passes += 1
-        if check:
-            report.max_err = max(report.max_err, _dense_check(model, clean, namespaces, c, xb, sig, text, out,
-                                                              sink_frames, window_frames))
-            report.checked_passes += 1
-        for j, ns in enumerate(namespaces):
-            clean[ns].append(xb[j])
-        report.retained_bytes_moved += _retained_moved(before, _retained_state(pool, namespaces))
-        report.chunks += 1
-        report.tokens += t_len * len(namespaces)
-        report.arena_used_bytes = max(report.arena_used_bytes, kv.used_bytes)
-        if start >= (sink_frames + window_frames) * cfg.frame_tokens:  # the window has moved past the sinks
-            report.arena_used_bytes_after_window.append(kv.used_bytes)
+        roll.chunk(c)
         if progress is not None:
             progress(c + 1, num_chunks)
     report.wall_s = time.perf_counter() - t0
@@ -327,6 +120,114 @@ def run_causal_dit(
     report.text_cache_hits, report.text_cache_misses = st["hits"], st["misses"]
     kv.reset()
     return report
+
+
+@dataclass(frozen=True)
+class _RolloutOptions:
+    """The options of one :func:`run_causal_dit` that its chunks read."""
+
+    rollouts: int
+    steps: int
+    sink_frames: int
+    window_frames: int
+    cfg_scale: float
+    residual_threshold: float
+    dtype: torch.dtype
+    device: object  # str or torch.device
+    check: bool
+
+
+class _Rollout:
+    """The state of one :func:`run_causal_dit` across chunks: the model, its caches, the
+    report, and every stream's committed latents (for the dense check)."""
+
+    def __init__(self, model: TinyCausalDiT, kv: CausalKVCache, features: FeatureCache, report: RolloutReport,
+                 namespaces: list, gen: torch.Generator, prompts: dict, opts: _RolloutOptions) -> None:
+        self.model, self.kv, self.features, self.report = model, kv, features, report
+        self.namespaces, self.gen, self.prompts, self.opts = namespaces, gen, prompts, opts
+        self.residuals = ResidualCache(CachePolicy("residual", max_bytes=1 << 24))
+        self.null_prompt = torch.zeros(model.cfg.text_len, dtype=torch.long)
+        self.clean: dict[str, list[torch.Tensor]] = {ns: [] for ns in namespaces}  # committed latents (dense check)
+        self.arena_ptr = None
+
+    def _text_for(self, ns: str):
+        r, br = int(ns.split("/")[0][5:]), ns.split("/")[1]
+        prompt = self.prompts[r] if br == "cond" else self.null_prompt
+        key = CacheKey("dit.text_kv", content_hash(prompt), weights_version="dit-v1")
+        return self.features.get_or_compute(key, lambda: self.model.text_kv(prompt.to(self.opts.device)))
+
+    def _randn(self, *shape) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen).to(device=self.opts.device, dtype=self.opts.dtype)
+
+    def chunk(self, c: int) -> None:
+        """Chunk ``c`` of every stream: its denoising steps, then the pass that commits it."""
+        cfg, pool, report, o = self.model.cfg, self.kv.pool, self.report, self.opts
+        t_len, start = cfg.chunk_len(c), cfg.chunk_start(c)
+        before = _retained_state(pool, self.namespaces)
+        ptr = pool.arena.data_ptr()
+        self.arena_ptr = ptr if self.arena_ptr is None else self.arena_ptr
+        report.arena_ptr_stable &= ptr == self.arena_ptr
+        texts = [self._text_for(ns) for ns in self.namespaces]
+        text = tuple(
+            (torch.stack([t[layer][0] for t in texts]), torch.stack([t[layer][1] for t in texts]))
+            for layer in range(cfg.num_layers)
+        )
+        pos = (cfg.chunk_start(c) + torch.arange(t_len, device=o.device))[None].expand(len(self.namespaces), -1)
+        x = self._denoise(c, self._randn(o.rollouts, t_len, cfg.channels), pos, text)
+        self._commit(c, x, pos, text)
+        report.retained_bytes_moved += _retained_moved(before, _retained_state(pool, self.namespaces))
+        report.chunks += 1
+        report.tokens += t_len * len(self.namespaces)
+        report.arena_used_bytes = max(report.arena_used_bytes, self.kv.used_bytes)
+        if start >= (o.sink_frames + o.window_frames) * cfg.frame_tokens:  # the window has moved past the sinks
+            report.arena_used_bytes_after_window.append(self.kv.used_bytes)
+
+    def _check(self, c: int, xb, sig, text, pred) -> None:
+        self.report.max_err = max(self.report.max_err, _dense_check(
+            self.model, self.clean, self.namespaces, c, xb, sig, text, pred, self.opts.sink_frames,
+            self.opts.window_frames))
+        self.report.checked_passes += 1
+
+    def _denoise(self, c: int, x: torch.Tensor, pos, text) -> torch.Tensor:
+        """The chunk's denoising steps (``clean=False``: nothing written); the denoised latents."""
+        o, report, start = self.opts, self.report, self.model.cfg.chunk_start(c)
+        sigmas = [1.0 - i / o.steps for i in range(o.steps)]
+        with contextlib.ExitStack() as stack:
+            for r in range(o.rollouts):  # residuals live for this chunk's denoising steps only
+                stack.enter_context(self.residuals.scope(f"video{r}"))
+            for i, sigma in enumerate(sigmas):
+                xb = x.repeat_interleave(2, dim=0)  # [B=rollouts*2, T, C]: cond, uncond per video
+                sig = torch.full(xb.shape[:2], sigma, device=o.device, dtype=o.dtype)
+                with self.kv.step(self.namespaces, clean=False) as layers:
+                    velocity, skipped = _forward_pass(
+                        self.model, layers, start, xb, sig, pos, text,
+                        residuals=self.residuals if o.residual_threshold > 0 else None, namespaces=self.namespaces,
+                        threshold=o.residual_threshold,
+                    )
+                report.passes += 1
+                report.skipped_layer_evals += skipped
+                if o.check and not skipped:
+                    self._check(c, xb, sig, text, velocity)
+                v = velocity[0::2] + o.cfg_scale * (velocity[0::2] - velocity[1::2])
+                x0 = x - sigma * v
+                nxt = sigmas[i + 1] if i + 1 < o.steps else 0.0
+                fresh = self._randn(*x.shape)
+                x = x0 if nxt == 0.0 else (1 - nxt) * x0 + nxt * fresh
+        return x
+
+    def _commit(self, c: int, x: torch.Tensor, pos, text) -> None:
+        """The clean pass: timestep 0, commits every layer's K/V into the chunk's slab."""
+        o = self.opts
+        xb = x.repeat_interleave(2, dim=0)
+        sig = torch.zeros(xb.shape[:2], device=o.device, dtype=o.dtype)
+        with self.kv.step(self.namespaces, clean=True) as layers:
+            out, _ = _forward_pass(self.model, layers, self.model.cfg.chunk_start(c), xb, sig, pos, text,
+                                   residuals=None, namespaces=self.namespaces, threshold=0.0)
+        self.report.passes += 1
+        if o.check:
+            self._check(c, xb, sig, text, out)
+        for j, ns in enumerate(self.namespaces):
+            self.clean[ns].append(xb[j])
 
 
 @dataclass

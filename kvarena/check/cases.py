@@ -1,0 +1,73 @@
+"""What ``kvarena check`` compiles: the heaviest realistic launch of every kernel, the
+targets' limits, and the contract's workloads for ``--perf``."""
+
+# Opt-in shared memory per block: 163 KiB on A100 (sm_80), 227 KiB on H100/H200 (sm_90a).
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+TARGET_NAMES = {80: "sm_80", 90: "sm_90a"}
+
+# Realistic heaviest launches: (name, head_dim, group, dtype, q_len_max, block_size, split,
+# deterministic, flags as launched). q_len_max is what the pool passes as max_seqlen_q: 1 for
+# decode, the chunk for slabs; block_size selects the block layout specialization (16:
+# power-of-two pages, 48: pages divided at run time, >= BLOCK_N: slabs, the contiguous
+# large-block path). Flags (causal, kv_start, lse, softcap): the slab pool's chunks run
+# non-causal with kv_start and lse, decode and prefill causal. Each case also compiles with
+# every flag on (the most code), since spills must not depend on the options.
+_DECODE, _PREFILL, _SLAB = (True, False, False, False), (True, False, False, False), (False, True, True, False)
+ATTENTION_CASES = [
+    ("decode 32q/8kv", 128, 4, "bf16", 1, 16, False, False, _DECODE),
+    ("decode 32q/8kv split", 128, 4, "bf16", 1, 16, True, False, _DECODE),
+    ("decode D256 GQA8 split", 256, 8, "fp16", 1, 16, True, False, _DECODE),
+    ("prefill 32q/8kv page48", 128, 4, "bf16", 2048, 48, False, False, _PREFILL),
+    ("chunk MAGI 24q/8kv", 128, 3, "bf16", 12150, 12150, False, False, _SLAB),
+    ("chunk Wan split", 128, 1, "fp16", 4680, 4680, True, False, _SLAB),
+    ("chunk GQA5 split", 128, 5, "bf16", 4096, 4096, True, False, _SLAB),
+    ("chunk D256 GQA7 split", 256, 7, "bf16", 4096, 4096, True, False, _SLAB),
+    ("spec-decode 4x8 split", 128, 8, "bf16", 4, 16, True, False, _PREFILL),
+    ("deterministic 32q/8kv", 128, 4, "bf16", 1, 16, True, True, _DECODE),
+    ("decode fp32", 128, 4, "fp32", 1, 16, False, False, _DECODE),
+    ("chunk fp32 split", 128, 1, "fp32", 4680, 4680, True, False, _SLAB),
+    ("chunk fp32 D256 GQA5", 256, 5, "fp32", 4680, 4680, False, False, _SLAB),
+]
+_FLAG_NAMES = ("causal", "kv_start", "lse", "softcap")
+# Slab cases also compiled as a denoising step launches them: the cached history and the
+# step's own k/v as two key sources of one launch (commit=False).
+OWN_KV_CASES = ("chunk MAGI 24q/8kv", "chunk Wan split")
+# Cases also compiled with a float8_e4m3fn cache (bytes decoded in registers, per-key fp32
+# scales on the score and probability columns): decode (paged), prefill through the guarded
+# page path, and a slab chunk on the large-block path with the step's own k/v (never fp8).
+FP8_CASES = ("decode 32q/8kv split", "prefill 32q/8kv page48", "chunk Wan split")
+# Cases also compiled with RoPE on read (queries and keys rotated by table rows as loaded,
+# per-block position shifts): decode with half-split pairs, the slab chunk (own k/v,
+# interleaved pairs as Wan's); with an fp8 cache too under --all-variants.
+ROPE_CASES = ("decode 32q/8kv split", "chunk Wan split")
+# The contract's workloads for --perf (sinks 1 + window 3 for slab chunks): the launch
+# plan each gets, its grid and its wave efficiency. (name, head_dim, group, num_kv_heads,
+# num_seqs, q_len, k_len (cached keys), block_size, causal, own_len (the step's own keys,
+# attended in the same launch: a denoising step)).
+WORKLOADS = [
+    ("decode B=1 ctx=128K", 128, 4, 8, 1, 1, 131072, 16, True, 0),
+    ("decode B=16 ctx=16K", 128, 4, 8, 16, 1, 16384, 16, True, 0),
+    ("decode B=16 ctx=128K", 128, 4, 8, 16, 1, 131072, 16, True, 0),
+    ("decode B=64 ctx=8K", 128, 4, 8, 64, 1, 8192, 16, True, 0),
+    ("decode B=256 ctx=8K", 128, 4, 8, 256, 1, 8192, 16, True, 0),
+    ("Wan-1.3B chunk, commit=True", 128, 1, 12, 1, 4680, 4 * 4680, 4680, False, 0),
+    ("Wan-1.3B chunk, commit=False", 128, 1, 12, 1, 4680, 3 * 4680, 4680, False, 4680),
+    ("Wan-14B chunk, commit=True", 128, 1, 40, 1, 4680, 4 * 4680, 4680, False, 0),
+    ("Wan-14B chunk, commit=False", 128, 1, 40, 1, 4680, 3 * 4680, 4680, False, 4680),
+    ("MAGI-1 chunk, commit=True", 128, 3, 8, 1, 12150, 4 * 12150, 12150, False, 0),
+    ("MAGI-1 chunk, commit=False", 128, 3, 8, 1, 12150, 3 * 12150, 12150, False, 12150),
+]
+SM_COUNT = {80: 108, 90: 132}
+REDUCE_CASES = [("reduce D128", 128, "bf16"), ("reduce D256", 256, "fp16")]
+# The backward kernels (dQ and dK/dV), every mask flag on: (name, head_dim, group, dtype,
+# how the given keys sit: 0 = at the query rows (paged / commit), 1 = after the history).
+BWD_CASES = [
+    ("bwd 32q/8kv", 128, 4, "bf16", 0),
+    ("bwd Wan denoise", 128, 1, "bf16", 1),
+    ("bwd D256 GQA2", 256, 2, "fp16", 0),
+    ("bwd fp32", 128, 1, "fp32", 1),
+]
+# (name, head_dim, input dtype, quantize to fp8 with per-token scales).
+STORE_CASES = [("store D256", 256, "bf16", False), ("store D256 fp32", 256, "fp32", False),
+               ("store D128 fp8", 128, "bf16", True)]
+MERGE_CASES = [("merge D256", 256, "bf16"), ("merge D256 fp32", 256, "fp32")]

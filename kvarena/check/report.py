@@ -1,0 +1,117 @@
+"""What ``kvarena check`` prints and writes: the compile table, the workloads' launch plans
+(``--perf``) and the CTAs-per-SM table of :mod:`kvarena.kernels.occupancy`."""
+
+from __future__ import annotations
+
+from kvarena.check.cases import SM_COUNT, TARGET_NAMES, WORKLOADS
+from kvarena.check.compile import Row
+
+#: The default table's width: wider configs wrap onto continuation lines (``--wide``: one line each).
+TABLE_COLUMNS = 120
+
+
+def _print_table(rows: list[Row], wide: bool = False) -> None:
+    """One line per compile (plus continuation lines for a long config unless ``wide``).
+
+    The default form fits :data:`TABLE_COLUMNS`: no kernel column (the config names its
+    kind), short headers, the config wrapped, compile errors listed under the table.
+    ``wide``: every column on one line, errors inline.
+    """
+    import textwrap
+
+    perf = any(r.mma for r in rows)
+    if wide:
+        head = ("kernel", "config", "target", "regs", "spill st/ld", "shared KiB", "fits")
+    else:
+        head = ("config", "target", "regs", "spills", "smem KiB", "fits")
+    if perf:
+        head += ("CTAs/SM", "MMA", "K/V bufs", "loop SASS", "ref SASS", "ratio") if wide else \
+            ("CTA/SM", "MMA", "K/V", "loop", "ref", "ratio")
+
+    def perf_cols(r: Row) -> tuple:
+        if not r.mma:
+            return ("",) * 6
+        ratio = f"{r.loop_sass / r.ref_loop_sass:.2f}" if r.loop_sass > 0 and r.ref_loop_sass > 0 else "-"
+        return (str(r.ctas_per_sm), r.mma, str(r.kv_buffers), str(r.loop_sass), str(r.ref_loop_sass), ratio)
+
+    def fits(r: Row) -> str:
+        if r.fits:
+            return "yes"
+        return "NO: " + r.error if r.error and wide else "NO"
+
+    body = [
+        ((r.kernel,) if wide else ()) + (r.config, r.target, str(r.registers), f"{r.spill_stores}/{r.spill_loads}",
+                                         f"{r.shared_bytes / 1024:.1f}", fits(r))
+        + (perf_cols(r) if perf else ())
+        for r in rows
+    ]
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    cfg = 1 if wide else 0  # the config column
+    if not wide:
+        others = sum(w for i, w in enumerate(widths) if i != cfg) + 2 * (len(widths) - 1)
+        widths[cfg] = max(len(head[cfg]), min(widths[cfg], TABLE_COLUMNS - others))
+    for line in [head, tuple("-" * w for w in widths), *body]:
+        parts = [line[cfg]]
+        if len(line[cfg]) > widths[cfg]:  # only in the default form: --wide sized the column to fit
+            parts = textwrap.wrap(line[cfg], widths[cfg], subsequent_indent="  ", break_on_hyphens=False)
+        first = line[:cfg] + (parts[0],) + line[cfg + 1:]
+        print("  ".join(x.ljust(w) for x, w in zip(first, widths)).rstrip())
+        for more in parts[1:]:
+            print(more.rstrip())
+    errors = [r for r in rows if not r.fits and r.error]
+    if errors and not wide:
+        print("compile errors:")
+        for r in errors:
+            print(textwrap.fill(f"{r.config} [{r.target}]: {r.error}", TABLE_COLUMNS, initial_indent="  ",
+                                subsequent_indent="    "))
+
+
+def _print_workloads(rows: list[dict]) -> None:
+    head = ("workload", "target", "tile", "programs", "splits", "CTAs/SM", "waves", "wave eff.")
+    body = [(r["workload"], r["target"], r["tile"], str(r["programs"]), str(r["splits"]), str(r["ctas_per_sm"]),
+             f"{r['waves']:.2f}", f"{r['efficiency']:.3f}") for r in rows]
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    for line in [head, tuple("-" * w for w in widths), *body]:
+        print("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip())
+
+
+def _workload_rows(targets) -> list[dict]:
+    """The launch plans of the contract's workloads (pure host math, no compile)."""
+    from kvarena.kernels.paged_attention import plan_launch
+
+    rows = []
+    for cap in targets:
+        for name, d, group, h_kv, b, q_len, k_len, block, causal, own in WORKLOADS:
+            plan = plan_launch(head_dim=d, group=group, elem_bytes=2, num_seqs=b, num_kv_heads=h_kv,
+                               max_seqlen_q=q_len, max_seqlen_k=k_len, block_size=block, causal=causal,
+                               window_left=None, sink_tokens=0, softcap=False, num_splits=None,
+                               deterministic=False, capability=cap, sm_count=SM_COUNT[cap], own_len=own)
+            if own and not plan.own_kv:
+                name += " (NOT one launch)"
+            ctas = plan.programs * plan.num_splits
+            slots = SM_COUNT[cap] * max(1, plan.ctas_per_sm)
+            rows.append(dict(workload=name, target=TARGET_NAMES[cap], tile=f"{plan.cfg['BLOCK_M']}x{plan.cfg['BLOCK_N']}",
+                             programs=plan.programs, splits=plan.num_splits, ctas_per_sm=plan.ctas_per_sm,
+                             waves=round(ctas / slots, 2), efficiency=round(plan.wave_efficiency(SM_COUNT[cap]), 3)))
+    return rows
+
+
+def _write_occupancy(rows: list[Row]) -> str:
+    """Rewrite occupancy.CTAS_PER_SM from attention rows: the fewest CTAs per key."""
+    from kvarena.kernels import occupancy
+
+    table: dict[tuple, int] = {}
+    for r in rows:
+        if r.kernel == "attention" and r.occupancy_key and r.fits:
+            key = tuple(r.occupancy_key)
+            table[key] = min(table.get(key, r.ctas_per_sm), r.ctas_per_sm)
+    path = occupancy.__file__
+    with open(path) as f:
+        text = f.read()
+    head, sep, _ = text.partition("CTAS_PER_SM: dict[tuple, int] = {")
+    if not sep:
+        raise RuntimeError(f"{path}: no CTAS_PER_SM table to rewrite")
+    body = "".join(f"    {k!r}: {v},\n" for k, v in sorted(table.items()))
+    with open(path, "w") as f:
+        f.write(head + sep + "\n" + body + "}\n")
+    return path

@@ -1,0 +1,123 @@
+"""The ``--perf`` metrics read from a compile: MMA kind (PTX), K/V buffers in flight
+(ttgir), SASS instructions per main-loop iteration (``nvdisasm``), and the same for the
+contiguous flash reference at the same tile."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+
+from kvarena.check.cache import _cache_get, _cache_key, _cache_put
+
+
+def _mma_kind(ptx: str) -> str:
+    """The tensor-core instruction family of a kernel: wgmma (sm_90a), mma.sync, or none."""
+    if "wgmma.mma_async" in ptx:
+        return "wgmma"
+    return "mma.sync" if "mma.sync" in ptx else "fma"
+
+
+def _kv_buffers(ttgir: str, block_n: int, d_pad: int) -> int:
+    """Shared-memory buffers of the K/V tiles in the main loop(s), from the ttgir.
+
+    The software pipeliner stages a loop's loads in mutable ``memdesc<N x ...>`` allocations;
+    the K and V tiles are the ones shaped ``[D, BLOCK_N]`` or ``[BLOCK_N, D]``. The fewest
+    over them is reported (0: the tiles are not staged through shared memory at all).
+    """
+    counts = []
+    for n, a, b in re.findall(r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x(\d+)x(\d+)x", ttgir):
+        if {int(a), int(b)} == {block_n, d_pad}:
+            counts.append(int(n))
+    return min(counts, default=0)
+
+
+def _nvdisasm() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+
+
+def _main_loop_sass(cubin: bytes) -> int:
+    """SASS instructions of the main loop: the smallest innermost loop that runs the dots.
+
+    Loops are found from backward branches in ``nvdisasm`` output; innermost ones contain
+    no other loop. On the large-block path the smallest such loop is the interior loop
+    (no mask code), elsewhere there is one. -1 when nvdisasm is missing or finds none.
+    """
+    import subprocess
+    import tempfile
+
+    tool = _nvdisasm()
+    if not os.path.exists(tool):
+        return -1
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, timeout=120).stdout
+    labels, instrs, pending = {}, [], []
+    for line in text.splitlines():
+        m = re.match(r"^(\.L_x_\d+):", line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*)", line)
+        if m:
+            addr = int(m.group(1), 16)
+            for name in pending:
+                labels[name] = addr
+            pending = []
+            instrs.append((addr, m.group(2)))
+    loops = []
+    for addr, ins in instrs:
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", ins)
+        if m and labels.get(m.group(1), addr + 1) < addr:
+            loops.append((labels[m.group(1)], addr))
+    inner = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
+    sizes = []
+    for lo, hi in inner:
+        body = [ins for a, ins in instrs if lo <= a <= hi]
+        if any("MMA" in ins or "FFMA" in ins for ins in body):
+            sizes.append(len(body))
+    return min(sizes, default=-1)
+
+
+def _reference_loop_sass_cached(tile: tuple, capability: int) -> int:
+    """:func:`_reference_loop_sass`, from the compile cache when it holds it."""
+    from kvarena.kernels.flash_reference import _flash_reference_kernel as fn
+
+    key = _cache_key(["reference", fn.cache_key, list(tile), capability])
+    hit = _cache_get(key)
+    if hit is not None:
+        return hit["loop_sass"]
+    sass = _reference_loop_sass(tile, capability)
+    _cache_put(key, {"loop_sass": sass})
+    return sass
+
+
+def _reference_loop_sass(tile: tuple, capability: int) -> int:
+    """Main-loop SASS of the contiguous flash reference compiled at ``tile``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvarena.kernels.flash_reference import _flash_reference_kernel as fn
+
+    block_m, block_n, d_pad, warps, stages, dt = tile
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in ("HEAD_DIM", "BLOCK_M", "BLOCK_N"):
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name], attrs[(i,)] = "*" + dt, [["tt.divisibility", 16]]
+        elif name == "scale_log2":
+            sig[name] = "fp32"
+        else:
+            sig[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=dict(HEAD_DIM=d_pad, BLOCK_M=block_m, BLOCK_N=block_n),
+                    attrs=attrs)
+    with contextlib.redirect_stdout(io.StringIO()):
+        compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                                  options={"num_warps": warps, "num_stages": stages})
+    return _main_loop_sass(compiled.asm["cubin"])

@@ -1,0 +1,159 @@
+"""The attention function transformers calls per layer, over transformers' own dense cache
+(one block per row, a strided view) or handed to a :class:`KVArenaCache`."""
+
+from __future__ import annotations
+
+import torch
+
+from kvarena.attention.ops import paged_attention
+from kvarena.integrations.hf._common import _HANDOFF, _sink_logits, _unsupported
+from kvarena.integrations.hf.mask import _Unpad
+
+__all__ = ["kvarena_attention"]
+
+
+def _check_packed(position_ids: torch.Tensor | None, kv_start: torch.Tensor | None, b: int, s: int, n: int) -> None:
+    """Prefill rows whose positions restart inside (packed sequences) would be attended as
+    one sequence: refuse them. One check per position_ids tensor (all layers share it)."""
+    if position_ids is None or s < 2:
+        return
+    key = (id(position_ids), position_ids._version, id(kv_start))
+    if _checked_positions.get(key) == (position_ids, kv_start):
+        return
+    pos = position_ids.expand(b, s) if position_ids.dim() == 2 else position_ids
+    real = torch.ones(b, s, dtype=torch.bool, device=pos.device)
+    pack = getattr(kv_start, "_kvarena_pack", None)
+    if pack is not None:  # any padding: the hook's real queries
+        real = pack.q_real.to(pos.device)
+    elif kv_start is not None:
+        real = (n - s + torch.arange(s, device=pos.device))[None, :] >= kv_start.to(pos.device)[:, None]
+    step_ok = (pos[:, 1:] - pos[:, :-1] == 1) | ~real[:, :-1] | ~real[:, 1:]
+    if not bool(step_ok.all()):
+        raise _unsupported("packed sequences (position_ids that restart inside a row)")
+    _checked_positions.clear()
+    _checked_positions[key] = (position_ids, kv_start)
+
+
+_checked_positions: dict = {}
+
+
+def kvarena_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                      scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
+                      softcap: float | None = None, s_aux: torch.Tensor | None = None, *, backend: str = "auto",
+                      **kwargs):
+    """The attention function ``transformers`` calls per layer.
+
+    Parameters
+    ----------
+    query : Tensor ``[B, H_q, S, D]``
+    key, value : Tensor ``[B, H_kv, L, D]``
+        The layer's whole K/V (past and new), as transformers' cache returns it.
+    attention_mask : None or int32 ``[B]``
+        What :func:`kvarena_mask` returned (left padding per row).
+
+    Returns
+    -------
+    ``(out [B, S, H_q, D], None)``.
+    """
+    handoff = _HANDOFF.get(id(key))
+    cache = handoff[1] if handoff is not None and handoff[0]() is key else None
+    if cache is None:
+        return _attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
+                          s_aux, backend, kwargs, None)
+    try:
+        return _attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
+                          s_aux, backend, kwargs, handoff)
+    except BaseException:  # a refused step leaves a KVArenaCache as it was before the step
+        cache._abort_step()
+        raise
+
+
+def _attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, s_aux,
+               backend, kwargs, handoff):
+    weights = kwargs.get("output_attentions")
+    if weights is None:  # not passed to the forward: the config's, as transformers' output capture reads it
+        weights = getattr(getattr(module, "config", None), "output_attentions", False)
+    if weights:
+        raise _unsupported("output_attentions=True (kvarena never forms the attention weights; use "
+                           "attn_implementation='eager' for them)")
+    if dropout and module.training:
+        raise _unsupported("attention dropout while training")
+    if attention_mask is not None and not hasattr(attention_mask, "_kvarena"):
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise _unsupported(f"an attention mask that did not come from its mask hook (got {shape}; a 4-D custom mask?)")
+    mask_in = attention_mask
+    if attention_mask is None:  # the model made no mask: its own flags
+        causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
+        window = sliding_window
+    else:
+        padded, causal, window = attention_mask._kvarena
+        if window is None:  # the mask cut no key of this call; the layer's window cuts none either
+            window = sliding_window
+        elif sliding_window is not None and window != sliding_window:
+            raise _unsupported(f"a mask window ({window}) that differs from the layer's sliding_window "
+                               f"({sliding_window})")
+        segments = attention_mask._kvarena_segments if hasattr(attention_mask, "_kvarena_segments") else None
+        attention_mask = attention_mask if padded or segments is not None else None
+    b, h_q, s, d = query.shape
+    valid = getattr(mask_in, "_kvarena_valid", None)
+    if valid is not None:  # a static cache: only its first `valid` slots hold tokens
+        key, value = key[:, :, :valid], value[:, :, :valid]
+    if handoff is not None:
+        return handoff[1]._attend(handoff[2], query, key, value, attention_mask, scaling, causal, window, softcap,
+                                  s_aux, backend, kwargs.get("position_ids"))
+    n = key.shape[2]
+    segments = getattr(attention_mask, "_kvarena_segments", None)
+    if segments is not None:  # packed sequences: one kvarena sequence each, in its row's block
+        rows, ends, starts, cu, max_q = (t.to(query.device) if isinstance(t, torch.Tensor) else t for t in segments)
+        out = paged_attention(
+            query.transpose(1, 2).reshape(b * s, h_q, d), key.transpose(1, 2), value.transpose(1, 2), rows, ends, cu,
+            scale=scaling, causal=True, window_left=None if window is None else window - 1, softcap=softcap,
+            kv_start=starts, max_seqlen_q=max_q, max_seqlen_k=n, sink_logits=_sink_logits(s_aux, query.dtype),
+            backend=backend)
+        return out.view(b, s, h_q, d), None
+    _check_packed(kwargs.get("position_ids"), attention_mask, b, s, n)
+    pack = getattr(attention_mask, "_kvarena_pack", None)
+    if pack is not None:
+        return _attention_unpadded(query, key, value, pack, scaling, causal, window, softcap, s_aux, backend)
+    q = query.transpose(1, 2).reshape(b * s, h_q, d)
+    # One block per row: [B, L, H_kv, D] strided views of the dense cache, no copy.
+    k_cache, v_cache = key.transpose(1, 2), value.transpose(1, 2)
+    dev = query.device
+    table = torch.arange(b, dtype=torch.int32, device=dev)[:, None]
+    lens = torch.full((b,), n, dtype=torch.int32, device=dev)
+    cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=dev)
+    sink = _sink_logits(s_aux, query.dtype)
+    out = paged_attention(
+        q, k_cache, v_cache, table, lens, cu, scale=scaling, causal=causal,
+        window_left=None if window is None else window - 1, softcap=softcap,
+        kv_start=attention_mask, max_seqlen_q=s, max_seqlen_k=n, sink_logits=sink, backend=backend,
+    )
+    return out.view(b, s, h_q, d), None
+
+
+def _attention_unpadded(query, key, value, pack: _Unpad, scaling, causal, window, softcap, s_aux, backend):
+    """Right padding or holes with transformers' cache: each row's real keys gathered
+    left-aligned (one block per row of ``max_k`` keys), its real queries packed (or one
+    sequence per query, see :func:`_unpad`); padding query rows as eager computes them."""
+    b, h_q, s, d = query.shape
+    out = query.new_zeros(b, s, h_q, d)
+    if pack.max_k == 0:
+        return out, None
+    rows = torch.arange(b, device=query.device)[:, None]
+    k_cache, v_cache = key.transpose(1, 2)[rows, pack.kidx], value.transpose(1, 2)[rows, pack.kidx]
+    opts = dict(scale=scaling, causal=causal, softcap=softcap, sink_logits=_sink_logits(s_aux, query.dtype),
+                backend=backend, max_seqlen_k=pack.max_k)
+    if pack.per_query is not None:  # one sequence per query, its window as kv_start
+        q_rows, q_lens, q_start, which = pack.per_query
+        q = query.transpose(1, 2)[which]
+        cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=query.device)
+        out[which] = paged_attention(q, k_cache, v_cache, q_rows, q_lens, cu, kv_start=q_start, max_seqlen_q=1,
+                                     **opts)
+        return out, None
+    if pack.max_q == 0:
+        return out, None
+    table = torch.arange(b, dtype=torch.int32, device=query.device)[:, None]
+    got = paged_attention(query.transpose(1, 2)[pack.q_real], k_cache, v_cache, table, pack.lens, pack.cu_q,
+                          window_left=None if window is None else window - 1, max_seqlen_q=pack.max_q, **opts)
+    out[pack.q_real] = got
+    return out, None

@@ -1,0 +1,218 @@
+"""The mask hook: transformers' mask inputs read into what the attention function needs
+(the rule a mask function follows, left padding as ``kv_start``, other padding unpadded,
+packed sequences)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from kvarena.integrations.hf._common import _unsupported
+
+__all__ = ["kvarena_mask"]
+
+
+def _rule_of(mask_function, batch_size: int, q_offset: int, q_length: int, kv_offset: int, kv_length: int,
+             device) -> tuple[bool, int | None]:
+    """``(causal, window)`` that reproduces a transformers mask function on this call.
+
+    kvarena expresses ``kv <= q`` (causal), optionally ``kv > q - W`` (a sliding window), or
+    everything (bidirectional). The function is evaluated (index-based, as transformers'
+    non-vmap path does) on up to 64 evenly spaced query rows, the last one included, of the
+    first and last batch rows, over the call's keys; the rule is read off those rows and
+    must reproduce each of them exactly, else ``kvarena:`` NotImplementedError (chunked
+    attention, prefix / block masks, packed sequences). ``window`` None: no key of this
+    call is cut by a window.
+    """
+    n = min(q_length, 64)
+    rows_q = torch.unique(torch.linspace(q_offset, q_offset + q_length - 1, n).round().long())
+    rows_b = torch.tensor(sorted({0, batch_size - 1}))
+    kv = torch.arange(kv_offset, kv_offset + kv_length)
+    got = mask_function(rows_b[:, None, None, None], torch.zeros(1, 1, 1, 1, dtype=torch.long),
+                        rows_q[None, None, :, None], kv[None, None, None, :])
+    got = torch.as_tensor(got).to("cpu").expand(len(rows_b), 1, len(rows_q), len(kv))[:, 0]  # [b, q, kv]
+    future = kv[None, None, :] > rows_q[None, :, None]
+    causal = not bool((got & future).any())
+    want = ~future if causal else torch.ones_like(got)
+    window = None
+    last = got[:, -1]  # the last query row of each batch row: the one a window cuts most
+    if causal and bool(last.any()):
+        lo = int(kv[last.any(0).nonzero().min()])
+        if lo > kv_offset:
+            window = int(rows_q[-1]) - lo + 1
+            want = want & (kv[None, None, :] > rows_q[None, :, None] - window)
+    if not torch.equal(got, want.expand_as(got)):
+        raise _unsupported("a mask other than causal, a causal sliding window or bidirectional (chunked "
+                           "attention, a prefix or block mask, packed sequences)")
+    return causal, window
+
+
+def kvarena_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                 mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
+    """The mask hook: what the attention function needs, read from transformers' mask inputs.
+
+    Returns int32 ``[B]``: the left padding per row among the layer's keys (the attention
+    function's ``kv_start``; zeros for other padding), carrying the mask's pattern as
+    ``(causal, window)`` (taken from ``mask_function``, checked to be one kvarena expresses
+    exactly), and as attributes the reading of any other padding (:func:`_unpad`), packed
+    sequences (:func:`_segments_of`), a static cache's slots holding tokens, and the call's
+    sizes (a mask fed back for the same sizes is returned as is). Runs once per forward and
+    mask kind (not per layer); reading the mask is its host sync.
+    """
+    sizes = (batch_size, q_length, kv_length, q_offset, kv_offset)
+    if attention_mask is not None and hasattr(attention_mask, "_kvarena"):
+        # This hook's own output, fed back: generate builds the masks ahead of the forward
+        # for a compileable cache (StaticCache), and the model hands them to the hook again.
+        if getattr(attention_mask, "_kvarena_sizes", None) == sizes and (mask_function is None or _rule_of(
+                mask_function, batch_size, q_offset, q_length, kv_offset, min(kv_length, q_offset + q_length - kv_offset),
+                kwargs.get("device")) == attention_mask._kvarena[1:]):
+            return attention_mask
+        raise _unsupported(f"a mask built for other sizes ({getattr(attention_mask, '_kvarena_sizes', None)}, "
+                           f"this call: {sizes} as (batch, q_length, kv_length, q_offset, kv_offset))")
+    if kwargs.get("use_vmap"):
+        raise _unsupported("a custom mask function (or_mask_function / and_mask_function, which need vmap)")
+    # A static cache (StaticCache) hands over all its slots: the keys that hold tokens are the
+    # first `valid`, the rest are empty (in every query's future). The attention function
+    # attends the first `valid` only.
+    valid = q_offset + q_length - kv_offset
+    static = kv_length > valid
+    if valid < q_length or (static and kv_offset < 0):
+        raise _unsupported(f"a cache of {kv_length} slots from {kv_offset} for {q_offset + q_length} tokens")
+    if static:
+        kv_length = valid
+    segments = None
+    try:
+        rule = (True, None) if mask_function is None else _rule_of(
+            mask_function, batch_size, q_offset, q_length, kv_offset, kv_length, kwargs.get("device"))
+    except NotImplementedError:
+        # Packed sequences (transformers folds position_ids restarting inside a row into the
+        # mask, without a padding mask or a cache): each sequence attends itself.
+        found = None
+        if attention_mask is None and q_offset == kv_offset == 0 and q_length == kv_length:
+            found = _segments_of(mask_function, batch_size, q_length)
+        if found is None:
+            raise
+        rule, segments = found
+    padded = attention_mask is not None
+    if padded:
+        if attention_mask.dim() != 2:
+            raise _unsupported(f"a {attention_mask.dim()}-D padding mask in the mask hook")
+        if attention_mask.shape[1] < (kv_offset + kv_length if static else kv_length):
+            raise _unsupported(f"a padding mask of {attention_mask.shape[1]} columns for {kv_length} keys")
+        first = kv_offset if static else attention_mask.shape[1] - kv_length
+        keep = attention_mask[:, first : first + kv_length].bool()  # the layer's keys, oldest first
+        padded = not bool(keep.all())
+    pack = None
+    if padded:
+        n_real = keep.sum(1)
+        # Left padding: each row is zeros then ones, so its ones are exactly its last n_real keys.
+        tail = torch.arange(kv_length, device=keep.device)[None, :] >= (kv_length - n_real)[:, None]
+        if torch.equal(keep, tail):
+            kv_start = (kv_length - n_real).to(torch.int32)
+        else:  # right padding or holes: the real keys and queries unpadded, as flash_attention_2 does
+            pack = _unpad(keep, q_length, rule[1])
+            kv_start = torch.zeros(batch_size, dtype=torch.int32, device=keep.device)
+    else:
+        device = attention_mask.device if attention_mask is not None else kwargs.get("device")
+        kv_start = torch.zeros(batch_size, dtype=torch.int32, device=device)
+    kv_start._kvarena = (padded, *rule)
+    kv_start._kvarena_keep = None if pack is None else keep
+    kv_start._kvarena_pack = pack
+    kv_start._kvarena_segments = segments
+    kv_start._kvarena_valid = valid if static else None  # a static cache: the slots holding tokens
+    kv_start._kvarena_sizes = sizes
+    return kv_start
+
+
+def _segments_of(mask_function, b: int, n: int):
+    """``((True, window), segments)`` when ``mask_function`` is causal within sequences packed
+    in each row (a query sees no key before its sequence's first token), else None.
+
+    The sequence starts are read off every ``(q, q - 1)`` pair; the rule (causal, the
+    sequence, optionally a window) must then reproduce the function on the rows
+    :func:`_rule_of` samples. ``segments``: one kvarena sequence per packed sequence, row-
+    major: (rows int32 ``[N, 1]``, ends ``[N]`` as ``seq_lens``, starts ``[N]`` as
+    ``kv_start``, cu_seqlens_q ``[N + 1]``, the longest)."""
+    if n < 2:
+        return None
+    zero = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+    q = torch.arange(1, n)
+    prev = torch.as_tensor(mask_function(torch.arange(b)[:, None, None, None], zero, q[None, None, :, None],
+                                         (q - 1)[None, None, :, None])).to("cpu").expand(b, 1, n - 1, 1)[:, 0, :, 0]
+    new = torch.cat([torch.ones(b, 1, dtype=torch.bool), ~prev.bool()], 1)  # a sequence starts here
+    idx = torch.arange(n)
+    start = torch.where(new, idx, 0).cummax(1).values  # [b, n]: each token's sequence start
+    rows_q = torch.unique(torch.linspace(0, n - 1, min(n, 64)).round().long())
+    rows_b = torch.tensor(sorted({0, b - 1}))
+    got = torch.as_tensor(mask_function(rows_b[:, None, None, None], zero, rows_q[None, None, :, None],
+                                        idx[None, None, None, :])).to("cpu").expand(len(rows_b), 1, len(rows_q), n)[:, 0]
+    st = start[rows_b][:, rows_q]  # [b', q']
+    want = (idx[None, None, :] <= rows_q[None, :, None]) & (idx[None, None, :] >= st[..., None])
+    lo = torch.where(got.any(-1), got.int().argmax(-1), -1)  # the first key each sampled query sees
+    cut = (lo > st) & got.any(-1)
+    window = None
+    if bool(cut.any()):
+        window = int((rows_q[None, :].expand_as(lo) - lo)[cut].min()) + 1
+        want = want & (idx[None, None, :] > rows_q[None, :, None] - window)
+    if not torch.equal(got.bool(), want):
+        return None
+    ends = torch.cat([new[:, 1:], torch.ones(b, 1, dtype=torch.bool)], 1)  # a sequence ends here
+    seg_rows = torch.arange(b)[:, None].expand(b, n)[new]
+    seg_start = idx[None, :].expand(b, n)[new]
+    seg_end = idx[None, :].expand(b, n)[ends] + 1
+    lens_q = seg_end - seg_start
+    cu = torch.nn.functional.pad(lens_q.cumsum(0), (1, 0))
+    i32 = torch.int32
+    return (True, window), (seg_rows.to(i32)[:, None], seg_end.to(i32), seg_start.to(i32), cu.to(i32),
+                            int(lens_q.max()))
+
+
+class _Unpad(NamedTuple):
+    """A padding mask other than left padding, read once per forward and mask kind."""
+
+    kidx: torch.Tensor  # [B, max_k]: each row's real keys' indices, left-aligned (padded with 0)
+    lens: torch.Tensor  # int32 [B]: real keys per row
+    q_real: torch.Tensor  # bool [B, S]: the real queries
+    cu_q: torch.Tensor  # int32 [B + 1]: their offsets
+    max_q: int
+    max_k: int
+    per_query: tuple | None  # (rows int32 [N, 1], lens [N], kv_start [N], which bool [B, S]), see _unpad
+
+
+def _unpad(keep: torch.Tensor, q_length: int, window: int | None) -> _Unpad:
+    """Right padding or holes (``keep [B, L]``, any pattern): what the attention function
+    needs to attend only the real keys, exactly as eager does.
+
+    A real query is bottom-right aligned among its row's real keys, so causality is exact;
+    a window then counts real keys, which equals eager's (which counts positions) unless a
+    padding hole lies inside a real query's window. Eager also attends padding queries that
+    follow a real key (its mask hides padding keys, not queries). In those two cases
+    (``per_query``) each such query is its own sequence: its row, the real keys at or
+    before it (``lens``) and ``kv_start`` = the real keys at or before ``p - window`` (0
+    without a window). A padding query that sees no key gets zeros (eager: an average over
+    a fully masked row, as with left padding)."""
+    b, n = keep.shape
+    s = q_length
+    c = keep.cumsum(1, dtype=torch.int32)  # c[p]: real keys at or before p
+    lo = torch.zeros_like(c)
+    windowed = window is not None and window < n
+    if windowed:
+        lo = torch.nn.functional.pad(c, (window, 0))[:, :n]  # real keys at or before p - window
+    cq, loq, q_real = c[:, n - s :], lo[:, n - s :], keep[:, n - s :]
+    pad_q = ~q_real & (cq > loq)  # padding queries that see a key
+    exact = not bool(pad_q.any())
+    if exact and windowed:  # HF's window (p - window, p] holds c - lo real keys; kvarena's the last `window`
+        exact = bool(((cq - loq == cq.clamp(max=window)) | ~q_real).all())
+    per_query = None
+    if not exact:
+        which = q_real | pad_q
+        rows = torch.arange(b, device=keep.device, dtype=torch.int32)[:, None].expand(b, s)[which]
+        per_query = (rows[:, None], cq[which], loq[which], which)
+    lens = c[:, -1]
+    max_k = int(lens.max()) if b else 0
+    kidx = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, : max(max_k, 1)]
+    n_q = q_real.sum(1, dtype=torch.int32)
+    cu_q = torch.nn.functional.pad(n_q.cumsum(0, dtype=torch.int32), (1, 0))
+    max_q = int(n_q.max()) if b else 0
+    return _Unpad(kidx, lens, q_real, cu_q, max_q, max_k, per_query)
