@@ -6,6 +6,10 @@ heavy (no transformers, no diffusers):
 * :mod:`kvarena.integrations.causal_wan`: slab KV for causal Wan-style video DiTs
   (Self-Forcing, CausVid, LongLive), where the model passes per-block ``kv_cache`` objects
   and a token offset ``current_start`` to its self-attention.
+* :mod:`kvarena.integrations.hf`: ``attn_implementation="kvarena"`` for Hugging Face
+  transformers decoders, and :class:`~kvarena.integrations.hf.KVArenaCache`.
+* :mod:`kvarena.integrations.diffusers`: Self-Forcing-style causal rollouts of diffusers'
+  ``WanTransformer3DModel`` on the slab cache.
 """
 
 __all__: list[str] = []
