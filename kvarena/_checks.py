@@ -7,7 +7,9 @@ count. Imports nothing of kvarena, so every layer (``cache``, ``attention``) use
 
 from __future__ import annotations
 
-__all__ = ["INT_LIMIT", "is_int", "check_bool", "check_int", "check_opt_int", "check_opt_float"]
+import numbers
+
+__all__ = ["INT_LIMIT", "is_int", "is_integral", "check_bool", "check_int", "check_opt_int", "check_opt_float"]
 
 #: Largest meaningful window / chunk / sink count: lengths are int32.
 INT_LIMIT = 2**31 - 1
@@ -16,6 +18,11 @@ INT_LIMIT = 2**31 - 1
 def is_int(value) -> bool:
     """Whether ``value`` is an int and not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_integral(value) -> bool:
+    """Whether ``value`` is a ``numbers.Integral`` (an int, a numpy int, ...) and not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def check_bool(name: str, value) -> bool:

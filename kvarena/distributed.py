@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from kvarena._checks import is_int
+
 __all__ = ["CommStats", "ContextParallel"]
 
 _MODES = ("heads", "tokens")
@@ -124,7 +126,7 @@ class ContextParallel:
 
     def split_sizes(self, n: int) -> list[int]:
         """Contiguous shard sizes of ``n`` rows: ``n // N`` each, the first ``n % N`` ranks one more."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        if not is_int(n) or n < 0:
             raise ValueError(f"n: expected an int >= 0, got {n!r}")
         q, r = divmod(n, self.world_size)
         return [q + (i < r) for i in range(self.world_size)]

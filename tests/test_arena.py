@@ -163,10 +163,10 @@ def test_allocator_alloc_free_order_and_counts() -> None:
 def test_allocator_all_or_nothing_when_full() -> None:
     a = BlockAllocator(3)
     a.alloc(2)
-    before = (list(a._free), dict(a._ref), a._fresh)
+    before = a.state()
     with pytest.raises(CacheFullError, match="need 2 blocks, only 1"):
         a.alloc(2)
-    assert (list(a._free), dict(a._ref), a._fresh) == before
+    assert a.state() == before
 
 
 @pytest.mark.parametrize(
@@ -181,10 +181,10 @@ def test_allocator_all_or_nothing_when_full() -> None:
 def test_allocator_rejects_bad_frees_without_change(blocks: list, match: str) -> None:
     a = BlockAllocator(4)
     a.alloc(2)  # 0 and 1 allocated; 2 and 3 free
-    before = (list(a._free), dict(a._ref), a._fresh)
+    before = a.state()
     with pytest.raises(ValueError, match=match):
         a.decref([1, *blocks])
-    assert (list(a._free), dict(a._ref), a._fresh) == before
+    assert a.state() == before
 
 
 def test_allocator_refcounts() -> None:

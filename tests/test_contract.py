@@ -41,16 +41,20 @@ def slab_pool(layout=LAY, **kw) -> SlabKVCache:
 
 
 def pool_state(pool) -> tuple:
-    """Everything a forward could change: arena bytes, allocator, per-namespace records."""
+    """Everything a forward could change, as public state: arena bytes, the allocator's
+    state, per-namespace records (paged: block lists per group, length, table row and the
+    device table; slab: the rollout record with its chunks' commit flags)."""
     buf = pool.arena.buffer.clone()  # compared bytewise: NaN-safe
     if isinstance(pool, PagedKVCache):
         a = pool.allocator
-        recs = {ns: ([list(b) for b in s.blocks], s.seq_len, s.version) for ns, s in pool._seqs.items()}
+        groups = range(len(pool.layout.layer_groups))
+        recs = {ns: ([pool.block_ids(ns, g) for g in groups], pool.seq_len(ns), pool.table_row(ns))
+                for ns in pool.namespaces()}
+        recs["table"] = pool.table.cpu().tolist()
     else:
         a = pool.region.allocator
-        recs = {ns: (r.last, r.version, {i: (c.slot, c.n_tokens, tuple(c.committed)) for i, c in r.chunks.items()})
-                for ns, r in pool._rollouts.items()}
-    return buf, dict(a._ref), list(a._free), a._fresh, recs
+        recs = {ns: pool.rollout_info(ns) for ns in pool.namespaces()}
+    return buf, a.state(), recs
 
 
 def assert_unchanged(before: tuple, pool, what: str) -> None:

@@ -54,7 +54,7 @@ def _paged_state(p: PagedKVCache, *metas) -> tuple:
     groups = range(len(p.layout.layer_groups))
     return (
         {ns: ([p.block_ids(ns, g) for g in groups], p.seq_len(ns), p.table_row(ns)) for ns in p.namespaces()},
-        list(a._free), dict(a._ref), a._fresh, p.table.clone(), p.stats(), [_current(p, m) for m in metas],
+        a.state(), p.table.clone(), p.stats(), [_current(p, m) for m in metas],
         p.arena.buffer.clone(),  # bytes: NaN-safe
     )
 
@@ -63,7 +63,7 @@ def _slab_state(c: SlabKVCache) -> tuple:
     a = c.region.allocator
     return (
         {ns: c.rollout_info(ns) for ns in c.namespaces()},  # last chunk, version, each chunk's record
-        list(a._free), dict(a._ref), a._fresh, c.arena.buffer.clone(),  # bytes: NaN-safe
+        a.state(), c.arena.buffer.clone(),  # bytes: NaN-safe
     )
 
 
@@ -272,12 +272,12 @@ def test_paged_graph_metadata_goes_stale_on_every_rule(monkeypatch) -> None:
     before = _paged_state(p, m3)
     with pytest.raises(ValueError, match="max_batch"):
         p.plan({"a": 1, "b": 1, "c": 1}, graph=True)
-    assert _same(before, _paged_state(p, m3)) and before[6] == [True]
+    assert _same(before, _paged_state(p, m3)) and before[4] == [True]
     m4 = p.plan({"a": 8 - p.seq_len("a")})  # 4 full blocks: the graph capacity
     before = _paged_state(p, m4)
     with pytest.raises(ValueError, match="max_blocks"):
         p.plan({"a": 1}, graph=True)
-    assert _same(before, _paged_state(p, m4)) and before[6] == [True]
+    assert _same(before, _paged_state(p, m4)) and before[4] == [True]
 
 
 # ---------------------------------------------------------------------------------------

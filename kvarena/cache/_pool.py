@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from kvarena._checks import is_int
 from kvarena.attention.backend import resolve_backend
 from kvarena.attention.checks import check_head_dim
 from kvarena.attention.spec import AttentionSpec
@@ -21,7 +23,22 @@ from kvarena.cache._meta import check_forward_tensor, next_version
 from kvarena.cache.arena import KVArena, KVLayout, _check_index
 from kvarena.cache.keys import CachePolicy
 
-__all__ = ["KVPoolBase", "layer_specs"]
+__all__ = ["Backends", "KVPoolBase", "layer_specs"]
+
+
+@dataclass(frozen=True)
+class Backends:
+    """What :meth:`KVPoolBase._backends` resolved for one call: the attention backend, the
+    store backend, and whether the given k / v need gradients."""
+
+    attention: str
+    store: str
+    kv_grad: bool
+
+
+#: One :class:`Backends` per combination, made once: ``_backends`` runs on every layer
+#: call, and building a frozen record there would cost more than the lookup.
+_BACKENDS: dict = {}
 
 
 def _spec_layers(key, num_layers: int | None) -> list[int]:
@@ -35,7 +52,7 @@ def _spec_layers(key, num_layers: int | None) -> list[int]:
     else:
         raise TypeError(f"attention: a key must be a layer index or an iterable of them, got {key!r}")
     for layer in layers:
-        if isinstance(layer, bool) or not isinstance(layer, int):
+        if not is_int(layer):
             raise TypeError(f"attention: layer index {layer!r} (in key {key!r}) is not an int")
         if layer < 0 or (num_layers is not None and layer >= num_layers):
             bound = "" if num_layers is None else f" < num_layers ({num_layers})"
@@ -128,7 +145,7 @@ class KVPoolBase:
 
     @property
     def hits(self) -> int:
-        """int: always 0 (kept for the original ``cache_pools.py`` interface; a KV pool has no lookups)."""
+        """int: always 0 (a KV pool has no lookups; the counter every cache of the package has)."""
         return 0
 
     @property
@@ -279,8 +296,9 @@ class KVPoolBase:
             check_forward_tensor(name, t, (*rows, heads, d), lay.input_dtype, self.device, f"{what} of the plan/layout")
         return h_q
 
-    def _backends(self, spec: AttentionSpec, q, k, v) -> tuple[str, str, bool]:
-        """``(attention backend, store backend, k/v need gradients)``, resolved before any write."""
+    def _backends(self, spec: AttentionSpec, q, k, v) -> Backends:
+        """The call's :class:`Backends` (attention, store, k/v need gradients), resolved
+        before any write."""
         grad_on = torch.is_grad_enabled()
         kv_grad = grad_on and (k.requires_grad or v.requires_grad)
         sink_grad = grad_on and spec.sink_logits is not None and spec.sink_logits.requires_grad
@@ -294,4 +312,8 @@ class KVPoolBase:
                                "sink_logits" if sink_grad else ("q (RoPE on read)" if spec.rope_mode else "q"),
                                triton_grad=not sink_grad and not spec.rope_mode)
         store = resolve_backend(spec.backend, self.device, self.layout.input_dtype, False)
-        return attn, store, kv_grad
+        key = (attn, store, kv_grad)
+        got = _BACKENDS.get(key)
+        if got is None:
+            got = _BACKENDS[key] = Backends(attn, store, kv_grad)
+        return got

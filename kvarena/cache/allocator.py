@@ -1,18 +1,41 @@
-"""Reference-counted block ids: :class:`BlockAllocator`, and :class:`CacheFullError`
-for an allocation the budget cannot hold."""
+"""Reference-counted block ids: :class:`BlockAllocator`, its read-only snapshot
+:class:`AllocatorState`, and :class:`CacheFullError` for an allocation the budget cannot hold."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 
+from kvarena._checks import is_int
 from kvarena.cache.layout import _check_pos_int
 
-__all__ = ["BlockAllocator", "CacheFullError"]
+__all__ = ["AllocatorState", "BlockAllocator", "CacheFullError"]
 
 
 class CacheFullError(RuntimeError):
     """An allocation the budget cannot hold. The pool is exactly as before the call."""
+
+
+@dataclass(frozen=True)
+class AllocatorState:
+    """A snapshot of a :class:`BlockAllocator` (:meth:`BlockAllocator.state`): two are equal
+    when their free stacks, reference counts and fresh counters are.
+
+    Attributes
+    ----------
+    free : tuple of int
+        Freed ids in stack order; the last is handed out first.
+    refcounts : Mapping[int, int]
+        Allocated id -> reference count (read-only copy).
+    fresh : int
+        The first id never handed out; ids ``fresh .. num_blocks-1`` are free too.
+    """
+
+    free: tuple[int, ...]
+    refcounts: Mapping[int, int]
+    fresh: int
 
 
 class BlockAllocator:
@@ -63,6 +86,12 @@ class BlockAllocator:
     def num_used(self) -> int:
         """int: blocks allocated (refcount >= 1)."""
         return len(self._ref)
+
+    def state(self) -> AllocatorState:
+        """A consistent read-only snapshot of the allocator (taken under its lock): later
+        calls do not change it."""
+        with self._lock:
+            return AllocatorState(tuple(self._free), MappingProxyType(dict(self._ref)), self._fresh)
 
     def refcount(self, block: int) -> int:
         """Reference count of ``block`` (0 when free)."""
@@ -154,7 +183,7 @@ class BlockAllocator:
     free = decref
 
     def _check_id(self, block) -> None:
-        if isinstance(block, bool) or not isinstance(block, int):
+        if not is_int(block):
             raise TypeError(f"block id: expected an int, got {block!r}")
         if not 0 <= block < self.num_blocks:
             raise ValueError(f"block id {block} out of range [0, {self.num_blocks})")

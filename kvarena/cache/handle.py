@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from kvarena._checks import is_int
 from kvarena.cache.keys import CachePolicy
 
 __all__ = ["CacheHandle", "make_pool"]
@@ -255,10 +256,10 @@ class CacheHandle:
         _check_per_kv_class("attention", attention, by_class,
                             "{'slab_kv': ..., 'paged_kv': ...} of the pools' attention= arguments")
         if slab_tokens is not None and (
-            not isinstance(slab_tokens, int) or isinstance(slab_tokens, bool) or slab_tokens < 1
+            not is_int(slab_tokens) or slab_tokens < 1
         ):
             raise ValueError(f"slab_tokens must be an int >= 1 or None, got {slab_tokens!r}")
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        if not is_int(block_size) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
 
         self._policies = MappingProxyType(by_class)

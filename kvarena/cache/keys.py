@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from kvarena._checks import is_integral
+
 __all__ = ["CacheKey", "CachePolicy", "content_hash"]
 
 # Type tags of the canonical encoding. One byte each; never reuse a tag for a
@@ -228,10 +230,6 @@ def _check_str(name: str, value: Any, *, allow_none: bool = False, non_empty: bo
         raise ValueError(f"{name} must be a non-empty str")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _freeze(value: Any) -> Any:
     """Turn lists into tuples, recursively (so that a key stays hashable)."""
     if isinstance(value, (list, tuple)):
@@ -333,7 +331,7 @@ class CacheKey:
         _check_str("tokenizer", self.tokenizer, allow_none=True)
         _check_str("template", self.template, allow_none=True)
         if self.max_length is not None:
-            if not _is_int(self.max_length):
+            if not is_integral(self.max_length):
                 raise TypeError(
                     f"max_length must be an int >= 0 or None, got {type(self.max_length).__qualname__}"
                 )
@@ -395,7 +393,7 @@ class CacheKey:
 
 
 def _check_budget(name: str, value: Any) -> int:
-    if not _is_int(value):
+    if not is_integral(value):
         raise TypeError(f"{name} must be an int >= 0 (bool is not accepted), got {value!r}")
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
@@ -471,7 +469,7 @@ class CachePolicy:
         for k, v in per.items():
             if not isinstance(k, str):
                 raise TypeError(f"per_component keys must be str, got {k!r}")
-            if not _is_int(v):
+            if not is_integral(v):
                 raise TypeError(f"per_component[{k!r}] must be an int >= 0, got {v!r}")
             if v < 0:
                 raise ValueError(f"per_component[{k!r}] must be >= 0, got {v}")

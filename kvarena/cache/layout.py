@@ -3,8 +3,8 @@
 :class:`LayerGroup` names layers that share blocks, :func:`group_layers` splits layers of
 a few kinds into equal groups, and :class:`KVLayout` is the per-token shape, dtype, fp8
 scales and groups a pool stores. The argument checks here (``_check_int``,
-``_check_pos_int``, ``_check_index``) are the ones the arena and the KV pools share, so
-every count or index argument fails with one message.
+``_check_pos_int``, ``_check_index``, built on :mod:`kvarena._checks`) are the ones the
+arena and the KV pools share, so every count or index argument fails with one message.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvarena._checks import check_int
+from kvarena._checks import check_int, is_int
 
 # The dtype rules of the ops the arena feeds: fp8 storage, and what fp8 layouts take in.
 from kvarena.attention.dtypes import FP8_CACHE_DTYPES as FP8_DTYPES
@@ -41,7 +41,7 @@ def _check_index(name: str, value, size: int) -> int:
     """``value`` if it is an int in ``[0, size)``; else TypeError / ValueError naming ``name``.
 
     Shared by the layouts, the arena regions and the KV pools (a layer or group index)."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
     if not 0 <= value < size:
         raise ValueError(f"{name}: expected 0 <= {name} < {size}, got {value}")
@@ -72,7 +72,7 @@ class LayerGroup:
             raise TypeError(f"layers: expected a sequence of layer indices, got {layers!r}")
         layers = tuple(layers)
         for x in layers:
-            if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+            if not is_int(x) or x < 0:
                 raise ValueError(f"layers: expected layer indices >= 0, got {x!r} in {layers!r}")
         if not layers or len(set(layers)) != len(layers):
             raise ValueError(f"layers: expected at least one layer and none twice, got {layers!r}")

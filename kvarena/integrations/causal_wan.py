@@ -32,7 +32,8 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from kvarena.attention.spec import AttentionSpec, check_bool
+from kvarena._checks import check_bool, is_int
+from kvarena.attention.spec import AttentionSpec
 from kvarena.cache.arena import KVLayout, _check_int
 from kvarena.cache.keys import CachePolicy
 from kvarena.cache.slab import SlabKVCache, SlabMetadata
@@ -138,7 +139,7 @@ class CausalKVCache:
         sink = _check_int("sink_size", sink_size, 0)
         fpc = _check_int("num_frame_per_block", num_frame_per_block, 1)
         _check_int("frame_seq_length", frame_seq_length, 1)
-        if isinstance(local_attn_size, bool) or not isinstance(local_attn_size, int):
+        if not is_int(local_attn_size):
             raise TypeError(f"local_attn_size: expected -1 (global attention) or an int, got {local_attn_size!r}")
         if local_attn_size != -1 and local_attn_size < sink + fpc:
             raise ValueError(f"local_attn_size: expected -1 (global attention) or at least sink_size + "

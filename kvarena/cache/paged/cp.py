@@ -25,9 +25,9 @@ from collections.abc import Hashable, Mapping
 
 import torch
 
+from kvarena._checks import check_bool, is_int
 from kvarena.attention.batch import CacheView, KeySet, QueryRows
 from kvarena.attention.dispatch import attend, merge_partials, store
-from kvarena.attention.spec import check_bool
 from kvarena.cache._meta import upload
 from kvarena.cache.arena import CacheFullError, _check_int
 from kvarena.cache.paged.local import LocalSteps
@@ -125,7 +125,7 @@ class DecodeContextParallel:
 
     def check_truncate(self, namespace: Hashable, n_tokens: int) -> None:
         self.pool._get(namespace)
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int):
+        if not is_int(n_tokens):
             raise TypeError(f"n_tokens: expected an int, got {n_tokens!r}")
         if not 0 <= n_tokens <= self._glen[namespace]:
             raise ValueError(f"n_tokens: expected 0 <= n_tokens <= seq_len ({self._glen[namespace]}), got "
@@ -251,9 +251,10 @@ class DecodeContextParallel:
         pool._check_qkv(q, k, v, (meta.total_q,), "[total_q, H, D] (replicated)", layer)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             raise ValueError("q: decode context parallel is inference-only; run under torch.no_grad()")
-        attn_backend, store_backend, _ = pool._backends(spec, q, k, v)
+        backends = pool._backends(spec, q, k, v)
+        attn_backend = backends.attention
         cache = pool._region.op_views(layer)
-        store(k, v, cache, meta.slot_mapping, store_backend)
+        store(k, v, cache, meta.slot_mapping, backends.store)
         hist_spec = self._hist_specs[layer] if not options else spec.with_lse.replace(causal=False)
         hist = attend(q, cache, meta.keys[0], meta.rows, spec=hist_spec, backend=attn_backend)
         h_kv, d = k.shape[1], k.shape[2]

@@ -172,9 +172,10 @@ class LocalSteps:
             raise ValueError(f"rope_cos: this step reaches position {meta._max_seq_len - 1}, past the "
                              f"{spec.rope_cos.shape[0]}-row rotary table of layer {call.layer}")
         cache = region.op_views(call.layer)
-        store(k, v, cache, meta.slot_mappings[call.group], call.store_backend)
-        return attend(q, cache, meta.keys[call.group], meta.rows, spec=spec, backend=call.attn_backend,
-                      own=OwnKeys(k, v) if call.kv_grad else None)
+        b = call.backends
+        store(k, v, cache, meta.slot_mappings[call.group], b.store)
+        return attend(q, cache, meta.keys[call.group], meta.rows, spec=spec, backend=b.attention,
+                      own=OwnKeys(k, v) if b.kv_grad else None)
 
 
 def check_call(pool, q, k, v, layer, options: dict, total_q: int | None = None, padded: bool = False) -> CallCheck:
@@ -196,16 +197,16 @@ def check_call(pool, q, k, v, layer, options: dict, total_q: int | None = None, 
     pool._check_qkv(q, k, v, (total_q,), "[total_q, H, D]", layer)
     if spec.sink_logits is not None:
         check_sink_logits(spec.sink_logits, q)
-    attn_backend, store_backend, kv_grad = pool._backends(spec, q, k, v)
-    if kv_grad and padded:
+    b = pool._backends(spec, q, k, v)
+    if b.kv_grad and padded:
         # The differentiable paths read each query row's own k/v at its position, which
         # for a padding row is a real older token's.
         raise ValueError("meta: a padded plan (pad_to) gives no gradient to k/v; plan the real tokens packed")
     if options:
-        return CallCheck(layer, spec, group, attn_backend, store_backend, kv_grad)
+        return CallCheck(layer, spec, group, b)
     # The layer's own spec: one record per (layer, backends), made once (a hot path).
-    key = (layer, attn_backend, store_backend, kv_grad)
+    key = (layer, b.attention, b.store, b.kv_grad)
     call = pool._calls.get(key)
     if call is None:
-        call = pool._calls[key] = CallCheck(layer, spec, group, attn_backend, store_backend, kv_grad)
+        call = pool._calls[key] = CallCheck(layer, spec, group, b)
     return call

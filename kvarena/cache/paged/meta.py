@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvarena.attention.batch import KeySet, QueryRows
+from kvarena.cache._pool import Backends
 from kvarena.cache.arena import _check_int
 
 __all__ = ["GraphBuffers", "PagedMetadata"]
@@ -124,6 +125,4 @@ class CallCheck:
     layer: int
     spec: object  # AttentionSpec: the layer's, per-call overrides applied
     group: int  # the layer's group
-    attn_backend: str
-    store_backend: str
-    kv_grad: bool  # the given k / v need gradients
+    backends: Backends

@@ -18,7 +18,7 @@ from collections.abc import Hashable, Mapping
 
 import torch
 
-from kvarena.attention.spec import check_bool
+from kvarena._checks import check_bool, is_int
 from kvarena.cache._meta import StaleMetadataError, as_device, region_of_arena
 from kvarena.cache._pool import KVPoolBase
 from kvarena.cache.arena import BlockAllocator, KVArena, KVLayout, _check_int
@@ -311,7 +311,7 @@ class PagedKVCache(KVPoolBase):
         """A copy of ``namespace``'s block ids of layer group ``group`` in logical order
         (``KeyError`` if unknown); ``-1`` for a block released out of the window
         (``free_out_of_window``)."""
-        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < self._ngroups:
+        if not is_int(group) or not 0 <= group < self._ngroups:
             raise ValueError(f"group: expected an int in [0, {self._ngroups}), got {group!r}")
         with self._lock:
             return list(self._get(namespace).blocks[group])
@@ -428,7 +428,7 @@ class PagedKVCache(KVPoolBase):
 
     def _truncate_checked(self, namespace, n_tokens) -> SeqRecord:
         seq = self._get(namespace)
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int):
+        if not is_int(n_tokens):
             raise TypeError(f"n_tokens: expected an int, got {n_tokens!r}")
         if not 0 <= n_tokens <= seq.seq_len:
             raise ValueError(f"n_tokens: expected 0 <= n_tokens <= seq_len ({seq.seq_len}), got {n_tokens}")

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvarena._checks import check_bool, is_int
 from kvarena.attention.backend import resolve_backend
 from kvarena.attention.dispatch import merge_partials
-from kvarena.attention.spec import check_bool
 from kvarena.cache._meta import check_forward_tensor
 from kvarena.cache._pool import layer_specs
 from kvarena.cache.arena import KVLayout, _check_int
@@ -130,7 +130,7 @@ class TokensForward(LocalForward):
         if isinstance(c, range):
             raise ValueError(f"batch[{ns!r}]: a run of chunks in one step is not served by context parallel "
                              "tokens mode (plan its chunks one by one, or use heads mode)")
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < cp.world_size):
+        if n is not None and (not is_int(n) or n < cp.world_size):
             raise ValueError(f"batch[{ns!r}]: tokens mode needs at least one row of the chunk per rank: "
                              f"n_tokens >= the world size {cp.world_size}, got {n!r}")
         if n is not None and n > st:
@@ -240,7 +240,7 @@ def _tokens_share(cp, policy, layout: KVLayout, slab_tokens, attention) -> Paral
                          "needs whole-chunk visibility (per_component sinks / window); token-granular "
                          "sink_tokens / window_tokens take heads mode")
     st = slab_tokens if slab_tokens is not None else per.get("slab_tokens")
-    if st is None or isinstance(st, bool) or not isinstance(st, int) or st < n:
+    if st is None or not is_int(st) or st < n:
         raise ValueError(f"slab_tokens: tokens mode gives every rank a share of each chunk; expected an int >= "
                          f"the world size {n}, got {st!r}")
     local_st = cp.split_sizes(st)[cp.rank]

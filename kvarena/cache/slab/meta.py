@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvarena._checks import INT_LIMIT
 from kvarena.attention.batch import KeySet, QueryRows
-from kvarena.attention.spec import INT_LIMIT
 from kvarena.cache._meta import upload
 from kvarena.cache.slab.claim import PlannedRun, Reservation
 from kvarena.cache.slab.visibility import PageTable, clip, page_shifts

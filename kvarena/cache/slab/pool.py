@@ -15,13 +15,14 @@ from typing import Any
 
 import torch
 
+from kvarena._checks import check_bool
 from kvarena.attention.backend import resolve_backend
 from kvarena.attention.batch import CacheView, OwnKeys
 from kvarena.attention.dispatch import attend, store
 from kvarena.attention.fp8 import fp8_round_trip
-from kvarena.attention.spec import AttentionSpec, check_bool
+from kvarena.attention.spec import AttentionSpec
 from kvarena.cache._meta import StaleMetadataError, as_device, region_of_arena
-from kvarena.cache._pool import KVPoolBase
+from kvarena.cache._pool import Backends, KVPoolBase
 from kvarena.cache.arena import ArenaRegion, KVArena, KVLayout, _check_int
 from kvarena.cache.slab.claim import SlabClaims
 from kvarena.cache.slab.compat import SlabCompat
@@ -57,15 +58,13 @@ def _op_spec(spec: AttentionSpec) -> AttentionSpec:
 
 @dataclass(frozen=True)
 class CallCheck:
-    """What :meth:`SlabKVCache._check_call` resolved: the layer, its spec for the call, ``H_q``,
-    the attention and store backends and whether k/v need gradients."""
+    """What :meth:`SlabKVCache._check_call` resolved: the layer, its spec for the call, ``H_q``
+    and the call's :class:`~kvarena.cache._pool.Backends`."""
 
     layer: int
     spec: AttentionSpec
     h_q: int
-    attn_backend: str
-    store_backend: str
-    kv_grad: bool
+    backends: Backends
 
 
 class SlabKVCache(SlabClaims, SlabCompat, SlabRollback, KVPoolBase):
@@ -122,8 +121,6 @@ class SlabKVCache(SlabClaims, SlabCompat, SlabRollback, KVPoolBase):
     layout : KVLayout or None
     arena : KVArena or None
     used_bytes, free_bytes : int
-    hits, misses : int
-        The original ``cache_pools.py`` counters; always 0.
     """
 
     CLASS_NAME = "slab_kv"
@@ -477,19 +474,20 @@ class SlabKVCache(SlabClaims, SlabCompat, SlabRollback, KVPoolBase):
         qf = q.reshape(b * tq, call.h_q, d)
         kf, vf = k.reshape(b * t, h_kv, d), v.reshape(b * t, h_kv, d)
         multi = meta.num_chunks != b
-        attn_backend = call.attn_backend
-        if multi and (call.kv_grad or (torch.is_grad_enabled() and q.requires_grad)):
+        kv_grad = call.backends.kv_grad
+        attn_backend = call.backends.attention
+        if multi and (kv_grad or (torch.is_grad_enabled() and q.requires_grad)):
             # Each chunk of a run sees part of the others through the given k/v read as a
             # paged cache: gradients to a cache tensor are the torch path's.
             attn_backend = resolve_backend(spec.backend, self.device, self.layout.input_dtype, True,
                                            "k/v of a multi-chunk step")
         if commit:
-            store(kf, vf, store_cache, meta.slot_mapping, call.store_backend)
+            store(kf, vf, store_cache, meta.slot_mapping, call.backends.store)
             for ch in meta._current:  # host-only bookkeeping: single stores, no lock, traceable
                 ch.committed[layer] = True
-        if commit and not (multi and call.kv_grad):
+        if commit and not (multi and kv_grad):
             res = attend(qf, pages, seam.keys, seam.rows, spec=op_spec, backend=attn_backend,
-                         own=OwnKeys(kf, vf) if call.kv_grad else None)
+                         own=OwnKeys(kf, vf) if kv_grad else None)
         else:
             # The history before the run from the arena, the run's own tokens from k, v.
             res = attend(qf, pages, seam.history, seam.rows, spec=op_spec, backend=attn_backend,
@@ -534,7 +532,7 @@ class SlabKVCache(SlabClaims, SlabCompat, SlabRollback, KVPoolBase):
         layer = self._check_layer(layer)
         spec = self._call_spec(layer, options)
         h_q = self._check_qkv(q, k, v, lead, "[B, T, H, D]", q_lead=(lead[0], q_tokens or lead[1]))
-        return CallCheck(layer, spec, h_q, *self._backends(spec, q, k, v))
+        return CallCheck(layer, spec, h_q, self._backends(spec, q, k, v))
 
     def check_forward(self, batch: Mapping, q, k, v, layer: int, *, commit: bool = True, **options) -> None:
         """Raise what :meth:`forward` would raise for these arguments with the metadata of a

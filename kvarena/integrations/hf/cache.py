@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import numbers
 import weakref
 
 import torch
 
-from kvarena._checks import check_bool, check_int
+from kvarena._checks import check_bool, check_int, is_int, is_integral
 from kvarena.attention.ops import paged_attention
 from kvarena.integrations.hf._common import (
     _HANDOFF,
@@ -172,7 +171,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         return -1
 
     def _layer_index(self, layer_idx) -> int:
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral) or not (
+        if not is_integral(layer_idx) or not (
                 0 <= layer_idx < self.num_layers):
             raise ValueError(f"layer_idx: expected an int in [0, {self.num_layers}), got {layer_idx!r}")
         return int(layer_idx)
@@ -265,7 +264,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
             raise ValueError(f"kvarena: KVArenaCache needs attn_implementation='kvarena', the model uses "
                              f"{impl if impl != NAME else 'another implementation'!r}; its attention would see "
                              "only the new tokens")
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
+        if not is_int(layer_idx) or not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"kvarena: layer_idx {layer_idx!r} is not a layer of this {self.num_layers}-layer cache")
         if self.pool is not None and (key_states.shape[1], key_states.shape[3]) != self.pool.layout.layer_shape(
                 layer_idx):
@@ -431,7 +430,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
     def crop(self, n: int) -> None:
         """Assisted decoding's rollback: ``n < 0`` drops the newest ``-n`` tokens (transformers
         >= 5.2x), ``n > 0`` keeps the first ``n`` (the older meaning), ``0`` does nothing."""
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        if not is_integral(n):
             raise TypeError(f"n: expected an int, got {n!r}")
         n = int(n)
         if -n > self._len:
