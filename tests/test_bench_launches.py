@@ -85,7 +85,7 @@ def test_chunk_rows_launch_what_the_slab_pool_launches(launches, window) -> None
                 if bench.get(k) != pool[commit].get(k)}
         assert not diff, f"{step}: bench vs pool constexprs differ (bench, pool): {diff}"
     assert pool[True]["LARGE_BLOCKS"] and not pool[True]["CAUSAL"], "the slab pool's chunks are non-causal slabs"
-    assert pool[False]["OWN_KV"], "a denoising step attends its own k/v in the same launch"
+    assert pool[False]["HAS_OWN"], "a denoising step attends its own keys in the same launch"
 
 
 def test_guarded_row_is_the_other_path(launches) -> None:

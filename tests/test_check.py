@@ -43,7 +43,7 @@ def test_check_compiles_every_config_without_spills(perf_run):
     res, data = perf_run
     rows = data["rows"]
     n_attention = sum(1 if case[8] == (True,) * 4 else 2 for case in check.ATTENTION_CASES)
-    n_attention += len(check.OWN_KV_CASES)  # slab cases also compile as a one-launch denoising step
+    n_attention += len(check.OWN_CASES)  # slab cases also compile as a one-launch denoising step
     n_attention += len(check.FP8_CASES)  # and these with an fp8 cache
     n_attention += len(check.ROPE_CASES)  # RoPE on read
     n_cases = n_attention + len(check.REDUCE_CASES) + len(check.STORE_CASES) + len(check.MERGE_CASES)

@@ -312,7 +312,7 @@ def test_deterministic_mode_keeps_one_path_whatever_the_batch(tiny_tiles, large_
 
 
 @gpu_test
-def test_denoising_step_is_one_launch_over_history_and_own_kv(monkeypatch):
+def test_denoising_step_is_one_launch_over_history_and_own_keys(monkeypatch):
     """commit=False on the Triton path: the cached history and the given k/v are two key
     sources of ONE launch (no partial outputs, no merge). Checked against the torch path
     over a rollout with a short first chunk (kv_start), sinks and recycling, with splits."""

@@ -1,6 +1,8 @@
 """What ``kvarena check`` compiles: the heaviest realistic launch of every kernel, the
 targets' limits, and the contract's workloads for ``--perf``."""
 
+from kvarena.kernels.placement import OWN_AFTER_HISTORY, OWN_AT_QUERIES
+
 # Opt-in shared memory per block: 163 KiB on A100 (sm_80), 227 KiB on H100/H200 (sm_90a).
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 TARGET_NAMES = {80: "sm_80", 90: "sm_90a"}
@@ -30,14 +32,14 @@ ATTENTION_CASES = [
 ]
 _FLAG_NAMES = ("causal", "kv_start", "lse", "softcap")
 # Slab cases also compiled as a denoising step launches them: the cached history and the
-# step's own k/v as two key sources of one launch (commit=False).
-OWN_KV_CASES = ("chunk MAGI 24q/8kv", "chunk Wan split")
+# step's own keys as two key sources of one launch (commit=False).
+OWN_CASES = ("chunk MAGI 24q/8kv", "chunk Wan split")
 # Cases also compiled with a float8_e4m3fn cache (bytes decoded in registers, per-key fp32
 # scales on the score and probability columns): decode (paged), prefill through the guarded
-# page path, and a slab chunk on the large-block path with the step's own k/v (never fp8).
+# page path, and a slab chunk on the large-block path with the step's own keys (never fp8).
 FP8_CASES = ("decode 32q/8kv split", "prefill 32q/8kv page48", "chunk Wan split")
 # Cases also compiled with RoPE on read (queries and keys rotated by table rows as loaded,
-# per-block position shifts): decode with half-split pairs, the slab chunk (own k/v,
+# per-block position shifts): decode with half-split pairs, the slab chunk (own keys,
 # interleaved pairs as Wan's); with an fp8 cache too under --all-variants.
 ROPE_CASES = ("decode 32q/8kv split", "chunk Wan split")
 # The contract's workloads for --perf (sinks 1 + window 3 for slab chunks): the launch
@@ -60,12 +62,12 @@ WORKLOADS = [
 SM_COUNT = {80: 108, 90: 132}
 REDUCE_CASES = [("reduce D128", 128, "bf16"), ("reduce D256", 256, "fp16")]
 # The backward kernels (dQ and dK/dV), every mask flag on: (name, head_dim, group, dtype,
-# how the given keys sit: 0 = at the query rows (paged / commit), 1 = after the history).
+# where the own keys sit: OWN_AT_QUERIES (paged / commit) or OWN_AFTER_HISTORY).
 BWD_CASES = [
-    ("bwd 32q/8kv", 128, 4, "bf16", 0),
-    ("bwd Wan denoise", 128, 1, "bf16", 1),
-    ("bwd D256 GQA2", 256, 2, "fp16", 0),
-    ("bwd fp32", 128, 1, "fp32", 1),
+    ("bwd 32q/8kv", 128, 4, "bf16", OWN_AT_QUERIES),
+    ("bwd Wan denoise", 128, 1, "bf16", OWN_AFTER_HISTORY),
+    ("bwd D256 GQA2", 256, 2, "fp16", OWN_AT_QUERIES),
+    ("bwd fp32", 128, 1, "fp32", OWN_AFTER_HISTORY),
 ]
 # (name, head_dim, input dtype, quantize to fp8 with per-token scales).
 STORE_CASES = [("store D256", 256, "bf16", False), ("store D256 fp32", 256, "fp32", False),

@@ -12,11 +12,12 @@ from kvarena.check.cases import (
     BWD_CASES,
     FP8_CASES,
     MERGE_CASES,
-    OWN_KV_CASES,
+    OWN_CASES,
     REDUCE_CASES,
     ROPE_CASES,
     STORE_CASES,
 )
+from kvarena.kernels.placement import OWN_AFTER_HISTORY
 
 
 @dataclass
@@ -65,19 +66,19 @@ def _launches(only: str | None, capability: int, all_variants: bool = False) -> 
 
 
 def _attention_variants(name: str, launched: tuple, split: bool, all_variants: bool) -> dict:
-    """``(flags, own k/v, kv kind) -> label`` of one attention case: as launched (with its
-    own-k/v, fp8 and RoPE forms), every flag on, and with ``all_variants`` the rest."""
+    """``(flags, own keys, kv kind) -> label`` of one attention case: as launched (with its
+    own-keys, fp8 and RoPE forms), every flag on, and with ``all_variants`` the rest."""
     if split:  # a split always writes its lse
         launched = (launched[0], launched[1], True, launched[3])
     variants = {(launched, False, False): "as launched"}
-    if name in OWN_KV_CASES:
+    if name in OWN_CASES:
         variants[(launched, True, False)] = "as launched"
     if name in FP8_CASES:
-        variants[(launched, name in OWN_KV_CASES, True)] = "as launched"
+        variants[(launched, name in OWN_CASES, True)] = "as launched"
     if name in ROPE_CASES:
-        variants[(launched, name in OWN_KV_CASES, "rope")] = "as launched"
+        variants[(launched, name in OWN_CASES, "rope")] = "as launched"
         if name in FP8_CASES and all_variants:  # both at once: --all only (CI time)
-            variants[(launched, name in OWN_KV_CASES, "rope+fp8")] = "variant"
+            variants[(launched, name in OWN_CASES, "rope+fp8")] = "variant"
     variants.setdefault(((True, True, True, True), False, False), "all flags")
     if all_variants:  # a split always writes its lse
         for f in itertools.product((True, False), repeat=4):
@@ -99,17 +100,17 @@ def _attention_launch(case: tuple, flags: tuple, own: bool, kv, label: str, capa
     eb = _elem_bytes(dt)
     cfg = pa._pick_config(d, group, eb, None if det else q_len, capability,
                           lean=not det and not guard and not softcap, rope=bool(rope), kv_fp8=fp8,
-                          own_kv=own)
+                          own=own)
     meta = pa._attn_constexprs(cfg, group, d, causal=causal, has_kv_start=has_kv_start,
                                write_lse=write_lse, split=split, upcast=False, guard=guard,
-                               softcap=softcap, block_size=block, elem_bytes=eb, own_kv=own,
+                               softcap=softcap, block_size=block, elem_bytes=eb, own=own,
                                sink_logits=label == "all flags", kv_fp8=fp8,  # the most code: with sinks
                                capability=capability, rope=rope, rope_q_pos=True, rope_k_shift=True)
     meta.update(stride_qd=1, stride_od=1)  # unit strides: the JIT specializes them too
     kv_dt = ("fp8e4nv" if meta["FP8_NATIVE"] else "u8") if fp8 else dt
     ptrs = {"q_ptr": dt, "k_ptr": kv_dt, "v_ptr": kv_dt, "o_ptr": "fp32" if split else dt, "lse_ptr": "fp32",
             "block_table_ptr": "i32", "seq_lens_ptr": "i32", "cu_q_ptr": "i32", "kv_start_ptr": "i32",
-            "k2_ptr": dt, "v2_ptr": dt, "sink_ptr": "fp32", "ks_ptr": "fp32", "vs_ptr": "fp32",
+            "own_k_ptr": dt, "own_v_ptr": dt, "sink_ptr": "fp32", "ks_ptr": "fp32", "vs_ptr": "fp32",
             "cos_ptr": "fp32", "sin_ptr": "fp32", "qpos_ptr": "i32", "kshift_ptr": "i32"}
     if fp8:  # per-token scales [blocks, block_size, H_kv]: unit head stride, token stride H_kv
         meta.update(stride_ksh=1, stride_vsh=1)
@@ -132,7 +133,7 @@ def _attention_desc(name: str, dt: str, d: int, group: int, cfg: dict, flags: tu
     desc += " [" + ",".join(n for n, on in zip(_FLAG_NAMES, flags) if on) + "]"
     if meta["GUARD_NONFINITE"]:
         desc += " +nonfinite-guard"
-    if meta["OWN_KV"]:
+    if meta["HAS_OWN"]:
         desc += " +own-k/v"
     if meta["HAS_SINK_LOGITS"]:
         desc += " +sink-logits"
@@ -148,24 +149,25 @@ def _bwd_launches() -> list[_Launch]:
     from kvarena.kernels import paged_attention_bwd as bwd
 
     out = []
-    for name, d, group, dt, given in BWD_CASES:
+    for name, d, group, dt, placement in BWD_CASES:
+        after = placement == OWN_AFTER_HISTORY
         cfg = bwd.pick_bwd_config(d, _elem_bytes(dt))
         flags = dict(GROUP=group, HEAD_DIM=d, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_M=cfg["BLOCK_M"],
-                     BLOCK_N=cfg["BLOCK_N"], CAUSAL=given == 0, HAS_KV_START=True, HAS_SOFTCAP=True, UPCAST=False)
+                     BLOCK_N=cfg["BLOCK_N"], CAUSAL=not after, HAS_KV_START=True, HAS_SOFTCAP=True, UPCAST=False)
         tile = f"{dt} D{d} G{group} BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
         floats = ("scale", "scale_log2", "softcap_inv", "softcap_log2")
         ptrs = {"q_ptr": dt, "do_ptr": dt, "lse_ptr": "fp32", "delta_ptr": "fp32", "dq_ptr": dt, "k_ptr": dt,
                 "v_ptr": dt, "block_table_ptr": "i32", "seq_lens_ptr": "i32", "cu_q_ptr": "i32",
-                "kv_start_ptr": "i32", "k2_ptr": dt, "v2_ptr": dt}
-        out.append(_Launch("attention_bwd", f"{name} dQ: {tile}" + (" +own-k/v" if given else ""),
-                           bwd._attn_bwd_dq_kernel, ptrs, dict(flags, OWN_KV=given == 1), cfg["num_warps"],
+                "kv_start_ptr": "i32", "own_k_ptr": dt, "own_v_ptr": dt}
+        out.append(_Launch("attention_bwd", f"{name} dQ: {tile}" + (" +own-k/v" if after else ""),
+                           bwd._attn_bwd_dq_kernel, ptrs, dict(flags, HAS_OWN=after), cfg["num_warps"],
                            cfg["num_stages"], i64=("stride_kb", "stride_vb"), floats=floats,
                            maxnreg=cfg["maxnreg"]))
-        ptrs = {"q_ptr": dt, "do_ptr": dt, "lse_ptr": "fp32", "delta_ptr": "fp32", "kn_ptr": dt, "vn_ptr": dt,
+        ptrs = {"q_ptr": dt, "do_ptr": dt, "lse_ptr": "fp32", "delta_ptr": "fp32", "own_k_ptr": dt, "own_v_ptr": dt,
                 "dk_ptr": dt, "dv_ptr": dt, "seq_lens_ptr": "i32", "cu_q_ptr": "i32", "kv_start_ptr": "i32"}
-        out.append(_Launch("attention_bwd", f"{name} dK/dV: {tile}" + (" given after history" if given else ""),
-                           bwd._attn_bwd_dkdv_kernel, ptrs, dict(flags, GIVEN=given), cfg["num_warps"],
-                           cfg["num_stages"], i64=("stride_nb",), floats=floats, maxnreg=cfg["maxnreg"]))
+        out.append(_Launch("attention_bwd", f"{name} dK/dV: {tile}" + (" given after history" if after else ""),
+                           bwd._attn_bwd_dkdv_kernel, ptrs, dict(flags, OWN_PLACEMENT=placement), cfg["num_warps"],
+                           cfg["num_stages"], i64=("stride_own_b",), floats=floats, maxnreg=cfg["maxnreg"]))
     return out
 
 

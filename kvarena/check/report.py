@@ -86,7 +86,7 @@ def _workload_rows(targets) -> list[dict]:
                                max_seqlen_q=q_len, max_seqlen_k=k_len, block_size=block, causal=causal,
                                window_left=None, sink_tokens=0, softcap=False, num_splits=None,
                                deterministic=False, capability=cap, sm_count=SM_COUNT[cap], own_len=own)
-            if own and not plan.own_kv:
+            if own and not plan.own:
                 name += " (NOT one launch)"
             ctas = plan.programs * plan.num_splits
             slots = SM_COUNT[cap] * max(1, plan.ctas_per_sm)

@@ -273,14 +273,14 @@ def _range_tiles(a, b, block_size, BLOCK_N: tl.constexpr):
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     block_table_ptr, seq_lens_ptr, cu_q_ptr, kv_start_ptr,
-    k2_ptr, v2_ptr, sink_ptr, ks_ptr, vs_ptr, cos_ptr, sin_ptr, qpos_ptr, kshift_ptr,
+    own_k_ptr, own_v_ptr, sink_ptr, ks_ptr, vs_ptr, cos_ptr, sin_ptr, qpos_ptr, kshift_ptr,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_ksb, stride_kst, stride_ksh,
     stride_vsb, stride_vst, stride_vsh,
-    stride_k2b, stride_k2t, stride_k2h,
-    stride_v2b, stride_v2t, stride_v2h,
+    stride_own_kb, stride_own_kt, stride_own_kh,
+    stride_own_vb, stride_own_vt, stride_own_vh,
     stride_os, stride_ot, stride_oh, stride_od,
     stride_ls, stride_lt, stride_lh,
     stride_bt, stride_rp, stride_rb,
@@ -301,7 +301,7 @@ def _paged_attn_kernel(
     HAS_SOFTCAP: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     LARGE_BLOCKS: tl.constexpr,
-    OWN_KV: tl.constexpr,
+    HAS_OWN: tl.constexpr,
     HAS_SINK_LOGITS: tl.constexpr,
     KV_FP8: tl.constexpr,
     FP8_NATIVE: tl.constexpr,
@@ -375,7 +375,7 @@ def _paged_attn_kernel(
         n_sink = tl.where(sink_hi > kv_lo, tl.cdiv(sink_hi - sink_base, BLOCK_N), 0)
         n_main = tl.where(hi > lo, tl.cdiv(hi - main_base, BLOCK_N), 0)
     n_tiles = n_sink + n_main
-    if OWN_KV:
+    if HAS_OWN:
         # A denoising step's own keys (given, not stored) follow the history as one more
         # contiguous block of own_len rows per sequence, visible to every query.
         n_tiles += tl.cdiv(own_len, BLOCK_N)
@@ -400,10 +400,10 @@ def _paged_attn_kernel(
     if ROPE != 0:
         # Queries rotate once per program: row position = the first query's table row +
         # its index. Default: the bottom-right position (seq_len - q_len), or, in a launch
-        # with own k/v, right after the history (the own keys are the queries' tokens).
+        # with own keys, right after the history (the own keys are the queries' tokens).
         if ROPE_Q_POS:
             rope_q0 = tl.load(qpos_ptr + b)
-        elif not OWN_KV:
+        elif not HAS_OWN:
             rope_q0 = seq_len - q_len
         pd, fi, sg = _rope_index(d, HEAD_DIM, ROPE)
         q_ok = row_ok[:, None] & d_ok[None, :]
@@ -480,27 +480,27 @@ def _paged_attn_kernel(
                         stride_kst, stride_vst, scale_log2, softcap_inv, softcap_log2,
                         HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, KV_FP8, FP8_NATIVE,
                         cos_ptr, sin_ptr, stride_rp, n_pos, rshift, ROPE)
-        if OWN_KV:
+        if HAS_OWN:
             # Same online softmax, second key source: full tiles unmasked, the last partial
             # tile masked to own_len rows (cum == tiles of the history here).
             ja = tl.maximum(0, i_begin - cum)
             jb = tl.minimum(tl.cdiv(own_len, BLOCK_N), i_end - cum)
             if jb > ja:
-                k_blk = k2_ptr + b.to(tl.int64) * stride_k2b + kvh.to(tl.int64) * stride_k2h
-                v_blk = v2_ptr + b.to(tl.int64) * stride_v2b + kvh.to(tl.int64) * stride_v2h
+                k_blk = own_k_ptr + b.to(tl.int64) * stride_own_kb + kvh.to(tl.int64) * stride_own_kh
+                v_blk = own_v_ptr + b.to(tl.int64) * stride_own_vb + kvh.to(tl.int64) * stride_own_vh
                 f_b = tl.minimum(tl.maximum(own_len // BLOCK_N, ja), jb)
                 all_rows_hi = tl.zeros_like(row_hi) + own_len
                 no_lo = tl.zeros_like(row_lo) - 1
                 # The own keys are given in q's dtype (never fp8).
                 m_i, l_i, acc, bad_w = _block_tiles(
                     q, k_blk, v_blk, k_blk, v_blk, 0, ja, f_b - ja, 0, 0, m_i, l_i, acc,
-                    bad_w, 0, own_len, all_rows_hi, no_lo, 0, stride_k2t, stride_v2t, 0, 0,
+                    bad_w, 0, own_len, all_rows_hi, no_lo, 0, stride_own_kt, stride_own_vt, 0, 0,
                     scale_log2, softcap_inv, softcap_log2,
                     HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, False, False,
                     cos_ptr, sin_ptr, stride_rp, n_pos, rope_q0, ROPE)
                 m_i, l_i, acc, bad_w = _block_tiles(
                     q, k_blk, v_blk, k_blk, v_blk, 0, f_b, jb - f_b, jb, 0, m_i, l_i, acc,
-                    bad_w, 0, own_len, all_rows_hi, no_lo, 0, stride_k2t, stride_v2t, 0, 0,
+                    bad_w, 0, own_len, all_rows_hi, no_lo, 0, stride_own_kt, stride_own_vt, 0, 0,
                     scale_log2, softcap_inv, softcap_log2,
                     HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, False, False,
                     cos_ptr, sin_ptr, stride_rp, n_pos, rope_q0, ROPE)
@@ -664,7 +664,7 @@ def _split_reduce_kernel(
 
 def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | None,
                  capability: int = 90, *, lean: bool = False, rope: bool = False, kv_fp8: bool = False,
-                 own_kv: bool = False) -> dict:
+                 own: bool = False) -> dict:
     """Tile sizes, warps and stages of one attention launch: a pure function of its args.
 
     ``q_len_max=None`` means "any": the deterministic mode pins one config per
@@ -672,8 +672,8 @@ def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | No
     ``capability`` is 10 * major + minor (80 = A100, 90 = H100/H200; 90 on CPU).
     ``kvarena check`` compiles exactly the configs this returns, per target. ``lean``: the
     launch compiles neither the non-finite guard nor softcap (the slab pool's chunks), which
-    leaves room for a third K/V buffer on sm_90a. ``kv_fp8`` (a float8 cache) and ``own_kv``
-    (a denoising step's own k/v as a second key source) take the same config, except under
+    leaves room for a third K/V buffer on sm_90a. ``kv_fp8`` (a float8 cache) and ``own``
+    (a denoising step's own keys as a second key source) take the same config, except under
     Triton < 3.9 (:func:`_older_triton_config`).
 
     Register budget (255 per thread, no spills): the fp32 accumulator alone takes
@@ -685,10 +685,10 @@ def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | No
     """
     if rope:
         return _rope_config(_pick_config(head_dim, group, elem_bytes, q_len_max, capability, lean=lean,
-                                         kv_fp8=kv_fp8, own_kv=own_kv))
-    if (kv_fp8 or own_kv) and _TRITON_VERSION < (3, 9):
+                                         kv_fp8=kv_fp8, own=own))
+    if (kv_fp8 or own) and _TRITON_VERSION < (3, 9):
         return _older_triton_config(_pick_config(head_dim, group, elem_bytes, q_len_max, capability, lean=lean),
-                                    capability, lean=lean, kv_fp8=kv_fp8, own_kv=own_kv)
+                                    capability, lean=lean, kv_fp8=kv_fp8, own=own)
     d_pad = head_dim_pad(head_dim)
     rows = None if q_len_max is None else max(1, q_len_max) * group
     decode = rows is not None and rows <= 16
@@ -742,8 +742,8 @@ def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | No
     return cfg(64, 64, 8, 2)
 
 
-def _older_triton_config(cfg: dict, capability: int, *, lean: bool, kv_fp8: bool, own_kv: bool) -> dict:
-    """The config of an fp8-cache or own-k/v launch under Triton < 3.9, where three of them spill.
+def _older_triton_config(cfg: dict, capability: int, *, lean: bool, kv_fp8: bool, own: bool) -> dict:
+    """The config of an fp8-cache or own-keys launch under Triton < 3.9, where three of them spill.
 
     Measured with ``kvarena check`` under triton 3.6.0 (ptxas 12.8) and 3.9.0 (ptxas 12.9), D =
     128; every other config fits under both, and 3.9 keeps :func:`_pick_config`'s (the K/V
@@ -756,7 +756,7 @@ def _older_triton_config(cfg: dict, capability: int, *, lean: bool, kv_fp8: bool
       too: 232 / 234). With RoPE on read too (2 stages) 4 warps spill 8 B on sm_80, 8 fit (210).
     * guarded fp8 prefill on sm_90a (128 x 64, 2 stages, page path): 255 registers and 160 B
       spilled (3.9: 251, none); 32-key tiles: 240 (244 with softcap, sinks and kv_start).
-    * own k/v (two more pipelined loops after the history's) at 3 stages: MAGI 24q/8kv spills
+    * own keys (two more pipelined loops after the history's) at 3 stages: MAGI 24q/8kv spills
       16 B on sm_90a and 8 B on sm_80 (groups 2-7 spill 16-20 B on sm_90a), Wan with an fp8
       history 4 B on each. 2 stages: MAGI 240 / 255 registers (sm_90a / sm_80), Wan fp8 248 /
       255, groups 4 and 7 239-255; one K/V buffer fewer.
@@ -767,7 +767,7 @@ def _older_triton_config(cfg: dict, capability: int, *, lean: bool, kv_fp8: bool
         cfg = dict(cfg, num_warps=8)
     if kv_fp8 and capability >= 90 and cfg["BLOCK_M"] == 128 and not lean:
         cfg = dict(cfg, BLOCK_N=32)
-    if own_kv:
+    if own:
         cfg = dict(cfg, num_stages=min(cfg["num_stages"], 2))
     return cfg
 
@@ -831,7 +831,7 @@ def _pick_num_splits(programs: int, max_seqlen_k: int, sm_count: int, ctas: int 
 
 def _attn_constexprs(cfg: dict, group: int, head_dim: int, *, causal: bool, has_kv_start: bool,
                      write_lse: bool, split: bool, upcast: bool, guard: bool, softcap: bool,
-                     block_size: int, elem_bytes: int, large_ok: bool = True, own_kv: bool = False,
+                     block_size: int, elem_bytes: int, large_ok: bool = True, own: bool = False,
                      sink_logits: bool = False, kv_fp8: bool = False, capability: int = 90, rope: int = 0,
                      rope_q_pos: bool = False, rope_k_shift: bool = False) -> dict:
     """The constexpr arguments of ``_paged_attn_kernel`` (shared with ``kvarena check``).
@@ -846,7 +846,7 @@ def _attn_constexprs(cfg: dict, group: int, head_dim: int, *, causal: bool, has_
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, HAS_KV_START=has_kv_start, WRITE_LSE=write_lse,
         SPLIT=split, UPCAST=upcast, GUARD_NONFINITE=guard, HAS_SOFTCAP=softcap, PAGE_SIZE=page,
-        LARGE_BLOCKS=large, OWN_KV=own_kv and large, HAS_SINK_LOGITS=sink_logits, KV_FP8=kv_fp8,
+        LARGE_BLOCKS=large, HAS_OWN=own and large, HAS_SINK_LOGITS=sink_logits, KV_FP8=kv_fp8,
         FP8_NATIVE=kv_fp8 and fp8_native(capability), ROPE=rope, ROPE_Q_POS=rope_q_pos and rope != 0,
         ROPE_K_SHIFT=rope_k_shift and rope != 0,
     )
@@ -911,7 +911,7 @@ class LaunchPlan:
     ctas_per_sm: int
     guard: bool
     large_ok: bool
-    own_kv: bool  # the step's own k/v are a second key source of this launch
+    own: bool  # the step's own keys are a second key source of this launch
 
     def wave_efficiency(self, sm_count: int = _DEFAULT_SM_COUNT) -> float:
         """CTAs / (ceil(waves) x SMs x CTAs per SM) of the split grid."""
@@ -932,7 +932,7 @@ def plan_launch(*, head_dim: int, group: int, elem_bytes: int, num_seqs: int, nu
     is 90 and the SM count 132, so CPU tests get the grid an H100/H200 would run.
 
     ``own_len > 0`` asks for a second key source of ``own_len`` rows per sequence (a
-    denoising step's own k/v, every query sees them): ``plan.own_kv`` says whether this
+    denoising step's own keys, every query sees them): ``plan.own`` says whether this
     launch can take it (the large-block path, no causal mask, no window); else the caller
     attends to it in a launch of its own and merges.
     """
@@ -942,9 +942,9 @@ def plan_launch(*, head_dim: int, group: int, elem_bytes: int, num_seqs: int, nu
     # a launch off the large-block path, whose tiles start at block starts): page path only.
     lean = not deterministic and not guard and not softcap
     large_ok = large_ok and not deterministic
-    # own_kv: the config of a launch that may take the own keys (the tile decides the path).
+    # own: the config of a launch that may take the own keys (the tile decides the path).
     cfg = _pick_config(head_dim, group, elem_bytes, None if deterministic else max_seqlen_q, capability, lean=lean,
-                       rope=rope, kv_fp8=kv_fp8, own_kv=own_len > 0 and not causal and window_left is None)
+                       rope=rope, kv_fp8=kv_fp8, own=own_len > 0 and not causal and window_left is None)
     block_n = cfg["BLOCK_N"]
     num_q_tiles = triton.cdiv(max_seqlen_q * group, cfg["BLOCK_M"])
     programs = num_q_tiles * num_seqs * num_kv_heads
@@ -955,8 +955,8 @@ def plan_launch(*, head_dim: int, group: int, elem_bytes: int, num_seqs: int, nu
     large = _use_large_blocks(block_size, block_n, large_ok, guard, elem_bytes)
     if large:
         max_tiles = (triton.cdiv(max(max_seqlen_k, 1), block_size) + 1) * triton.cdiv(block_size, block_n)
-    own_kv = own_len > 0 and large and not causal and window_left is None
-    if own_kv:
+    own = own_len > 0 and large and not causal and window_left is None
+    if own:
         max_tiles += triton.cdiv(own_len, block_n)
         max_seqlen_k += own_len
     ctas = ctas_per_sm(capability, cfg, elem_bytes)
@@ -970,7 +970,7 @@ def plan_launch(*, head_dim: int, group: int, elem_bytes: int, num_seqs: int, nu
         num_splits = _pick_num_splits(programs, max_seqlen_k, sm_count, ctas)
     # More splits than key tiles would only add empty partials; 65535 is grid axis 1's cap.
     num_splits = max(1, min(num_splits, max_tiles, 65535))
-    return LaunchPlan(cfg, num_q_tiles, programs, num_splits, tiles_per_split, ctas, guard, large_ok, own_kv)
+    return LaunchPlan(cfg, num_q_tiles, programs, num_splits, tiles_per_split, ctas, guard, large_ok, own)
 
 
 @dataclass(frozen=True)
@@ -1018,13 +1018,13 @@ def _plan_forward(q, k_cache, v_cache, *, num_seqs: int, spec, max_seqlen_q: int
         sm_count=_sm_count(dev), large_ok=block_size * max(k_cache.stride(1), v_cache.stride(1)) < I32_MAX,
         own_len=own_len or 0, rope=bool(spec.rope_mode), kv_fp8=kv_fp8,
     )
-    if own_len is not None and not plan.own_kv:
+    if own_len is not None and not plan.own:
         return None
     split = plan.num_splits > 1
     meta = _attn_constexprs(plan.cfg, group, head_dim, causal=causal, has_kv_start=has_kv_start,
                             write_lse=write_lse or split, split=split, upcast=interpreting(),
                             guard=plan.guard, softcap=bool(softcap), block_size=block_size,
-                            elem_bytes=q.element_size(), large_ok=plan.large_ok, own_kv=plan.own_kv,
+                            elem_bytes=q.element_size(), large_ok=plan.large_ok, own=plan.own,
                             sink_logits=spec.sink_logits is not None, kv_fp8=kv_fp8,
                             capability=_capability(dev), rope=spec.rope_mode, rope_q_pos=rope_q_pos,
                             rope_k_shift=rope_k_shift)
@@ -1105,8 +1105,8 @@ def _launch_attention(fwd: _ForwardLaunch, dst: _Outputs, q, k_cache, v_cache, b
             sc_strides = (*ks.stride(), *vs.stride())
         if not fwd.meta["FP8_NATIVE"]:
             k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    own = fwd.plan.own_kv
-    own_k, own_v = (own_k, own_v) if own else (k_cache, v_cache)  # never read without OWN_KV
+    own = fwd.plan.own
+    own_k, own_v = (own_k, own_v) if own else (k_cache, v_cache)  # never read without HAS_OWN
     own_strides = (*own_k.stride()[-4:-1], *own_v.stride()[-4:-1]) if own else (0,) * 6
     rope = _rope_operands(spec, rope_q_pos, rope_k_shift, seq_lens)
     cfg, plan = fwd.plan.cfg, fwd.plan
@@ -1160,7 +1160,7 @@ def paged_attention_fwd(
     data: the grid comes from ``max_seqlen_q`` / ``max_seqlen_k`` alone.
 
     ``own_k``, ``own_v``, each ``[B, T, H_kv, D]`` (last dim contiguous): keys after each
-    sequence's cached ones that every query sees (a denoising step's own k/v), attended in
+    sequence's cached ones that every query sees (a denoising step's own keys), attended in
     the same launch and the same online softmax. Returns False, launching nothing, when
     this launch cannot take them (see :func:`plan_launch`); True otherwise.
 
@@ -1172,7 +1172,7 @@ def paged_attention_fwd(
 
     RoPE on read (``spec.rope_cos`` / ``rope_sin`` ``[P, D/2]`` fp32): queries and keys are
     rotated as loaded. Query i of sequence b takes table row ``rope_q_pos[b] + i`` (None:
-    ``seq_len - q_len + i``, or ``seq_len + i`` with own k/v); cached key t takes row ``t +
+    ``seq_len - q_len + i``, or ``seq_len + i`` with own keys); cached key t takes row ``t +
     rope_k_shift[b, t // block_size]`` (None: t); own key r takes row ``rope_q_pos[b] + r``.
 
     ``spec.num_splits``: split-KV count (None = ``_pick_num_splits``; 1 = never split).

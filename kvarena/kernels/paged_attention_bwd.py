@@ -16,7 +16,7 @@ Two kernels, no atomics (deterministic by construction):
   accumulates ``dV = P^T dO`` and ``dK = scale * dS^T Q``. The own keys are placed
   (:mod:`kvarena.kernels.placement`) either at the query rows (stored at the rows'
   positions ``L - q_len + i``: the paged pool's new tokens, a slab chunk committed in the
-  same call) or after the history (a denoising step's own k/v, visible to every query).
+  same call) or after the history (a denoising step's own keys, visible to every query).
 
 ``Delta = rowsum(dO * O) - dlse`` (a gradient on the returned lse adds ``P * dlse`` to
 ``dS``: ``d lse / d s = P``). Softcap multiplies ``dS`` by ``1 - tanh^2``. A row that saw
@@ -89,11 +89,11 @@ def _load_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, j, n_rows, q_start, kvh, num_k
 def _attn_bwd_dq_kernel(
     q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, cu_q_ptr, kv_start_ptr,
-    k2_ptr, v2_ptr,
+    own_k_ptr, own_v_ptr,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
-    stride_k2b, stride_k2t, stride_k2h,
+    stride_own_b, stride_own_t, stride_own_h,
     stride_bt,
     scale, scale_log2, softcap_inv, softcap_log2,
     block_size, chunk_size, window_left, sink_tokens, own_len,
@@ -107,7 +107,7 @@ def _attn_bwd_dq_kernel(
     HAS_KV_START: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
-    OWN_KV: tl.constexpr,
+    HAS_OWN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     q_tile_idx = pid % num_q_tiles
@@ -178,16 +178,16 @@ def _attn_bwd_dq_kernel(
         p, th = _probs(q, kt, lse2, vis, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP)
         ds = _dscores(p, th, do, vt, delta, HAS_SOFTCAP)
         dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision="ieee")
-    if OWN_KV:
-        k2_head = k2_ptr + b.to(tl.int64) * stride_k2b + kvh.to(tl.int64) * stride_k2h
-        v2_head = v2_ptr + b.to(tl.int64) * stride_k2b + kvh.to(tl.int64) * stride_k2h
+    if HAS_OWN:
+        own_k_head = own_k_ptr + b.to(tl.int64) * stride_own_b + kvh.to(tl.int64) * stride_own_h
+        own_v_head = own_v_ptr + b.to(tl.int64) * stride_own_b + kvh.to(tl.int64) * stride_own_h
         for t0 in range(0, own_len, BLOCK_N):
             t = t0 + n_off
             key_ok = t < own_len
             km = key_ok[None, :] & d_ok[:, None]
-            off = t.to(tl.int64) * stride_k2t
-            kt = tl.load(k2_head + off[None, :] + d[:, None], mask=km, other=0.0)
-            vt = tl.load(v2_head + off[None, :] + d[:, None], mask=km, other=0.0)
+            off = t.to(tl.int64) * stride_own_t
+            kt = tl.load(own_k_head + off[None, :] + d[:, None], mask=km, other=0.0)
+            vt = tl.load(own_v_head + off[None, :] + d[:, None], mask=km, other=0.0)
             if UPCAST:
                 kt = kt.to(tl.float32)
                 vt = vt.to(tl.float32)
@@ -203,10 +203,10 @@ def _attn_bwd_dq_kernel(
 @triton.jit
 def _attn_bwd_dkdv_kernel(
     q_ptr, do_ptr, lse_ptr, delta_ptr,
-    kn_ptr, vn_ptr, dk_ptr, dv_ptr,
+    own_k_ptr, own_v_ptr, dk_ptr, dv_ptr,
     seq_lens_ptr, cu_q_ptr, kv_start_ptr,
     stride_qt, stride_qh,
-    stride_nb, stride_nt, stride_nh,
+    stride_own_b, stride_own_t, stride_own_h,
     scale, scale_log2, softcap_inv, softcap_log2,
     chunk_size, window_left, sink_tokens, own_len,
     num_kv_heads, num_k_tiles,
@@ -219,7 +219,7 @@ def _attn_bwd_dkdv_kernel(
     HAS_KV_START: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
-    GIVEN: tl.constexpr,
+    OWN_PLACEMENT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     k_tile_idx = pid % num_k_tiles
@@ -231,15 +231,16 @@ def _attn_bwd_dkdv_kernel(
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + b)
     n0 = k_tile_idx * BLOCK_N
-    if GIVEN == 0:
-        # The rows' own keys: key i sits at position L - q_len + i, packed like q.
+    if OWN_PLACEMENT == 0:
+        # OWN_AT_QUERIES, the rows' own keys: key i sits at position L - q_len + i, packed like q.
         k_len = q_len
-        key_base = q_start.to(tl.int64) * stride_nt
+        key_base = q_start.to(tl.int64) * stride_own_t
         kpos0 = seq_len - q_len
     else:
-        # A second source of own_len keys after the history, visible to every query.
+        # OWN_AFTER_HISTORY: a second source of own_len keys after the history, visible to
+        # every query.
         k_len = own_len
-        key_base = b.to(tl.int64) * stride_nb
+        key_base = b.to(tl.int64) * stride_own_b
         kpos0 = seq_len
     if n0 >= k_len:
         return
@@ -248,14 +249,14 @@ def _attn_bwd_dkdv_kernel(
     n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key index in the own keys
     key_ok = n < k_len
     t = kpos0 + n  # [BLOCK_N] key positions
-    if GIVEN == 0:
+    if OWN_PLACEMENT == 0:
         key_ok = key_ok & (t >= kv_lo)
     d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = d < HEAD_DIM
-    key_off = key_base + n.to(tl.int64) * stride_nt + kvh.to(tl.int64) * stride_nh  # [BLOCK_N]
+    key_off = key_base + n.to(tl.int64) * stride_own_t + kvh.to(tl.int64) * stride_own_h  # [BLOCK_N]
     km = key_ok[None, :] & d_ok[:, None]
-    kt = tl.load(kn_ptr + key_off[None, :] + d[:, None], mask=km, other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
-    vt = tl.load(vn_ptr + key_off[None, :] + d[:, None], mask=km, other=0.0)
+    kt = tl.load(own_k_ptr + key_off[None, :] + d[:, None], mask=km, other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
+    vt = tl.load(own_v_ptr + key_off[None, :] + d[:, None], mask=km, other=0.0)
     if UPCAST:
         kt = kt.to(tl.float32)
         vt = vt.to(tl.float32)
@@ -269,7 +270,7 @@ def _attn_bwd_dkdv_kernel(
             q_ptr, do_ptr, lse_ptr, delta_ptr, m0 + m_off, n_rows, q_start, kvh, num_kv_heads, stride_qt,
             stride_qh, d, d_ok, GROUP, UPCAST)
         vis = row_ok[:, None] & key_ok[None, :]
-        if GIVEN == 0:
+        if OWN_PLACEMENT == 0:
             q_pos = seq_len - q_len + pos_idx  # [BLOCK_M]
             if CAUSAL:
                 row_hi = tl.minimum((q_pos // chunk_size + 1) * chunk_size, seq_len)
@@ -391,7 +392,7 @@ def paged_attention_bwd(
         own_k, own_v = own_k.contiguous(), own_v.contiguous()
     after = own_k is not None and placement == OWN_AFTER_HISTORY
     own_len = own_k.shape[1] if after else 0
-    dq_k, dq_v = (own_k, own_v) if after else (k_cache, v_cache)  # never read without OWN_KV
+    dq_k, dq_v = (own_k, own_v) if after else (k_cache, v_cache)  # never read without HAS_OWN
     kv_start_arg = kv_start if kv_start is not None else seq_lens
     num_q_tiles = triton.cdiv(max(max_seqlen_q, 1) * bwd.constexprs["GROUP"], bwd.cfg["BLOCK_M"])
     run = q.device.type != "meta"  # meta: a dry run (the allocations, no kernel)
@@ -408,7 +409,7 @@ def paged_attention_bwd(
             bwd.scale, bwd.scale * LOG2E, bwd.softcap_inv, bwd.softcap_log2,
             k_cache.shape[1], bwd.chunk, bwd.window, spec.sink_tokens, own_len,
             h_kv, num_q_tiles,
-            OWN_KV=after, **bwd.constexprs,
+            HAS_OWN=after, **bwd.constexprs,
         )
     if own_k is None:
         return dq, None, None
@@ -427,6 +428,6 @@ def paged_attention_bwd(
             bwd.scale, bwd.scale * LOG2E, bwd.softcap_inv, bwd.softcap_log2,
             bwd.chunk, bwd.window, spec.sink_tokens, own_len,
             h_kv, num_k_tiles,
-            GIVEN=OWN_AFTER_HISTORY if after else OWN_AT_QUERIES, **bwd.constexprs,
+            OWN_PLACEMENT=OWN_AFTER_HISTORY if after else OWN_AT_QUERIES, **bwd.constexprs,
         )
     return dq, dk, dv
