@@ -17,18 +17,18 @@ def _sdpa_train(case: Case, data: CaseData) -> Bench:
     import torch.nn.functional as F
 
     b, t = case.batch, case.chunk
-    q, k2, v2, do = _train_inputs(case, data)
+    q, own_k, own_v, do = _train_inputs(case, data)
     hist = (case.sinks + case.window - 1) * case.chunk
     kh, vh = (x[:, :, :hist].detach() for x in data.contiguous())  # [B, H_kv, hist, D], constants
     backend = "flash" if data.device.type == "cuda" else None
 
     def fn():
-        kk = torch.cat([kh, k2.transpose(1, 2)], 2)  # [B, H_kv, hist + T, D]
-        vv = torch.cat([vh, v2.transpose(1, 2)], 2)
+        kk = torch.cat([kh, own_k.transpose(1, 2)], 2)  # [B, H_kv, hist + T, D]
+        vv = torch.cat([vh, own_v.transpose(1, 2)], 2)
         qs = q.view(b, t, case.h_q, case.head_dim).transpose(1, 2)
         with _sdpa_ctx(backend):
             out = F.scaled_dot_product_attention(qs, kk, vv, enable_gqa=case.h_q != case.h_kv)
-        return torch.autograd.grad(out, (q, k2, v2), do.view(b, t, case.h_q, case.head_dim).transpose(1, 2))[0]
+        return torch.autograd.grad(out, (q, own_k, own_v), do.view(b, t, case.h_q, case.head_dim).transpose(1, 2))[0]
 
     return Bench(fn, note=f"{backend or 'default'} SDPA fwd + bwd, history gathered once (untimed)")
 

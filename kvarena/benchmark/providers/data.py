@@ -54,7 +54,7 @@ class CaseData:
         dequantized to the case's dtype, for the other providers).
     rope : ``(q, k_cache, cos, sin)`` un-rotated q and keys and the interleaved table, or
         None (RoPE cases; ``q``/``k_cache`` then hold them rotated, for the other providers).
-    own_kv : ``(k, v)`` each ``[B, chunk, H_kv, D]``: the newest slab's keys gathered
+    own : ``(own_k, own_v)`` each ``[B, chunk, H_kv, D]``: the newest slab's keys gathered
         (chunk cases): the step's own K/V of a denoising step, what a commit stores. RoPE
         cases: the un-rotated keys.
     own_slots : int32 ``[B * chunk]``: the arena slots of the newest slab (chunk cases).
@@ -74,7 +74,7 @@ class CaseData:
     new_v: torch.Tensor | None = None
     kv8: tuple | None = None
     rope: tuple | None = None
-    own_kv: tuple | None = None
+    own: tuple | None = None
     own_slots: torch.Tensor | None = None
     pool_step: Callable[..., torch.Tensor] | None = None
     _contig: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
@@ -192,9 +192,9 @@ def make_data(case: Case, device: str | torch.device, *, seed: int = 0) -> CaseD
                 k_rot[ids] = apply_rope(k_cache[ids].float(), pos[:, :, None], cos, sin, True).to(dtype)
             qpos = torch.arange(case.kv_tokens - case.chunk, case.kv_tokens, device=device).repeat(b)
             q, k_cache = apply_rope(q.float(), qpos[:, None], cos, sin, True).to(dtype), k_rot
-        own_kv, own_slots = _newest_slab(case, block_table, rope[1] if rope else k_cache, v_cache)
+        own, own_slots = _newest_slab(case, block_table, rope[1] if rope else k_cache, v_cache)
         return CaseData(case, device, q, k_cache, v_cache, block_table, seq_lens, cu, kv8=kv8, rope=rope,
-                        own_kv=own_kv, own_slots=own_slots)
+                        own=own, own_slots=own_slots)
     if case.kind == "train":
         # The last page of each row stands for the step's own keys, given as new_k/new_v.
         q = randn(b * case.chunk, case.h_q, d)
@@ -286,8 +286,8 @@ def _train_inputs(case: Case, data: CaseData):
     """Leaves with gradients: q ``[B*T, H_q, D]``, own k/v ``[B, T, H_kv, D]``, and dO."""
     b, t = case.batch, case.chunk
     q = data.q.detach().clone().requires_grad_(True)
-    k2 = data.new_k.view(b, t, case.h_kv, case.head_dim).detach().clone().requires_grad_(True)
-    v2 = data.new_v.view(b, t, case.h_kv, case.head_dim).detach().clone().requires_grad_(True)
+    own_k = data.new_k.view(b, t, case.h_kv, case.head_dim).detach().clone().requires_grad_(True)
+    own_v = data.new_v.view(b, t, case.h_kv, case.head_dim).detach().clone().requires_grad_(True)
     gen = torch.Generator(device="cpu").manual_seed(1)
     do = torch.randn(q.shape, generator=gen).to(device=q.device, dtype=q.dtype)
-    return q, k2, v2, do
+    return q, own_k, own_v, do

@@ -103,7 +103,7 @@ class _ChunkCall:
                      "denoise": "SlabKVCache.forward(commit=False): history + own k/v",
                      "guarded": "paged_attention(chunk_size=chunk): the guarded page path"}[self.step]
         self.q, self.k_cache, self.v_cache = data.q, data.k_cache, data.v_cache
-        self.own, self.scales = data.own_kv, None
+        self.own, self.scales = data.own, None
         if data.rope is not None and not plain:
             self.q, self.k_cache, cos, sin = data.rope
             self.spec = self.spec.replace(rope_cos=cos, rope_sin=sin, rope_interleaved=True)
@@ -183,7 +183,7 @@ def _kvarena_train(case: Case, data: CaseData, backend: str = "auto") -> Bench:
     from kvarena.attention.spec import AttentionSpec
 
     b, t = case.batch, case.chunk
-    q, k2, v2, do = _train_inputs(case, data)
+    q, own_k, own_v, do = _train_inputs(case, data)
     hist_table = data.block_table[:, :-1].contiguous()  # the last page stands for the own keys
     hist = (case.sinks + case.window - 1) * case.chunk
     hist_lens = torch.full((b,), hist, dtype=torch.int32, device=data.device)
@@ -195,9 +195,9 @@ def _kvarena_train(case: Case, data: CaseData, backend: str = "auto") -> Bench:
     cache, keys, rows = CacheView(data.k_cache, data.v_cache), KeySet(hist_table, hist_lens, hist), QueryRows(cu, t)
 
     def fn():  # what SlabKVCache.forward(commit=False) runs
-        own = OwnKeys(k2, v2, KeySet(dense_table, own_lens, t))
+        own = OwnKeys(own_k, own_v, KeySet(dense_table, own_lens, t))
         out = dispatch.attend(q, cache, keys, rows, spec=spec, backend=backend, own=own)
-        return torch.autograd.grad(out, (q, k2, v2), do)[0]
+        return torch.autograd.grad(out, (q, own_k, own_v), do)[0]
 
     note = "Triton fwd + bwd" if backend == "triton" else "torch path fwd + autograd"
     return Bench(fn, note=note)
