@@ -136,6 +136,20 @@ def test_workloads_fill_their_waves(perf_run):
     assert not split_up, f"denoising steps that need two launches and a merge: {split_up}"
 
 
+def test_workload_plans_fill_a_wave_at_batch_one():
+    """Host math only: B=1 decode (2K-128K keys) fills >= 90% of a wave on both targets, and
+    its split reduce runs at least one program per SM; an unsplit launch has no reduce."""
+    from kvarena.check.report import _workload_rows
+
+    rows = _workload_rows((80, 90))
+    b1 = [r for r in rows if r["workload"].startswith("decode B=1 ")]
+    assert len(b1) == 6
+    for r in b1:
+        assert r["efficiency"] >= 0.9 and r["splits"] > 1, r
+        assert r["reduce_grid"] and r["reduce_waves"] >= 1.0, r
+    assert all(r["reduce_grid"] is None for r in rows if r["splits"] == 1)
+
+
 def test_compile_cache_gives_the_rows_a_compile_gives(tmp_path):
     """The on-disk compile cache changes no result: a second run reads every row from it,
     equal to the first run's compiles and to a --no-cache run's."""

@@ -12,6 +12,7 @@ read either shows up as NaN or, in the interpreter, as a crash.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import random
 import subprocess
@@ -309,23 +310,108 @@ def test_deterministic_split_is_batch_invariant(monkeypatch, split_modes):
         assert torch.equal(lse1, lse_big[i:i + 1])
 
 
+def _reduce_ref(part, lse2, sink):
+    """fp64 merge of split partials (lse in log2 units; -inf: empty, its partial unread)."""
+    lse = lse2.double() * math.log(2.0)
+    terms = lse if sink is None else torch.cat([lse, sink.double().expand(1, *lse.shape[1:])], 0)
+    ref_lse = torch.logsumexp(terms, 0)
+    w = torch.exp(lse - ref_lse).nan_to_num(0.0)  # a row with no key: -inf - -inf
+    out = (torch.where(w[..., None] > 0, part.double(), 0.0) * w[..., None]).sum(0)
+    return torch.where(torch.isneginf(ref_lse)[..., None], 0.0, out), ref_lse
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype,head_dim,splits", [
+    (torch.float32, 24, 37), (torch.float16, 24, 37), (torch.bfloat16, 24, 37),
+    (torch.float32, 80, 3), (torch.bfloat16, 128, 70), (torch.float16, 40, 64),
+], ids=["fp32-D24-37", "fp16-D24-37", "bf16-D24-37", "fp32-D80-3", "bf16-D128-70", "fp16-D40-64"])
+def test_split_reduce_kernel(dtype, head_dim, splits):
+    """The parallel reduce at odd D and many splits (past 64: chunks), rows whose splits are
+    partly or wholly empty (lse -inf over NaN partials), with and without sinks and lse, both
+    tiles (deterministic), into NaN-filled outputs."""
+    g = torch.Generator().manual_seed(head_dim * 1000 + splits)
+    tokens, heads = 3, 5
+    part = torch.randn(splits, tokens, heads, head_dim, generator=g).to(DEVICE)
+    lse2 = (torch.randn(splits, tokens, heads, generator=g) * 3).to(DEVICE)
+    lse2[splits // 2:, 0, 1] = float("-inf")  # partly empty
+    part[splits // 2:, 0, 1] = float("nan")
+    lse2[:, 1, 2] = float("-inf")  # wholly empty
+    part[:, 1, 2] = float("nan")
+    lse2[1::3, 2, :] = float("-inf")  # every third split empty
+    part[1::3, 2, :] = float("nan")
+    sink = torch.randn(heads, generator=g).to(DEVICE)
+    for sk, with_lse, det in ((None, True, False), (sink, True, True), (sink, False, False)):
+        ref_out, ref_lse = _reduce_ref(part, lse2, sk)
+        out = torch.full((tokens, heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+        lse = torch.full((tokens, heads), float("nan"), device=DEVICE) if with_lse else None
+        pa.split_reduce(part, lse2, out, lse, sk, deterministic=det)
+        what = f"D={head_dim} splits={splits} sink={sk is not None} lse={with_lse} det={det}"
+        assert_close(out, ref_out, dtype, what)
+        if sk is None:
+            assert torch.equal(out[1, 2].float(), torch.zeros(head_dim, device=DEVICE)), what
+        if with_lse:
+            assert_lse_close(lse, ref_lse, torch.float32, what)
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype,group", [(torch.float32, 1), (torch.bfloat16, 4), (torch.float16, 5)],
+                         ids=["fp32-gqa1", "bf16-gqa4", "fp16-gqa5"])
+def test_many_splits_match_oracle(monkeypatch, dtype, group, nan_prefilled):
+    """37 splits end to end at an odd head dim (40): the short sequences' rows see mostly
+    empty splits (lse -inf), NaN-poisoned unused slots stay unread."""
+    monkeypatch.setattr(sys.modules[__name__], "_MODES",
+                        {"decode_splits": dict(lens=[2400, 130, 5, 0], q_lens=[1, 1, 1, 0], cu=True)})
+    case = make_case(dtype=dtype, group=group, head_dim=40, block_size=16, mode="decode_splits", kv_start=False,
+                     seed=21, h_kv=1)
+    ref_out, ref_lse = reference(case)
+    out, lse = run_triton(case, return_lse=True, num_splits=37)
+    assert_close(out, ref_out, dtype, "num_splits=37")
+    assert_lse_close(lse, ref_lse, dtype, "num_splits=37")
+
+
 def test_split_heuristic_numbers():
-    """Splits fill the last wave to >= 90% of the CTA slots (SMs x CTAs per SM)."""
+    """Splits fill the last wave to >= 90% of the CTA slots (SMs x CTAs per SM); a grid
+    under one wave takes one full wave of splits."""
     sms = 132
-    assert pa._pick_num_splits(8, 32768, sms) == 15  # B=1, 8 kv heads decode: 120 of 132
+    assert pa._pick_num_splits(8, 32768, sms) == 16  # B=1, 8 kv heads decode: 128 of 132
     assert pa._pick_num_splits(32, 32768, sms) == 4
     assert pa._pick_num_splits(128, 32768, sms) == 1  # 0.97 of a wave already
     assert pa._pick_num_splits(200, 32768, sms) == 3  # 1.52 waves (0.76) -> 4.55 (0.91)
     assert pa._pick_num_splits(300, 10**6, sms) == 2  # 2.27 waves (0.76) -> 4.55 (0.91)
-    assert pa._pick_num_splits(8, 400, sms) == 1  # < 2 x 256 keys: not worth it
+    assert pa._pick_num_splits(8, 400, sms) == 12  # one split per 32 keys at most
+    assert pa._pick_num_splits(8, 40, sms) == 1  # < 2 x 32 keys: nothing to split
     # Two CTAs per SM make a wave 264 programs: B=16 decode (128 programs) now splits.
     assert pa._pick_num_splits(128, 16384, sms, 2) == 2
     assert pa._pick_num_splits(444, 18720, sms, 1) == 2  # Wan-1.3B chunk: 3.36 waves -> 6.73
+    # B=1 decode at 2 CTAs/SM: one full wave (33 x 8 = 264) from 2K keys on (64-key tiles).
+    assert pa._pick_num_splits(8, 131072, sms, 2, tiles=2048) == 33
+    assert pa._pick_num_splits(8, 4096, sms, 2, tiles=64) == 33
+    assert pa._pick_num_splits(8, 2048, sms, 2, tiles=32) == 32  # one split per key tile
     for ctas in (1, 2, 3):
         for programs in range(1, 3 * sms):
             for keys in (600, 4096, 131072):
                 s = pa._pick_num_splits(programs, keys, sms, ctas)
                 assert 1 <= s <= min(pa._MAX_SPLITS, max(1, keys // pa._MIN_SPLIT_KEYS))
+                assert pa._pick_num_splits(programs, keys, sms, ctas, tiles=5) <= 5
+
+
+def test_reduce_tile_fills_the_grid_within_its_budget():
+    """The reduce's tile holds <= ROW_TILE_ELEMS partials, <= 4 rows, every split up to 64 at
+    once; B=1 (32 rows) gets >= one program per SM; deterministic tiles ignore the batch."""
+    from kvarena.kernels._common import ROW_TILE_ELEMS
+
+    for d in (16, 72, 128, 256):
+        for splits in (2, 3, 30, 33, 37, 64, 65, 300):
+            for rows in (1, 32, 512, 8192):
+                t = pa._reduce_tile(rows, d, splits, 132)
+                assert t.BLOCK_R * t.BLOCK_S * t.BLOCK_D <= ROW_TILE_ELEMS and t.BLOCK_R <= 4
+                assert min(64, 1 << (splits - 1).bit_length()) == t.BLOCK_S
+                assert t.grid == (-(-rows // t.BLOCK_R), -(-d // t.BLOCK_D))
+                if rows >= 32 and d >= 128:
+                    assert t.programs >= 132, t
+                det = pa._reduce_tile(rows, d, splits, 132, deterministic=True)
+                pinned = pa._reduce_tile(1, d, 2, 1, deterministic=True)
+                assert (det.BLOCK_R, det.BLOCK_D, det.BLOCK_S) == (pinned.BLOCK_R, pinned.BLOCK_D, pinned.BLOCK_S)
 
 
 def test_pick_config_is_pure_and_bounded():

@@ -47,6 +47,8 @@ ROPE_CASES = ("decode 32q/8kv split", "chunk Wan split")
 # num_seqs, q_len, k_len (cached keys), block_size, causal, own_len (the step's own keys,
 # attended in the same launch: a denoising step)).
 WORKLOADS = [
+    ("decode B=1 ctx=2K", 128, 4, 8, 1, 1, 2048, 16, True, 0),
+    ("decode B=1 ctx=4K", 128, 4, 8, 1, 1, 4096, 16, True, 0),
     ("decode B=1 ctx=128K", 128, 4, 8, 1, 1, 131072, 16, True, 0),
     ("decode B=16 ctx=16K", 128, 4, 8, 16, 1, 16384, 16, True, 0),
     ("decode B=16 ctx=128K", 128, 4, 8, 16, 1, 131072, 16, True, 0),
@@ -60,7 +62,14 @@ WORKLOADS = [
     ("MAGI-1 chunk, commit=False", 128, 3, 8, 1, 12150, 3 * 12150, 12150, False, 12150),
 ]
 SM_COUNT = {80: 108, 90: 132}
-REDUCE_CASES = [("reduce D128", 128, "bf16"), ("reduce D256", 256, "fp16")]
+# The split reduce: (name, head_dim, dtype, rows (tokens x query heads), splits), each
+# compiled at the tile :func:`kvarena.kernels.paged_attention._reduce_tile` gives it on
+# 132 SMs: B=1 decode (32 rows; 33 splits = 64 at once, D split across programs), B=16, a
+# split count past 64 (chunks), D = 256, and the deterministic pin.
+REDUCE_CASES = [("reduce D128 B=1", 128, "bf16", 32, 33, False), ("reduce D128 B=16", 128, "bf16", 512, 2, False),
+                ("reduce D128 B=1 100 splits", 128, "bf16", 32, 100, False),
+                ("reduce D256", 256, "fp16", 64, 16, False), ("reduce D256 rows", 256, "fp16", 8192, 8, False),
+                ("reduce D128 deterministic", 128, "bf16", 512, 32, True)]
 # The backward kernels (dQ and dK/dV), every mask flag on: (name, head_dim, group, dtype,
 # where the own keys sit: OWN_AT_QUERIES (paged / commit) or OWN_AFTER_HISTORY).
 BWD_CASES = [

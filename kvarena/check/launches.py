@@ -172,18 +172,19 @@ def _bwd_launches() -> list[_Launch]:
 
 
 def _reduce_launches() -> list[_Launch]:
-    """The split-KV reduce of every ``REDUCE_CASES`` entry."""
+    """The split-KV reduce of every ``REDUCE_CASES`` entry, at the tile its launch takes."""
+    from kvarena.check.cases import SM_COUNT
     from kvarena.kernels import paged_attention as pa
-    from kvarena.kernels._common import ROW_TILE_WARPS, head_dim_pad
+    from kvarena.kernels._common import ROW_TILE_WARPS
 
     out = []
-    for name, d, dt in REDUCE_CASES:
-        d_pad = head_dim_pad(d)
-        block_r = pa._reduce_block_rows(d_pad)
-        meta = dict(HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_R=block_r, WRITE_LSE=True, HAS_SINK_LOGITS=True,
-                    stride_od=1)
+    for name, d, dt, rows, splits, det in REDUCE_CASES:
+        t = pa._reduce_tile(rows, d, splits, SM_COUNT[90], deterministic=det)
+        meta = dict(HEAD_DIM=d, BLOCK_D=t.BLOCK_D, BLOCK_R=t.BLOCK_R, BLOCK_S=t.BLOCK_S, WRITE_LSE=True,
+                    HAS_SINK_LOGITS=True, stride_od=1)
         ptrs = {"part_ptr": "fp32", "part_lse_ptr": "fp32", "o_ptr": dt, "lse_ptr": "fp32", "sink_ptr": "fp32"}
-        out.append(_Launch("split_reduce", f"{name}: {dt} BR{block_r} w{ROW_TILE_WARPS}",
+        out.append(_Launch("split_reduce",
+                           f"{name}: {dt} BR{t.BLOCK_R} BS{t.BLOCK_S} BD{t.BLOCK_D} w{ROW_TILE_WARPS}",
                            pa._split_reduce_kernel, ptrs, meta, ROW_TILE_WARPS, 1,
                            i64=("stride_ps",)))
     return out

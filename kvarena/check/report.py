@@ -67,17 +67,21 @@ def _print_table(rows: list[Row], wide: bool = False) -> None:
 
 
 def _print_workloads(rows: list[dict]) -> None:
-    head = ("workload", "target", "tile", "programs", "splits", "CTAs/SM", "waves", "wave eff.")
+    head = ("workload", "target", "tile", "programs", "splits", "CTAs/SM", "waves", "wave eff.", "reduce grid",
+            "reduce/SMs")
     body = [(r["workload"], r["target"], r["tile"], str(r["programs"]), str(r["splits"]), str(r["ctas_per_sm"]),
-             f"{r['waves']:.2f}", f"{r['efficiency']:.3f}") for r in rows]
+             f"{r['waves']:.2f}", f"{r['efficiency']:.3f}",
+             "x".join(map(str, r["reduce_grid"])) if r["reduce_grid"] else "-",
+             f"{r['reduce_waves']:.2f}" if r["reduce_grid"] else "-") for r in rows]
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
     for line in [head, tuple("-" * w for w in widths), *body]:
         print("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip())
 
 
 def _workload_rows(targets) -> list[dict]:
-    """The launch plans of the contract's workloads (pure host math, no compile)."""
-    from kvarena.kernels.paged_attention import plan_launch
+    """The launch plans of the contract's workloads (pure host math, no compile): the
+    attention grid and, for a split launch, the reduce's grid and its programs per SM."""
+    from kvarena.kernels.paged_attention import _reduce_tile, plan_launch
 
     rows = []
     for cap in targets:
@@ -90,9 +94,13 @@ def _workload_rows(targets) -> list[dict]:
                 name += " (NOT one launch)"
             ctas = plan.programs * plan.num_splits
             slots = SM_COUNT[cap] * max(1, plan.ctas_per_sm)
+            reduce = _reduce_tile(b * q_len * group * h_kv, d, plan.num_splits, SM_COUNT[cap]) \
+                if plan.num_splits > 1 else None
             rows.append(dict(workload=name, target=TARGET_NAMES[cap], tile=f"{plan.cfg['BLOCK_M']}x{plan.cfg['BLOCK_N']}",
                              programs=plan.programs, splits=plan.num_splits, ctas_per_sm=plan.ctas_per_sm,
-                             waves=round(ctas / slots, 2), efficiency=round(plan.wave_efficiency(SM_COUNT[cap]), 3)))
+                             waves=round(ctas / slots, 2), efficiency=round(plan.wave_efficiency(SM_COUNT[cap]), 3),
+                             reduce_grid=list(reduce.grid) if reduce else None,
+                             reduce_waves=round(reduce.programs / SM_COUNT[cap], 2) if reduce else None))
     return rows
 
 

@@ -50,10 +50,10 @@ from kvarena.kernels.occupancy import ctas_per_sm
 
 # H100/H200 have 132 SMs; read from the device on CUDA, assumed on CPU (interpreter).
 _DEFAULT_SM_COUNT = 132
-# Split-KV: each split covers at least 256 keys. Below that, the per-split fixed cost
-# (q tile load, epilogue, 2 * D * 4 bytes of fp32 partial per row) stops being small
-# next to the 256 * 2 * D * 2 bytes of K/V the split reads (4x at D = 128, bf16).
-_MIN_SPLIT_KEYS = 256
+# Split-KV: each split covers at least 32 keys (and one key tile), so that B = 1 fills a
+# wave from 1K keys on; the per-split fixed cost (q tile load, epilogue, 2 * D * 4 bytes of
+# fp32 partial per row, read back by the reduce) is then the price of SMs not left idle.
+_MIN_SPLIT_KEYS = 32
 # At most 64 splits: 132 SMs are filled by 64 splits of just 3 programs (e.g. B = 1, 3 kv
 # heads); the fp32 scratch then holds 64 partial rows per query row.
 _MAX_SPLITS = 64
@@ -602,29 +602,37 @@ def _split_reduce_kernel(
     sink_ptr,
     n_rows, num_heads, num_splits,
     HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     HAS_SINK_LOGITS: tl.constexpr,
 ):
-    # Rows r = token * num_heads + head, BLOCK_R of them per program.
+    # Rows r = token * num_heads + head, BLOCK_R of them per program; axis 1 takes
+    # BLOCK_D of the head dim. The splits are read BLOCK_S at a time as one vector (one
+    # chunk: every split at once), so a row costs two dependent loads, not two per split.
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     r_ok = r < n_rows
     tok = (r // num_heads).to(tl.int64)
     head = (r % num_heads).to(tl.int64)
-    d = tl.arange(0, HEAD_DIM_PAD)
+    d0 = tl.program_id(1) * BLOCK_D
+    d = d0 + tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    lse_off = tok * stride_qt + head * stride_qh  # [BLOCK_R]
-    p_off = tok[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :]  # [BLOCK_R, HEAD_DIM_PAD]
+    s = tl.arange(0, BLOCK_S)
+    lse_off = (tok * stride_qt + head * stride_qh)[:, None] + s.to(tl.int64)[None, :] * stride_qs  # [R, S]
+    p_off = (tok * stride_pt + head * stride_ph)[:, None, None] + s.to(tl.int64)[None, :, None] * stride_ps \
+        + d[None, None, :]  # [R, S, D]
+    rs_ok = r_ok[:, None] & (s[None, :] < num_splits)
 
-    # Pass 1: the largest partial lse (log2 units) of each row.
-    # Split s is reached by advancing 64-bit pointers (s * stride may pass 2**31).
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    lse_p = part_lse_ptr + lse_off  # [BLOCK_R] pointers
-    for _ in range(0, num_splits):
-        ls = tl.load(lse_p, mask=r_ok, other=float("-inf"))
-        m = tl.maximum(m, ls)
-        lse_p += stride_qs
+    # Pass 1: the largest partial lse (log2 units) of each row. Chunks past the first
+    # advance 64-bit pointers (s * stride may pass 2**31).
+    ls0 = tl.load(part_lse_ptr + lse_off, mask=rs_ok, other=float("-inf"))  # [R, S]
+    m = tl.max(ls0, axis=1)
+    lse_p = part_lse_ptr + lse_off
+    for s0 in range(BLOCK_S, num_splits, BLOCK_S):
+        lse_p += BLOCK_S * stride_qs
+        ls = tl.load(lse_p, mask=r_ok[:, None] & (s[None, :] < num_splits - s0), other=float("-inf"))
+        m = tl.maximum(m, tl.max(ls, axis=1))
     if HAS_SINK_LOGITS:
         # The sink joins the denominator once, as a partial of value 0 (log2 domain).
         sink = tl.load(sink_ptr + head, mask=r_ok, other=0.0) * 1.4426950408889634  # [BLOCK_R]
@@ -632,19 +640,22 @@ def _split_reduce_kernel(
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     # Pass 2: weighted sum. An empty split (lse = -inf) has weight 0 and its partial is
     # not even loaded, so nothing it holds can leak.
-    acc = tl.zeros([BLOCK_R, HEAD_DIM_PAD], tl.float32)
-    tot = tl.zeros([BLOCK_R], tl.float32)
+    w = tl.exp2(ls0 - m_safe[:, None])  # [R, S]
+    live = (w > 0.0)[:, :, None] & d_ok[None, None, :]
+    part = tl.load(part_ptr + p_off, mask=live, other=0.0)
+    acc = tl.sum(part * w[:, :, None], axis=1)  # [R, D]
+    tot = tl.sum(w, axis=1)
     lse_p = part_lse_ptr + lse_off
-    part_p = part_ptr + p_off  # [BLOCK_R, HEAD_DIM_PAD] pointers
-    for _ in range(0, num_splits):
-        ls = tl.load(lse_p, mask=r_ok, other=float("-inf"))
-        w = tl.exp2(ls - m_safe)  # [BLOCK_R]
-        live = w > 0.0
-        part = tl.load(part_p, mask=(r_ok & live)[:, None] & d_ok[None, :], other=0.0)
-        acc += part * w[:, None]
-        tot += w
-        lse_p += stride_qs
-        part_p += stride_ps
+    part_p = part_ptr + p_off
+    for s0 in range(BLOCK_S, num_splits, BLOCK_S):
+        lse_p += BLOCK_S * stride_qs
+        part_p += BLOCK_S * stride_ps
+        ls = tl.load(lse_p, mask=r_ok[:, None] & (s[None, :] < num_splits - s0), other=float("-inf"))
+        w = tl.exp2(ls - m_safe[:, None])
+        live = (w > 0.0)[:, :, None] & d_ok[None, None, :]
+        part = tl.load(part_p, mask=live, other=0.0)
+        acc += tl.sum(part * w[:, :, None], axis=1)
+        tot += tl.sum(w, axis=1)
     if HAS_SINK_LOGITS:
         tot += tl.exp2(sink - m_safe)
     has_key = tot != 0.0  # NaN (a partial that saw a NaN) stays NaN, as in the unsplit epilogue
@@ -656,7 +667,8 @@ def _split_reduce_kernel(
     tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
     if WRITE_LSE:
         lse = tl.where(has_key, (m_safe + tl.log2(tl.where(has_key, tot, 1.0))) * 0.6931471805599453, float("-inf"))
-        tl.store(lse_ptr + tok * stride_lt + head * stride_lh, lse, mask=r_ok)
+        # Written once per row: by the programs of the first head-dim block.
+        tl.store(lse_ptr + tok * stride_lt + head * stride_lh, lse, mask=r_ok & (r * 0 + d0 == 0))
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -795,31 +807,43 @@ def _sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _pick_num_splits(programs: int, max_seqlen_k: int, sm_count: int, ctas: int = 1) -> int:
+def _device_index(t: torch.Tensor) -> int | None:
+    """The CUDA device index of ``t`` (None on CPU: the interpreter)."""
+    if t.device.type != "cuda":
+        return None
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def _pick_num_splits(programs: int, max_seqlen_k: int, sm_count: int, ctas: int = 1, tiles: int | None = None) -> int:
     """Split-KV count for an unsplit grid of ``programs`` (= B * H_kv * q tiles).
 
     A wave is ``sm_count * ctas`` programs, the CTAs per SM that the compiled
     kernel's registers and shared memory allow (``kvarena.kernels.occupancy``). Each split
-    count s gives ``w = programs * s / wave`` waves with efficiency ``w / ceil(w)``; keep
-    s = 1 when it is already >= 0.9, else take the smallest s that reaches 0.9 (else the
-    best), with at least 256 keys per split and at most 64 splits. A split costs an fp32
-    partial write and a reduce launch, small next to an idle tail. Examples on 132 SMs at
-    2 CTAs/SM (decode, 8 kv heads): B=1 at 128K -> 8 programs -> 30 splits (0.91 of a
-    wave); B=16 -> 128 programs -> 2 splits (0.97); B=64 -> 512 programs -> 1 (1.94
-    waves, 0.97). Wan-1.3B chunks at 1 CTA/SM: 444 programs = 3.36 waves (0.84) -> 2
-    splits (6.73 waves, 0.96).
+    count s gives ``w = programs * s / wave`` waves with efficiency ``w / ceil(w)``. At most
+    64 splits, ``tiles`` (the key tiles of the longest sequence) and one per 32 keys. An
+    unsplit grid under one wave takes ``floor(wave / programs)`` splits, one full wave (as
+    FA4's ``min(SMs / q-blocks, 128, kv-blocks)``), when that reaches 0.9; otherwise s = 1
+    when it is already >= 0.9, else the smallest s that reaches 0.9 (else the best). A split
+    costs an fp32 partial write and a reduce launch, small next to an idle tail. Examples on
+    132 SMs at 2 CTAs/SM (decode, 8 kv heads, 64-key tiles): B=1 at 128K or 4K -> 8 programs
+    -> 33 splits (1.0 of a wave), at 2K -> 32 (0.97, one per tile); B=16 -> 128 programs ->
+    2 splits (0.97); B=64 -> 512 programs -> 1 (1.94 waves, 0.97). Wan-1.3B chunks at 1
+    CTA/SM: 444 programs = 3.36 waves (0.84) -> 2 splits (6.73 waves, 0.96).
     """
     if programs <= 0:
         return 1
     wave = max(1, sm_count * max(1, ctas))
+    s_max = max(1, min(_MAX_SPLITS, max_seqlen_k // _MIN_SPLIT_KEYS, tiles if tiles is not None else _MAX_SPLITS))
 
     def efficiency(s: int) -> float:
         waves = programs * s / wave
         return waves / math.ceil(waves)
 
+    full = min(s_max, wave // programs)
+    if full > 1 and efficiency(full) >= _TARGET_WAVE_EFFICIENCY:
+        return full
     if efficiency(1) >= _TARGET_WAVE_EFFICIENCY:
         return 1
-    s_max = min(_MAX_SPLITS, max_seqlen_k // _MIN_SPLIT_KEYS)
     best = 1
     for s in range(2, s_max + 1):
         if efficiency(s) >= _TARGET_WAVE_EFFICIENCY:
@@ -894,9 +918,50 @@ def _tile_span(t: torch.Tensor, block_m: int, group: int) -> int:
     return span
 
 
-def _reduce_block_rows(d_pad: int) -> int:
-    # The reduce is a row kernel: it streams num_splits fp32 partial rows per output row.
-    return max(1, ROW_TILE_ELEMS // d_pad)
+@dataclass(frozen=True)
+class ReduceTile:
+    """The split reduce's tile and grid: ``BLOCK_R`` rows x ``BLOCK_D`` of the head dim per
+    program, the splits read ``BLOCK_S`` at a time as one vector."""
+
+    BLOCK_R: int
+    BLOCK_D: int
+    BLOCK_S: int
+    grid: tuple[int, int]  # (row blocks, head-dim blocks)
+
+    @property
+    def programs(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+
+def _reduce_tile(n_rows: int, head_dim: int, num_splits: int, sm_count: int = _DEFAULT_SM_COUNT,
+                 deterministic: bool = False) -> ReduceTile:
+    """Tile of the split reduce over ``n_rows`` rows (tokens x query heads) of ``num_splits``
+    fp32 partials: a pure function of its args.
+
+    The ``[BLOCK_R, BLOCK_S, BLOCK_D]`` partial tile holds at most ``ROW_TILE_ELEMS`` fp32
+    (32 per thread at 4 warps). ``BLOCK_S`` covers every split (up to ``_MAX_SPLITS``; more
+    loop in chunks), then up to 4 rows fill the rest; while the grid is under one program
+    per SM (B = 1: 32 rows at 30 splits), rows and then the head dim (down to 16) are split
+    across programs. ``deterministic``: one tile per head dim, whatever the batch or split
+    count, so the order each row's partials are summed in never depends on the batch.
+    """
+    d_pad = head_dim_pad(head_dim)
+    if deterministic:
+        block_s = 16
+        block_d = min(d_pad, ROW_TILE_ELEMS // block_s)
+        block_r = max(1, min(4, ROW_TILE_ELEMS // (block_s * block_d)))
+    else:
+        block_s = min(triton.next_power_of_2(max(1, num_splits)), _MAX_SPLITS)
+        block_d = min(d_pad, max(16, ROW_TILE_ELEMS // block_s))
+        block_r = max(1, min(4, ROW_TILE_ELEMS // (block_s * block_d)))
+        while triton.cdiv(n_rows, block_r) * triton.cdiv(head_dim, block_d) < sm_count:
+            if block_r > 1:
+                block_r //= 2
+            elif block_d > 16:
+                block_d //= 2
+            else:
+                break
+    return ReduceTile(block_r, block_d, block_s, (triton.cdiv(n_rows, block_r), triton.cdiv(head_dim, block_d)))
 
 
 @dataclass(frozen=True)
@@ -967,7 +1032,7 @@ def plan_launch(*, head_dim: int, group: int, elem_bytes: int, num_seqs: int, nu
         tiles_per_split = max(1, _DET_SPLIT_KEYS // block_n)
         num_splits = triton.cdiv(max_tiles, tiles_per_split)
     elif num_splits is None:
-        num_splits = _pick_num_splits(programs, max_seqlen_k, sm_count, ctas)
+        num_splits = _pick_num_splits(programs, max_seqlen_k, sm_count, ctas, max_tiles)
     # More splits than key tiles would only add empty partials; 65535 is grid axis 1's cap.
     num_splits = max(1, min(num_splits, max_tiles, 65535))
     return LaunchPlan(cfg, num_q_tiles, programs, num_splits, tiles_per_split, ctas, guard, large_ok, own)
@@ -1007,9 +1072,7 @@ def _plan_forward(q, k_cache, v_cache, *, num_seqs: int, spec, max_seqlen_q: int
         # Every position lies in chunk 0: block-causal is full attention (and the chunk
         # end (p // C + 1) * C could pass int32 for a huge C).
         causal = False
-    dev = None
-    if q.device.type == "cuda":
-        dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    dev = _device_index(q)
     plan = plan_launch(
         head_dim=head_dim, group=group, elem_bytes=q.element_size(), num_seqs=num_seqs, num_kv_heads=h_kv,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_size=block_size,
@@ -1130,22 +1193,32 @@ def _launch_attention(fwd: _ForwardLaunch, dst: _Outputs, q, k_cache, v_cache, b
 
 def _launch_reduce(fwd: _ForwardLaunch, dst: _Outputs, out: torch.Tensor, lse: torch.Tensor | None, sink) -> None:
     """``_split_reduce_kernel``: the split partials of ``dst`` into ``out`` (and ``lse``)."""
-    total_q, h_q, head_dim = out.shape
-    part, part_lse = dst.o, dst.lse
-    block_r = _reduce_block_rows(fwd.plan.cfg["HEAD_DIM_PAD"])
+    split_reduce(dst.o, dst.lse, out, lse, sink if fwd.meta["HAS_SINK_LOGITS"] else None,
+                 deterministic=fwd.plan.tiles_per_split > 0)
+
+
+def split_reduce(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+                 sink_logits: torch.Tensor | None = None, *, deterministic: bool = False) -> None:
+    """Merge ``[S, T, H, D]`` fp32 partials (unit head-dim stride) with their ``[S, T, H]``
+    lse (log2 units, as the split kernel writes them; -inf: an empty split, whose partial is
+    never read) into ``out`` ``[T, H, D]`` and (if not None) ``lse`` ``[T, H]`` (natural
+    log); ``sink_logits`` ``[H]`` join each denominator once. The tile is
+    :func:`_reduce_tile`'s (``deterministic``: the batch-invariant one)."""
+    num_splits, total_q, h_q, head_dim = part.shape
     n_rows = total_q * h_q
+    tile = _reduce_tile(n_rows, head_dim, num_splits, _sm_count(_device_index(out)), deterministic=deterministic)
     lse_out = lse if lse is not None else part_lse  # dummy pointer when not written
     lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-    _split_reduce_kernel[(triton.cdiv(n_rows, block_r),)](
+    _split_reduce_kernel[tile.grid](
         part, part_lse, out, lse_out,
         part.stride(0), part.stride(1), part.stride(2),
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         *lse_strides,
-        sink,
-        n_rows, h_q, fwd.plan.num_splits,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=fwd.plan.cfg["HEAD_DIM_PAD"], BLOCK_R=block_r,
-        WRITE_LSE=lse is not None, HAS_SINK_LOGITS=fwd.meta["HAS_SINK_LOGITS"], num_warps=ROW_TILE_WARPS,
+        sink_logits if sink_logits is not None else part_lse,  # else never read
+        n_rows, h_q, num_splits,
+        HEAD_DIM=head_dim, BLOCK_D=tile.BLOCK_D, BLOCK_R=tile.BLOCK_R, BLOCK_S=tile.BLOCK_S,
+        WRITE_LSE=lse is not None, HAS_SINK_LOGITS=sink_logits is not None, num_warps=ROW_TILE_WARPS,
     )
 
 
