@@ -187,10 +187,11 @@ class DecodeContextParallel:
             for ns, _n in items:
                 if ns not in pool._seqs:  # a rank with no block of it yet: an empty local sequence
                     pool._seqs[ns] = pool._table.new_seq()
+            version = pool._stamp()  # one stamp for the step
             for (ns, n), old, f in zip(items, olds, firsts):
                 self._glen[ns] = old + n
                 self._first[ns] = f
-                pool._seqs[ns].version = pool._stamp()
+                pool._seqs[ns].version = version
             self._made = made
             return self._meta(items, olds, hist, firsts)
 

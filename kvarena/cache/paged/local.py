@@ -11,6 +11,8 @@ one is dereferenced).
 from __future__ import annotations
 
 from collections.abc import Hashable
+from itertools import compress, count
+from operator import add, attrgetter, gt
 
 import torch
 
@@ -25,6 +27,8 @@ from kvarena.cache.paged.planner import StepNeeds, check_batch
 from kvarena.cache.paged.table import FREED, cdiv
 
 __all__ = ["LocalSteps", "check_call"]
+
+_SEQ_LEN, _LIMIT = attrgetter("seq_len"), attrgetter("limit")
 
 
 class LocalSteps:
@@ -72,28 +76,55 @@ class LocalSteps:
 
     def reserve(self, items: list, graph: bool = False) -> StepRows:
         """Take the blocks of ``items`` (all or nothing; call under the lock) and flush the
-        table: the step's rows, not yet gathered."""
+        table: the step's rows, not yet gathered.
+
+        A sequence whose new tokens end within its record's ``limit`` (most rows of a decode
+        step) is a plain append: only its length and version change. The others are
+        counted, released and taken in full (:meth:`WindowRules.count`)."""
         pool = self.pool
-        needs = pool._windows.count(items, pool._seqs, pool.allocator)
+        names, news = zip(*items)
+        recs = list(map(pool._seqs.get, names))
+        if None in recs or not min(news):
+            olds = [0 if r is None else r.seq_len for r in recs]
+            ends = list(map(add, olds, news))
+            slow = [i for i, (r, e, n) in enumerate(zip(recs, ends, news)) if r is None or not n or e > r.limit]
+        else:
+            olds = list(map(_SEQ_LEN, recs))
+            ends = list(map(add, olds, news))
+            slow = list(compress(count(), map(gt, ends, map(_LIMIT, recs))))
+        max_blocks = cdiv(max(ends), pool.block_size)
+        rest = [items[i] for i in slow]
+        needs = pool._windows.count(rest, pool._seqs, pool.allocator) if rest else None
         g_cap = pool._graph
-        if graph and needs.max_blocks > g_cap.max_blocks:
+        if graph and max_blocks > g_cap.max_blocks:
             raise ValueError(
-                f"batch: a sequence needs {needs.max_blocks} blocks, over graph_capacity max_blocks {g_cap.max_blocks}"
+                f"batch: a sequence needs {max_blocks} blocks, over graph_capacity max_blocks {g_cap.max_blocks}"
             )
-        if needs.need > needs.available:
+        if needs is not None and needs.need > needs.available:
             raise CacheFullError(
                 f"plan needs {needs.need} blocks, only {needs.available} of {pool.total_blocks} are free "
                 f"(block_size {pool.block_size} tokens, {pool.block_bytes} bytes a block, "
                 f"budget {pool.policy.max_bytes} bytes)"
             )
-        self._release(needs)
-        old_lens = self._take(items, needs)
+        version = pool._stamp()  # one stamp for the step: every row's metadata is new
+        if rest:
+            self._release(needs, version)
+            self._take(rest, needs)
+            for i in slow:
+                recs[i] = pool._seqs[names[i]]
+        for r, e in zip(recs, ends):
+            r.seq_len = e
+            r.version = version
+        if rest:
+            refs, refresh = pool.allocator._ref, pool._windows.refresh
+            for i in slow:
+                refresh(recs[i], refs)
         pool._table.flush()
-        return StepRows(items, [pool._seqs[ns] for ns, _n in items], old_lens, needs.max_blocks)
+        return StepRows(names, news, recs, olds, ends, max_blocks, version, slow)
 
-    def _release(self, needs: StepNeeds) -> None:
+    def _release(self, needs: StepNeeds, version: int) -> None:
         """The step's out-of-window blocks back to the allocator (even if a shared allocator
-        refuses the step's blocks below)."""
+        refuses the step's blocks below: their rows are stamped ``version`` here)."""
         pool = self.pool
         for (ns, g), dead in needs.dead.items():
             seq = pool._seqs[ns]
@@ -103,11 +134,11 @@ class LocalSteps:
                 for j in dead.indices:
                     blocks[j] = FREED
                     pool._table.set_entry(g, seq.row, j, 0)
-                seq.version = pool._stamp()
+                seq.version = version
             seq.released[g] = dead.end
 
-    def _take(self, items: list, needs: StepNeeds) -> list[int]:
-        """New namespaces, copy-on-write copies and new blocks; returns the old lengths.
+    def _take(self, items: list, needs: StepNeeds) -> None:
+        """New namespaces, copy-on-write copies and new blocks (the lengths stay).
 
         Every block is taken in ONE allocator call before anything changes: the allocator
         may be shared with another pool on the same arena region (its own lock, not ours),
@@ -120,7 +151,6 @@ class LocalSteps:
         table.ensure_cols(needs.max_blocks)
         copies_src: list[int] = []
         copies_dst: list[int] = []
-        old_lens = []
         groups = range(pool._ngroups)
         for ns, n in items:
             seq = pool._seqs.get(ns)
@@ -145,14 +175,10 @@ class LocalSteps:
                     blocks.extend(next(fresh) for _ in range(n_blocks - start))
                     pool._group_used[g] += n_blocks - start
                     table.set_entries(seq, g, start)
-            old_lens.append(old)
-            seq.seq_len = old + n
-            seq.version = pool._stamp()
         if copies_src and pool._region is not None:
             src = upload(copies_src, torch.int64, pool.device)
             dst = upload(copies_dst, torch.int64, pool.device)
             pool._region.copy_blocks(src, dst)
-        return old_lens
 
     # ------------------------------------------------------------------ forward
     def forward(self, q, k, v, meta: PagedMetadata, layer, options: dict):

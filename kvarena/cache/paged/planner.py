@@ -57,6 +57,9 @@ class GroupClass:
         return len(self.groups)
 
 
+_INT = {int}
+
+
 def check_batch(batch, graph: bool, pad_to: int | None, buffers: GraphBuffers | None) -> list:
     """``plan``'s argument checks; returns the batch's ``(namespace, new tokens)`` items."""
     check_bool("graph", graph)
@@ -68,10 +71,17 @@ def check_batch(batch, graph: bool, pad_to: int | None, buffers: GraphBuffers | 
         pad_to = _check_int("pad_to", pad_to, 1)
         if graph:
             raise ValueError("pad_to: not with graph=True (graph plans have their own fixed rows)")
-    items = [(ns, _check_int(f"batch[{ns!r}]", n, 0 if pad_to else 1)) for ns, n in batch.items()]
-    for ns, n in items:
-        if pad_to is not None and n > pad_to:
-            raise ValueError(f"batch[{ns!r}]: {n} new tokens do not fit pad_to = {pad_to} rows")
+    news = batch.values()
+    # Every count a plain int in range (the common step): a few C-level passes; otherwise
+    # item by item, for the message of the first bad one.
+    if set(map(type, news)) == _INT and min(news) >= (0 if pad_to else 1) and (
+            pad_to is None or max(news) <= pad_to):
+        items = list(batch.items())
+    else:
+        items = [(ns, _check_int(f"batch[{ns!r}]", n, 0 if pad_to else 1)) for ns, n in batch.items()]
+        for ns, n in items:
+            if pad_to is not None and n > pad_to:
+                raise ValueError(f"batch[{ns!r}]: {n} new tokens do not fit pad_to = {pad_to} rows")
     if graph:
         if buffers is None:
             raise ValueError("graph: this PagedKVCache was made without graph_capacity=")
@@ -185,6 +195,32 @@ class WindowRules:
         # takes any (the releases are applied first).
         returning = sum(1 for b, c in drops.items() if refs.get(b, 0) == c)
         return StepNeeds(need, allocator.num_free + returning, max_blocks, dead, frozenset(touched))
+
+    def refresh(self, seq: SeqRecord, refs: Mapping[int, int]) -> None:
+        """Set ``seq.limit``: the length ``seq`` can grow to by plans that take no block, copy
+        none and release none. That is the end of the block its next token goes to when
+        every group holds that block unshared (``refs``: the allocator's reference counts),
+        lowered to the length at which a sliding group's next block leaves the window; 0
+        when the block is missing or shared. With it ``seq.bases``, the slot of position 0
+        of that block per group.
+
+        A plan of ``n >= 1`` tokens from ``seq_len`` with ``seq_len + n <= limit`` writes
+        into that block only, and ``seq_len`` is below the length where :meth:`count` would
+        release anything."""
+        bs = self.block_size
+        j = seq.seq_len // bs
+        out = (j + 1) * bs
+        for cls in self.classes:
+            blocks = seq.blocks[cls.rep]
+            if j >= len(blocks) or blocks[j] < 0 or refs.get(blocks[j], 0) > 1:
+                seq.limit = 0
+                return
+            keep = self.keep[cls.rep]
+            if keep is not None:
+                # A block dies once (seq_len - window) // bs passes the released run.
+                out = min(out, (seq.released[cls.rep] + 1) * bs + keep[0])
+        seq.limit = out
+        seq.bases = [(blocks[j] - j) * bs for blocks in seq.blocks]
 
     def check_truncate(self, seq: SeqRecord, n_tokens: int) -> None:
         """Raise unless every group of ``seq`` still holds what a truncate to ``n_tokens`` needs."""

@@ -417,7 +417,7 @@ class PagedKVCache(KVPoolBase):
             # now shared with dst, and dst's next plan may copy such a block (CoW) before
             # that forward writes them, leaving dst with garbage where src's last planned
             # tokens should be. Forward src's metadata first, then fork.
-            s.version = self._stamp()
+            s.version, s.limit = self._stamp(), 0  # its blocks are shared now
             self._steps.forked(src, dst)
 
     def check_truncate(self, namespace: Hashable, n_tokens: int) -> None:
@@ -461,7 +461,7 @@ class PagedKVCache(KVPoolBase):
                 del blocks[keep:]
                 seq.released[g] = min(seq.released[g], keep)
         seq.seq_len = n_tokens
-        seq.version = self._stamp()
+        seq.version, seq.limit = self._stamp(), 0
 
     # ------------------------------------------------------------------ plan
     def plan(self, batch: Mapping[Hashable, int], *, graph: bool = False, pad_to: int | None = None) -> PagedMetadata:

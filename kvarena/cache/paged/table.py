@@ -24,10 +24,10 @@ def cdiv(a: int, b: int) -> int:
 
 
 class SeqRecord:
-    """One namespace: its block list per layer group, its length, its table row and the
-    version its metadata is stamped with."""
+    """One namespace: its block list per layer group, its length, its table row, the
+    version its metadata is stamped with and the length it can grow to by plain appends."""
 
-    __slots__ = ("blocks", "seq_len", "row", "version", "released")
+    __slots__ = ("blocks", "seq_len", "row", "version", "released", "limit", "bases")
 
     def __init__(self, row: int, groups: int) -> None:
         self.blocks: list[list[int]] = [[] for _ in range(groups)]  # per layer group
@@ -37,6 +37,13 @@ class SeqRecord:
         # free_out_of_window, per group: blocks [sink blocks, released) are FREED (one run,
         # since releases only ever extend it), so each plan scans only the newly dead blocks.
         self.released = [0] * groups
+        # A plan whose new tokens end at <= limit takes no block, copies none and releases
+        # none (WindowRules.refresh); 0 = unknown, the plan decides in full. Whatever changes
+        # the record's blocks outside a plan resets it.
+        self.limit = 0
+        # While limit > 0, per group: position p < limit of the block being filled sits at
+        # slot bases[g] + p.
+        self.bases = [0] * groups
 
 
 class BlockTable:
@@ -73,6 +80,7 @@ class BlockTable:
     def set_entries(self, seq: SeqRecord, group: int, start: int) -> None:
         """Queue ``seq``'s entries of ``group`` from column ``start`` on."""
         blocks = seq.blocks[group]
+        seq.limit = 0
         for j in range(start, len(blocks)):
             self.pending[(group, seq.row, j)] = max(blocks[j], 0)  # a released block: entry 0, never read
 
@@ -80,16 +88,18 @@ class BlockTable:
         self.pending[(group, row, col)] = block
 
     def flush(self) -> None:
-        """Write the queued entries (one upload, one ``index_put_``)."""
+        """Write the queued entries (one upload, one ``index_put_`` into the flat table)."""
         if not self.pending:
             return
-        keys = list(self.pending.items())
+        _g, rows, cols = self.data.shape
+        flat = [(g * rows + r) * cols + c for g, r, c in self.pending]  # into the contiguous table
+        packed = upload([*flat, *self.pending.values()], torch.int64, self.device)
         self.pending.clear()
-        packed = upload([[k[i] for k, _b in keys] for i in range(3)] + [[b for _k, b in keys]], torch.int64,
-                        self.device)
-        self.data.index_put_((packed[0], packed[1], packed[2]), packed[3].to(torch.int32))
+        n = len(flat)
+        self.data.view(-1).index_put_((packed[:n],), packed[n:].to(torch.int32))
 
     def free_row(self, seq: SeqRecord) -> None:
         """``seq``'s row back to the free rows (its block lists emptied)."""
         seq.blocks = [[] for _ in range(self.groups)]
+        seq.limit = 0
         self.free_rows.append(seq.row)
