@@ -50,4 +50,10 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, need
 
 
 def needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    """Whether autograd would record a call on ``tensors`` (None entries skipped)."""
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:  # noqa: SIM110 (a plain loop is ~3x cheaper than any() over a generator)
+        if t is not None and t.requires_grad:
+            return True
+    return False

@@ -83,13 +83,13 @@ def attend(
     ``backend`` is :func:`~kvarena.attention.backend.resolve_backend`'s answer. Returns
     ``out``, or ``(out, lse)`` with ``spec.return_lse``; written into ``out`` when given.
     """
-    if own is not None and not own.at_queries:
+    if own is not None and own.keys is not None:  # after the history
         res, lse = _history_and_own(q, cache, keys, rows, own, spec, backend)
         if out is not None:
             out.copy_(res)
             res = out
         return (res, lse) if spec.return_lse else res
-    return _attend_cache(q, _viewed(cache), keys, rows, spec, backend, own, out)
+    return _attend_cache(q, cache if cache.scales is None else _viewed(cache), keys, rows, spec, backend, own, out)
 
 
 def _attend_cache(q, cache: CacheView, keys: KeySet, rows: QueryRows, spec: AttentionSpec, backend: str,
@@ -97,7 +97,8 @@ def _attend_cache(q, cache: CacheView, keys: KeySet, rows: QueryRows, spec: Atte
     """One source of keys: the cache (the query rows' own keys, if given, read from ``own``
     on the differentiable paths)."""
     own_k, own_v = (own.k, own.v) if own is not None else (None, None)
-    path = _path(backend, needs_grad(q, cache.k, cache.v, own_k, own_v, spec.sink_logits))
+    grad = torch.is_grad_enabled() and needs_grad(q, cache.k, cache.v, own_k, own_v, spec.sink_logits)
+    path = _path(backend, grad)
     if path is _Path.TRITON_EAGER:
         # Straight into the caller's ``out`` (no copy), no lse store unless asked for.
         result, lse = new_outputs(q, out, spec.return_lse)
