@@ -378,8 +378,9 @@ def test_split_heuristic_numbers():
     assert pa._pick_num_splits(128, 32768, sms) == 1  # 0.97 of a wave already
     assert pa._pick_num_splits(200, 32768, sms) == 3  # 1.52 waves (0.76) -> 4.55 (0.91)
     assert pa._pick_num_splits(300, 10**6, sms) == 2  # 2.27 waves (0.76) -> 4.55 (0.91)
-    assert pa._pick_num_splits(8, 400, sms) == 12  # one split per 32 keys at most
-    assert pa._pick_num_splits(8, 40, sms) == 1  # < 2 x 32 keys: nothing to split
+    assert pa._pick_num_splits(8, 1024, sms) == 16  # from 1K keys: one full wave, <= 1 split per 32 keys
+    assert pa._pick_num_splits(8, 1000, sms) == 3  # under 1K: one split per 256 keys at most
+    assert pa._pick_num_splits(8, 400, sms) == 1  # < 2 x 256 keys: nothing to split
     # Two CTAs per SM make a wave 264 programs: B=16 decode (128 programs) now splits.
     assert pa._pick_num_splits(128, 16384, sms, 2) == 2
     assert pa._pick_num_splits(444, 18720, sms, 1) == 2  # Wan-1.3B chunk: 3.36 waves -> 6.73
@@ -391,7 +392,8 @@ def test_split_heuristic_numbers():
         for programs in range(1, 3 * sms):
             for keys in (600, 4096, 131072):
                 s = pa._pick_num_splits(programs, keys, sms, ctas)
-                assert 1 <= s <= min(pa._MAX_SPLITS, max(1, keys // pa._MIN_SPLIT_KEYS))
+                per = pa._FULL_WAVE_SPLIT_KEYS if keys >= pa._FULL_WAVE_MIN_KEYS else pa._MIN_SPLIT_KEYS
+                assert 1 <= s <= min(pa._MAX_SPLITS, max(1, keys // per))
                 assert pa._pick_num_splits(programs, keys, sms, ctas, tiles=5) <= 5
 
 

@@ -50,10 +50,14 @@ from kvarena.kernels.occupancy import ctas_per_sm
 
 # H100/H200 have 132 SMs; read from the device on CUDA, assumed on CPU (interpreter).
 _DEFAULT_SM_COUNT = 132
-# Split-KV: each split covers at least 32 keys (and one key tile), so that B = 1 fills a
-# wave from 1K keys on; the per-split fixed cost (q tile load, epilogue, 2 * D * 4 bytes of
+# Split-KV: from 1K keys on each split covers at least 32 keys (and one key tile), so that
+# B = 1 fills a wave; the per-split fixed cost (q tile load, epilogue, 2 * D * 4 bytes of
 # fp32 partial per row, read back by the reduce) is then the price of SMs not left idle.
-_MIN_SPLIT_KEYS = 32
+# Shorter contexts split only into splits of at least 256 keys: there the fixed cost is
+# not worth it (and the interpreter lane keeps its tiny cases' grids small).
+_FULL_WAVE_MIN_KEYS = 1024
+_FULL_WAVE_SPLIT_KEYS = 32
+_MIN_SPLIT_KEYS = 256
 # At most 64 splits: 132 SMs are filled by 64 splits of just 3 programs (e.g. B = 1, 3 kv
 # heads); the fp32 scratch then holds 64 partial rows per query row.
 _MAX_SPLITS = 64
@@ -820,9 +824,10 @@ def _pick_num_splits(programs: int, max_seqlen_k: int, sm_count: int, ctas: int 
     A wave is ``sm_count * ctas`` programs, the CTAs per SM that the compiled
     kernel's registers and shared memory allow (``kvarena.kernels.occupancy``). Each split
     count s gives ``w = programs * s / wave`` waves with efficiency ``w / ceil(w)``. At most
-    64 splits, ``tiles`` (the key tiles of the longest sequence) and one per 32 keys. An
-    unsplit grid under one wave takes ``floor(wave / programs)`` splits, one full wave (as
-    FA4's ``min(SMs / q-blocks, 128, kv-blocks)``), when that reaches 0.9; otherwise s = 1
+    64 splits, ``tiles`` (the key tiles of the longest sequence) and one per 32 keys from 1K
+    keys on (one per 256 keys below). An unsplit grid under one wave takes
+    ``floor(wave / programs)`` splits, one full wave (as FA4's ``min(SMs / q-blocks, 128,
+    kv-blocks)``), when that reaches 0.9; otherwise s = 1
     when it is already >= 0.9, else the smallest s that reaches 0.9 (else the best). A split
     costs an fp32 partial write and a reduce launch, small next to an idle tail. Examples on
     132 SMs at 2 CTAs/SM (decode, 8 kv heads, 64-key tiles): B=1 at 128K or 4K -> 8 programs
@@ -833,7 +838,8 @@ def _pick_num_splits(programs: int, max_seqlen_k: int, sm_count: int, ctas: int 
     if programs <= 0:
         return 1
     wave = max(1, sm_count * max(1, ctas))
-    s_max = max(1, min(_MAX_SPLITS, max_seqlen_k // _MIN_SPLIT_KEYS, tiles if tiles is not None else _MAX_SPLITS))
+    per_split = _FULL_WAVE_SPLIT_KEYS if max_seqlen_k >= _FULL_WAVE_MIN_KEYS else _MIN_SPLIT_KEYS
+    s_max = max(1, min(_MAX_SPLITS, max_seqlen_k // per_split, tiles if tiles is not None else _MAX_SPLITS))
 
     def efficiency(s: int) -> float:
         waves = programs * s / wave
