@@ -316,9 +316,10 @@ def test_what_it_cannot_serve_is_a_clear_error() -> None:
     ids = torch.randint(1, 128, (2, 7))
     with pytest.raises(NotImplementedError, match="^kvarena: packed sequences"):
         model(ids[:1], position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]]))
-    four_d = torch.zeros(2, 1, 7, 7)
+    # 4-D masks are served (tests/test_integrations_hf_masks.py); a tensor of another rank the hook did not make is not
+    q = torch.randn(2, 4, 7, 16)
     with pytest.raises(NotImplementedError, match="^kvarena: an attention mask that did not come from its mask hook"):
-        model(ids, attention_mask=four_d)
+        hf.kvarena_attention(model.model.layers[0].self_attn, q, q[:, :2], q[:, :2], torch.zeros(2, 7))
     with pytest.raises(NotImplementedError, match="^kvarena: a custom mask function"):
         hf.kvarena_mask(2, 7, 7, use_vmap=True)
     with pytest.raises(NotImplementedError, match="^kvarena: a cache of 9 slots from 3 for 7 tokens"):
@@ -397,7 +398,7 @@ def _refuse(case: str, model, cache, ids, monkeypatch) -> None:
                 layer.self_attn.attention_dropout = 0.0
     elif case == "4d-mask":
         mask = torch.zeros(ids.shape[0], 1, ids.shape[1], cache.get_seq_length() + ids.shape[1])
-        with pytest.raises(NotImplementedError, match="^kvarena: an attention mask that did not"):
+        with pytest.raises(NotImplementedError, match="^kvarena: a 4-D attention mask with KVArenaCache"):
             model(ids, attention_mask=mask, past_key_values=cache)
     elif case == "sdpa-twin":
         # Layer 0's hand-off goes to sdpa: on a first step layer 1's update refuses; after a

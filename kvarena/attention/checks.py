@@ -19,7 +19,10 @@ def debug_enabled() -> bool:
 
 
 def check_values(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" or debug_enabled()
+    """Whether the ops check the values of ``t`` (block ids, lengths): on CPU outside
+    ``torch.compile`` (a host read there is a graph break), and anywhere under
+    ``KVARENA_DEBUG=1``."""
+    return (t.device.type == "cpu" and not torch.compiler.is_compiling()) or debug_enabled()
 
 
 def check_head_dim(name: str, d: int) -> None:

@@ -24,16 +24,23 @@ Packed sequences (``position_ids`` restarting inside a row, no padding mask and 
 transformers folds them into the mask) are one kvarena sequence each (``kv_start`` its
 first token, see :func:`.mask._segments_of`).
 
+4-D masks (boolean, True = attend, or additive) reach the attention function as given:
+read into kvarena sequences where each query row sees one interval of keys, else served
+by the exact masked path (:mod:`.masked`). A static cache (``StaticCache``) is attended
+over its slots that hold tokens, and its compiled decode step (``generate(...,
+compile_config=...)``) traces without a graph break: nothing is read on the host under
+``torch.compile`` (docs/hf.md says which input takes which path).
+
 What it cannot serve is an error whose message starts with ``kvarena:`` and names it,
-never a silent fallback to another implementation: 4-D custom masks, mask functions that
-need vmap (``or_mask_function`` / ``and_mask_function``), packed sequences transformers
-did not fold into the mask (a cache, a padding mask, or a model such as gpt-oss that does
-not pass ``position_ids`` to its mask), ``output_attentions=True``, dropout while
-training. A static cache (``StaticCache``) is attended over its slots that hold tokens.
+never a silent fallback to another implementation: mask functions that need vmap
+(``or_mask_function`` / ``and_mask_function``), packed sequences transformers did not fold
+into the mask (a cache, a padding mask, or a model such as gpt-oss that does not pass
+``position_ids`` to its mask), a 4-D mask with :class:`KVArenaCache`,
+``output_attentions=True``, dropout while training.
 
 The modules: :mod:`.mask` (the mask hook), :mod:`.attention` (the attention function),
-:mod:`.cache` (:class:`KVArenaCache`) and :mod:`.layers` (its per-layer view); this
-package registers them (:func:`register`).
+:mod:`.masked` (4-D masks and the masked path), :mod:`.cache` (:class:`KVArenaCache`) and
+:mod:`.layers` (its per-layer view); this package registers them (:func:`register`).
 """
 
 from __future__ import annotations

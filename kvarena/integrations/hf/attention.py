@@ -1,13 +1,17 @@
 """The attention function transformers calls per layer, over transformers' own dense cache
-(one block per row, a strided view) or handed to a :class:`KVArenaCache`."""
+(one block per row, a strided view) or handed to a :class:`KVArenaCache`; 4-D masks and
+what the hook could not read under ``torch.compile`` go to :mod:`.masked`."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from kvarena.attention.ops import paged_attention
 from kvarena.integrations.hf._common import _HANDOFF, _sink_logits, _unsupported
 from kvarena.integrations.hf.mask import _Unpad
+from kvarena.integrations.hf.masked import attend_4d, masked_attention, rule_mask
 
 __all__ = ["kvarena_attention"]
 
@@ -48,8 +52,10 @@ def kvarena_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     query : Tensor ``[B, H_q, S, D]``
     key, value : Tensor ``[B, H_kv, L, D]``
         The layer's whole K/V (past and new), as transformers' cache returns it.
-    attention_mask : None or int32 ``[B]``
-        What :func:`kvarena_mask` returned (left padding per row).
+    attention_mask : None, int32 ``[B]`` or a 4-D mask
+        What :func:`kvarena_mask` returned (left padding per row, carrying its reading of
+        the mask), or a user's 4-D mask, which transformers passes on as is (boolean, True
+        = attend, or additive; see :mod:`.masked`).
 
     Returns
     -------
@@ -68,8 +74,7 @@ def kvarena_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
         raise
 
 
-def _attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, s_aux,
-               backend, kwargs, handoff):
+def _refuse(module, dropout, kwargs) -> None:
     weights = kwargs.get("output_attentions")
     if weights is None:  # not passed to the forward: the config's, as transformers' output capture reads it
         weights = getattr(getattr(module, "config", None), "output_attentions", False)
@@ -78,10 +83,34 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, slid
                            "attn_implementation='eager' for them)")
     if dropout and module.training:
         raise _unsupported("attention dropout while training")
+
+
+def _not_from_the_hook(query, key, value, attention_mask, scaling, softcap, s_aux, backend, handoff):
+    """A mask the hook did not make: a 4-D mask (see :mod:`.masked`), else a refusal."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(
+            attention_mask).__name__
+        raise _unsupported(f"an attention mask that did not come from its mask hook (got {shape})")
+    if handoff is not None:
+        raise _unsupported("a 4-D attention mask with KVArenaCache (the arena attends each row's stored tokens "
+                           "by its own plan; use transformers' cache, e.g. DynamicCache, for 4-D masks)")
+    kernel = functools.partial(paged_attention, scale=scaling, softcap=softcap,
+                               sink_logits=_sink_logits(s_aux, query.dtype), backend=backend)
+    return attend_4d(query, key, value, attention_mask, scaling, softcap, s_aux, kernel), None
+
+
+def _attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, s_aux,
+               backend, kwargs, handoff):
+    _refuse(module, dropout, kwargs)
     if attention_mask is not None and not hasattr(attention_mask, "_kvarena"):
-        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
-        raise _unsupported(f"an attention mask that did not come from its mask hook (got {shape}; a 4-D custom mask?)")
+        return _not_from_the_hook(query, key, value, attention_mask, scaling, softcap, s_aux, backend, handoff)
+    dense = getattr(attention_mask, "_kvarena_dense", None)
+    if dense is not None:  # under torch.compile: what the hook could not read without the host
+        if handoff is not None:
+            raise _unsupported("KVArenaCache under torch.compile")
+        return masked_attention(query, key, value, dense, scaling, softcap, s_aux), None
     mask_in = attention_mask
+    segments = None
     if attention_mask is None:  # the model made no mask: its own flags
         causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
         window = sliding_window
@@ -92,42 +121,43 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, slid
         elif sliding_window is not None and window != sliding_window:
             raise _unsupported(f"a mask window ({window}) that differs from the layer's sliding_window "
                                f"({sliding_window})")
-        segments = attention_mask._kvarena_segments if hasattr(attention_mask, "_kvarena_segments") else None
+        segments = getattr(attention_mask, "_kvarena_segments", None)
         attention_mask = attention_mask if padded or segments is not None else None
     b, h_q, s, d = query.shape
-    valid = getattr(mask_in, "_kvarena_valid", None)
-    if valid is not None:  # a static cache: only its first `valid` slots hold tokens
-        key, value = key[:, :, :valid], value[:, :, :valid]
+    pack = getattr(attention_mask, "_kvarena_pack", None)
+    valid = getattr(mask_in, "_kvarena_valid", None)  # a static cache: only its first `valid` slots hold tokens
+    slots_keep = getattr(mask_in, "_kvarena_slots_keep", None)
+    if pack is not None and slots_keep is not None and torch.compiler.is_compiling():  # no unpadding in a graph
+        visible = rule_mask(slots_keep, key.shape[2] if valid is None else valid, s, causal, window)
+        return masked_attention(query, key, value, visible, scaling, softcap, s_aux), None
+    if valid is not None and not (torch.compiler.is_compiling() and pack is None and segments is None):
+        key, value, valid = key[:, :, : int(valid)], value[:, :, : int(valid)], None  # eager: a host read
     if handoff is not None:
         return handoff[1]._attend(handoff[2], query, key, value, attention_mask, scaling, causal, window, softcap,
                                   s_aux, backend, kwargs.get("position_ids"))
     n = key.shape[2]
-    segments = getattr(attention_mask, "_kvarena_segments", None)
+    opts = dict(scale=scaling, window_left=None if window is None else window - 1, softcap=softcap,
+                sink_logits=_sink_logits(s_aux, query.dtype), backend=backend)
     if segments is not None:  # packed sequences: one kvarena sequence each, in its row's block
         rows, ends, starts, cu, max_q = (t.to(query.device) if isinstance(t, torch.Tensor) else t for t in segments)
-        out = paged_attention(
-            query.transpose(1, 2).reshape(b * s, h_q, d), key.transpose(1, 2), value.transpose(1, 2), rows, ends, cu,
-            scale=scaling, causal=True, window_left=None if window is None else window - 1, softcap=softcap,
-            kv_start=starts, max_seqlen_q=max_q, max_seqlen_k=n, sink_logits=_sink_logits(s_aux, query.dtype),
-            backend=backend)
+        out = paged_attention(query.transpose(1, 2).reshape(b * s, h_q, d), key.transpose(1, 2),
+                              value.transpose(1, 2), rows, ends, cu, causal=True, kv_start=starts,
+                              max_seqlen_q=max_q, max_seqlen_k=n, **opts)
         return out.view(b, s, h_q, d), None
     _check_packed(kwargs.get("position_ids"), attention_mask, b, s, n)
-    pack = getattr(attention_mask, "_kvarena_pack", None)
     if pack is not None:
         return _attention_unpadded(query, key, value, pack, scaling, causal, window, softcap, s_aux, backend)
-    q = query.transpose(1, 2).reshape(b * s, h_q, d)
-    # One block per row: [B, L, H_kv, D] strided views of the dense cache, no copy.
-    k_cache, v_cache = key.transpose(1, 2), value.transpose(1, 2)
+    # One block per row: [B, L, H_kv, D] strided views of the dense cache, no copy; a static
+    # cache under torch.compile: every slot, its rows' lengths the slots holding tokens.
     dev = query.device
-    table = torch.arange(b, dtype=torch.int32, device=dev)[:, None]
     lens = torch.full((b,), n, dtype=torch.int32, device=dev)
-    cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=dev)
-    sink = _sink_logits(s_aux, query.dtype)
+    if valid is not None:
+        lens = torch.zeros_like(lens) + valid
     out = paged_attention(
-        q, k_cache, v_cache, table, lens, cu, scale=scaling, causal=causal,
-        window_left=None if window is None else window - 1, softcap=softcap,
-        kv_start=attention_mask, max_seqlen_q=s, max_seqlen_k=n, sink_logits=sink, backend=backend,
-    )
+        query.transpose(1, 2).reshape(b * s, h_q, d), key.transpose(1, 2), value.transpose(1, 2),
+        torch.arange(b, dtype=torch.int32, device=dev)[:, None], lens,
+        torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=dev), causal=causal,
+        kv_start=attention_mask, max_seqlen_q=s, max_seqlen_k=n, **opts)
     return out.view(b, s, h_q, d), None
 
 

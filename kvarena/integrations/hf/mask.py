@@ -58,20 +58,16 @@ def kvarena_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
     exactly), and as attributes the reading of any other padding (:func:`_unpad`), packed
     sequences (:func:`_segments_of`), a static cache's slots holding tokens, and the call's
     sizes (a mask fed back for the same sizes is returned as is). Runs once per forward and
-    mask kind (not per layer); reading the mask is its host sync.
+    mask kind (not per layer); reading the mask is its host sync. Under ``torch.compile``
+    nothing is read on the host (see :func:`_mask_compiling`).
     """
     sizes = (batch_size, q_length, kv_length, q_offset, kv_offset)
     if attention_mask is not None and hasattr(attention_mask, "_kvarena"):
-        # This hook's own output, fed back: generate builds the masks ahead of the forward
-        # for a compileable cache (StaticCache), and the model hands them to the hook again.
-        if getattr(attention_mask, "_kvarena_sizes", None) == sizes and (mask_function is None or _rule_of(
-                mask_function, batch_size, q_offset, q_length, kv_offset, min(kv_length, q_offset + q_length - kv_offset),
-                kwargs.get("device")) == attention_mask._kvarena[1:]):
-            return attention_mask
-        raise _unsupported(f"a mask built for other sizes ({getattr(attention_mask, '_kvarena_sizes', None)}, "
-                           f"this call: {sizes} as (batch, q_length, kv_length, q_offset, kv_offset))")
+        return _fed_back(attention_mask, sizes, mask_function, kwargs.get("device"))
     if kwargs.get("use_vmap"):
         raise _unsupported("a custom mask function (or_mask_function / and_mask_function, which need vmap)")
+    if torch.compiler.is_compiling():
+        return _mask_compiling(sizes, mask_function, attention_mask, kwargs.get("device"))
     # A static cache (StaticCache) hands over all its slots: the keys that hold tokens are the
     # first `valid`, the rest are empty (in every query's future). The attention function
     # attends the first `valid` only.
@@ -118,9 +114,101 @@ def kvarena_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
         kv_start = torch.zeros(batch_size, dtype=torch.int32, device=device)
     kv_start._kvarena = (padded, *rule)
     kv_start._kvarena_keep = None if pack is None else keep
+    # The real keys over every key slot of the call (position-ordered), a shape that stays
+    # for a static cache's compiled decode steps (see masked.rule_mask).
+    slotted = static or isinstance(valid, torch.Tensor)
+    kv_start._kvarena_slots_keep = None if pack is None else torch.nn.functional.pad(keep, (0, sizes[2] - keep.shape[1]))
     kv_start._kvarena_pack = pack
     kv_start._kvarena_segments = segments
-    kv_start._kvarena_valid = valid if static else None  # a static cache: the slots holding tokens
+    # a static cache: the slots holding tokens (kept as its tensor when full: one compiled graph)
+    kv_start._kvarena_valid = valid if slotted else None
+    kv_start._kvarena_sizes = sizes
+    return kv_start
+
+
+def _fed_back(attention_mask: torch.Tensor, sizes: tuple, mask_function, device) -> torch.Tensor:
+    """This hook's own output, fed back: generate builds the masks ahead of the forward for
+    a compileable cache (StaticCache), and the model hands them to the hook again. Returned
+    as is when built for this call's sizes and mask function. Under ``torch.compile`` (the
+    compiled decode step) the sizes held in ints are compared and the mask function is
+    recognised by :func:`_standard_rule`; the static cache's query offset (a tensor) was
+    checked where the mask was built (eager, in generate)."""
+    built = getattr(attention_mask, "_kvarena_sizes", None)
+    causal, window = attention_mask._kvarena[1:]
+    if torch.compiler.is_compiling():
+        rule = _standard_rule(mask_function)
+        if built is not None and all(built[i] == sizes[i] for i in (0, 1, 2, 4)) and (
+                rule is None or (rule[0] == causal and window in (None, rule[1]))):
+            return attention_mask
+    elif built == sizes:
+        b, q_length, kv_length, q_offset, kv_offset = sizes
+        if mask_function is None or _rule_of(mask_function, b, q_offset, q_length, kv_offset,
+                                              min(kv_length, q_offset + q_length - kv_offset), device) == (causal, window):
+            return attention_mask
+    raise _unsupported(f"a mask built for other sizes ({built}, this call: {sizes} as (batch, q_length, kv_length, "
+                       "q_offset, kv_offset))")
+
+
+@torch._dynamo.assume_constant_result
+def _standard_rule(mask_function) -> tuple[bool, int | None] | None:
+    """``(causal, window)`` of transformers' own mask functions, recognised by what they are
+    (``causal_mask_function``, ``bidirectional_mask_function``, and the closure
+    ``sliding_window_causal_mask_function(W)`` makes), never evaluated; None for any other.
+    A constant to ``torch.compile`` (read when the graph is traced, no host sync)."""
+    from transformers import masking_utils as mu
+
+    if mask_function is None or mask_function is mu.causal_mask_function:
+        return True, None
+    if mask_function is mu.bidirectional_mask_function:
+        return False, None
+    parts = _cells(mask_function, mu.and_masks).get("mask_functions")
+    if parts is not None and len(parts) == 2 and parts[1] is mu.causal_mask_function:
+        window = _cells(parts[0], mu.sliding_window_overlay).get("sliding_window")
+        if isinstance(window, int):
+            return True, window
+    return None
+
+
+def _cells(fn, maker) -> dict:
+    """The closure of ``fn`` by name, when ``fn`` is a closure ``maker`` makes; else {}."""
+    code = getattr(fn, "__code__", None)
+    if code is None or code is not _maker_code(maker):
+        return {}
+    return dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+
+
+def _maker_code(maker):
+    return maker(1).__code__ if maker.__name__ == "sliding_window_overlay" else maker().__code__
+
+
+def _mask_compiling(sizes: tuple, mask_function, attention_mask, device) -> torch.Tensor:
+    """The hook under ``torch.compile``: no host read. A mask function :func:`_standard_rule`
+    recognises, without a padding mask: kvarena's kernels (a static cache's slots holding
+    tokens as a tensor of lengths). Anything else (a padding mask, chunked or packed masks):
+    transformers' boolean mask (``sdpa_mask``), attended by the exact masked path
+    (:func:`~kvarena.integrations.hf.masked.masked_attention`); compiled calls never see
+    padding, holes or a pattern read on the host."""
+    batch_size, q_length, kv_length, q_offset, kv_offset = sizes
+    rule = _standard_rule(mask_function)
+    valid = q_offset + q_length - kv_offset  # an int, or a static cache's 0-dim tensor
+    if isinstance(valid, int) and valid < q_length:
+        raise _unsupported(f"a cache of {kv_length} slots from {kv_offset} for {q_offset + q_length} tokens")
+    if attention_mask is not None:
+        device = attention_mask.device
+    dense = None
+    if rule is None or attention_mask is not None:
+        from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+        dense = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                          kv_offset=kv_offset, mask_function=mask_function or causal_mask_function,
+                          attention_mask=attention_mask, allow_is_causal_skip=False,
+                          allow_is_bidirectional_skip=False, device=device)
+    kv_start = torch.zeros(batch_size, dtype=torch.int32, device=device)
+    kv_start._kvarena = (False, *(rule or (True, None)))
+    kv_start._kvarena_dense = dense
+    kv_start._kvarena_keep = kv_start._kvarena_slots_keep = kv_start._kvarena_pack = None
+    kv_start._kvarena_segments = None
+    kv_start._kvarena_valid = valid if isinstance(valid, torch.Tensor) or kv_length > valid else None
     kv_start._kvarena_sizes = sizes
     return kv_start
 
