@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 
 import pytest
 
@@ -61,9 +62,12 @@ def test_check_compiles_every_config_without_spills(perf_run):
     assert not problems, "\n".join(problems)
     assert all(r["fits"] for r in rows)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    # One printed table row per kernel/config/target, then one per workload and target.
+    # One printed table row per kernel/config/target, one per tensor-core main loop (the
+    # tile cycle model), then one per workload and target.
     table_rows = [line for line in res.stdout.splitlines() if " sm_80 " in line or " sm_90a " in line]
-    assert len(table_rows) == len(rows) + len(data["workloads"])
+    n_models = sum(1 for r in rows if r["tile_model"])
+    assert n_models == sum(1 for r in rows if r["mma"] in ("wgmma", "mma.sync")), "a tensor-core loop without a model"
+    assert len(table_rows) == len(rows) + n_models + len(data["workloads"])
 
 
 @pytest.mark.slow
@@ -244,3 +248,118 @@ def test_progress_without_a_terminal_prints_about_ten_lines(capsys):
     err = capsys.readouterr().err
     assert "\r" not in err and 10 <= len(err.splitlines()) <= 13, err
     assert err.splitlines()[-1].startswith("kvarena check: 96/96 compiles"), err
+
+
+# ---- the tile cycle model (kvarena/check/cycles.py; docs/perf-model.md) on synthetic SASS
+
+def _sass(lines: list[str]) -> str:
+    """nvdisasm-style text: a prologue, the loop at label .L_x_1 (``lines``, then the
+    backward branch), an epilogue."""
+    out = ["        /*0000*/                   MOV R1, c[0x0][0x28] ;", ".L_x_1:"]
+    addr = 0x10
+    for ins in [*lines, "@P0 BRA `(.L_x_1) ;"]:
+        out.append(f"        /*{addr:04x}*/                   {ins}")
+        addr += 0x10
+    out.append(f"        /*{addr:04x}*/                   EXIT ;")
+    return "\n".join(out) + "\n"
+
+
+_QK = ["HGMMA.64x64x16.F32.BF16 R88, gdesc[UR12], RZ, !UPT ;"] + \
+      ["HGMMA.64x64x16.F32.BF16 R88, gdesc[UR12], R88 ;"] * 6 + ["HGMMA.64x64x16.F32.BF16 R88, gdesc[UR12], R88, gsb0 ;"]
+_PV = ["HGMMA.64x128x16.F32.BF16 R24, R120, gdesc[UR16].tnspB, R24 ;"] * 3 + \
+      ["HGMMA.64x128x16.F32.BF16 R24, R132, gdesc[UR16].tnspB, R24, gsb0 ;"]
+_EX2 = ["MUFU.EX2 R90, R90 ;"] * 34
+_LOADS = ["LDGSTS.E.BYPASS.128 [R107], desc[UR16][R94.64], !P0 ;"] * 8 + ["@!PT LDS RZ, [RZ] ;"] * 2
+# Today's chunk loop: Q.K^T, a full wait, the exp2s, P.V; CTA barriers hold the warpgroups in step.
+_SERIAL = ["BAR.SYNC.DEFER_BLOCKING 0x0 ;", "WARPGROUP.ARRIVE ;", *_QK, "WARPGROUP.DEPBAR.LE gsb0, 0x0 ;", *_EX2,
+           "WARPGROUP.ARRIVE ;", *_PV, *_LOADS, "BAR.SYNC.DEFER_BLOCKING 0x0 ;"]
+# Software-pipelined: the next tile's Q.K^T is committed before this tile's exp2s, waited after.
+_PIPELINED = ["BAR.SYNC.DEFER_BLOCKING 0x0 ;", "WARPGROUP.ARRIVE ;", *_QK, *_EX2, "WARPGROUP.ARRIVE ;", *_PV, "WARPGROUP.DEPBAR.LE gsb0, 0x1 ;",
+              *_LOADS, "WARPGROUP.DEPBAR.LE gsb0, 0x0 ;"]
+# Rotated: this tile's exp2s at the top while the previous tile's P.V (committed at the
+# bottom, not waited for) runs; then Q.K^T with a full wait, then P.V.
+_ROTATED = ["BAR.SYNC.DEFER_BLOCKING 0x0 ;", *_EX2, "WARPGROUP.ARRIVE ;", *_QK, "WARPGROUP.DEPBAR.LE gsb0, 0x0 ;",
+            "WARPGROUP.ARRIVE ;", *_PV, *_LOADS, "BAR.SYNC.DEFER_BLOCKING 0x0 ;"]
+
+
+@pytest.mark.parametrize("body, under, overlap", [(_SERIAL, 0.0, "none"), (_PIPELINED, 1.0, "own MMA"),
+                                                  (_ROTATED, 1.0, "own MMA")],
+                         ids=["serialized", "pipelined", "rotated"])
+def test_cycle_model_reads_the_loop_from_sass(body, under, overlap):
+    """The main loop is found in nvdisasm text and counted: 8 + 4 HGMMA (Q from shared
+    memory, P from registers), 34 EX2, 8 x 512 B of LDGSTS (the @!PT LDS is never run),
+    barriers; the exp2s are under an MMA only when an MMA group (the next Q.K^T, or the
+    last P.V) is committed before them and waited after (SASS order), and that group's
+    tensor cycles (2 warpgroups x 8 x 64x64x16 or 4 x 64x128x16 = 512) hide SFU cycles."""
+    from kvarena.check.cycles import count_loop, tile_model
+    from kvarena.check.sass import _main_loop
+
+    loop = _main_loop(_sass(body))
+    assert loop is not None and len(loop) == len(body) + 1, loop
+    c = count_loop(loop)
+    assert c.instructions == len(body) + 1
+    assert c.mma_shapes == "HGMMA 64x64x16 x8, HGMMA 64x128x16 x4" and c.mma_dtype == "f16"
+    assert c.group_mma_fma == 8 * 64 * 64 * 16 + 4 * 64 * 128 * 16 and c.warp_mma_fma == 0
+    # Q.K^T reads A (64x16) and B (64x16) from shared memory, P.V only B (128x16): bf16.
+    assert c.mma_smem_bytes == 8 * (64 + 64) * 16 * 2 + 4 * 128 * 16 * 2
+    assert (c.ex2, c.mufu_other, c.shared_bytes, c.tma_copies) == (34, 0, 8 * 32 * 16, 0)
+    assert (c.cta_barriers, c.named_barriers, c.wg_arrives) == ((1, 0, 2) if body is _PIPELINED else (2, 0, 2))
+    assert (c.ex2_under_mma, c.ex2_mma_fma) == (under, 0 if under == 0 else 8 * 64 * 64 * 16)
+    m = tile_model(c, 90, num_warps=8, ctas_per_sm=1)
+    # 2 warpgroups x 1M FMA at 2048 FMA/clk; 8 warps x 34 x 32 lanes / 16; 8 warps x SASS / 4;
+    # (8 warps x 4 KiB + 2 warpgroups x 48 KiB) / 128 B.
+    assert (m.tc, m.sfu, m.issue, m.smem) == (1024, 544, 2 * c.instructions, 1024)
+    assert m.overlap == overlap
+    if overlap == "none":
+        assert (m.tile, m.bound, m.ratio, m.peak) == (1568, "tc+sfu", 1.531, 0.653)
+    else:  # 544 - 512 SFU cycles left exposed
+        assert (m.tile, m.bound, m.ratio, m.peak) == (1024 + 32, "tc+sfu", 1.031, 0.97)
+
+
+def test_cycle_model_rates_and_other_warps():
+    """Datasheet rates per SM per clock, and the exp2s overlapping other warps' MMAs: with
+    two CTAs per SM (no CTA barrier spans them) or with no CTA barrier in the loop."""
+    from dataclasses import replace
+
+    from kvarena.check.cycles import GPUS, count_loop, tile_model
+    from kvarena.check.sass import _main_loop
+
+    assert GPUS[90].fma_per_clk("f16") == 2048 and GPUS[90].fma_per_clk("f8") == 4096
+    assert GPUS[90].fma_per_clk("tf32") == 1024 and GPUS[80].fma_per_clk("f16") == 1024
+    assert GPUS[80].fma_per_clk("tf32") == 512
+    c = count_loop(_main_loop(_sass(_SERIAL)))
+    two = tile_model(c, 90, num_warps=8, ctas_per_sm=2)
+    assert two.overlap == "other warps" and two.tc == 2048 and two.tile == max(two.tc, two.sfu, two.issue, two.smem)
+    free = tile_model(replace(c, cta_barriers=0), 90, num_warps=8, ctas_per_sm=1)  # warpgroups not in step
+    assert free.overlap == "other warps" and free.bound in ("tc", "smem")
+    one_wg = tile_model(replace(c, cta_barriers=0), 90, num_warps=4, ctas_per_sm=1)
+    assert one_wg.overlap == "none" and one_wg.tile == one_wg.tc + one_wg.sfu
+    # An own MMA group bigger than the SFU time hides all of it.
+    assert tile_model(replace(c, ex2_under_mma=1.0, ex2_mma_fma=10**7), 90, 8, 1).bound == "tc"
+    # sm_80: per-warp mma.sync (16x8x16), register operands loaded by LDSM (4 matrices = 512 B).
+    hmma = count_loop(_main_loop(_sass(["LDSM.16.M88.4 R4, [R2] ;"] * 2 + ["HMMA.16816.F32.BF16 R8, R4, R6, R8 ;"] * 4
+                                       + ["MUFU.EX2 R9, R9 ;"] * 2 + ["BAR.SYNC.DEFER_BLOCKING 0x0 ;"])))
+    assert (hmma.warp_mma_fma, hmma.group_mma_fma, hmma.shared_bytes, hmma.ex2) == (4 * 16 * 8 * 16, 0, 1024, 2)
+    m = tile_model(hmma, 80, num_warps=8, ctas_per_sm=1)
+    assert (m.tc, m.sfu, m.smem, m.overlap) == (64, 32, 64, "none") and m.tile == 96
+    assert tile_model(count_loop(["FFMA R1, R2, R3, R1 ;"]), 90, 8, 1) is None  # no tensor cores: no model
+    # The tile's own math (2 x 128 x 64 x 128 FMAs) against a loop that computes the scores twice.
+    twice = tile_model(replace(c, group_mma_fma=2 * c.group_mma_fma), 90, 8, 1, tile_fma=2 * 128 * 64 * 128)
+    assert (twice.tc, twice.useful) == (2048, 1024) and twice.peak == round(1024 / twice.tile, 3)
+
+
+def test_cycle_model_table_fits_its_width(capsys):
+    from kvarena.check.cycles import count_loop, tile_model
+    from kvarena.check.report import _print_model
+    from kvarena.check.sass import _main_loop
+
+    rows = _table_rows(True)
+    c = count_loop(_main_loop(_sass(_SERIAL)))
+    for r in rows[:4]:
+        r.loop_counts, r.tile_model = asdict(c), asdict(tile_model(c, 90, 8, 1))
+    for wide in (False, True):
+        _print_model(rows, wide=wide)
+        lines = capsys.readouterr().out.splitlines()
+        assert sum(" sm_80 " in ln or " sm_90a " in ln for ln in lines) == 4, "\n".join(lines)
+        assert wide or max(map(len, lines)) <= check.TABLE_COLUMNS, "\n".join(lines)
+        assert "1568" in lines[2] and "tc+sfu" in lines[2]

@@ -14,6 +14,7 @@ from kvarena.check.compile import Row, _compile_cached
 from kvarena.check.launches import _launches
 from kvarena.check.report import (
     TABLE_COLUMNS,
+    _print_model,
     _print_table,
     _print_workloads,
     _workload_rows,
@@ -37,7 +38,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--perf", action="store_true",
                         help="also report the metrics that decide speed: CTAs per SM, MMA kind, K/V "
                              "buffers in flight, SASS instructions per main-loop iteration next to a "
-                             "contiguous flash loop at the same tile, and the workloads' grids and waves")
+                             "contiguous flash loop at the same tile, the main loop's tile cycle model "
+                             "(docs/perf-model.md), and the workloads' grids and waves")
     parser.add_argument("--wide", action="store_true",
                         help=f"print the full table, one line per compile (the default fits {TABLE_COLUMNS} columns)")
     parser.add_argument("--no-cache", action="store_true",
@@ -165,6 +167,9 @@ def run(args) -> int:
     cache_note = f" ({hits} from the compile cache; --no-cache compiles all)" if hits else ""
     print(f"{len(rows)} compiles in {time.perf_counter() - t0:.0f} s{cache_note}; "
           + ("all fit (no spills, shared memory within limits)" if not bad else f"{len(bad)} do NOT fit"))
+    if args.perf and any(r.tile_model for r in rows):
+        print()
+        _print_model(rows, wide=args.wide)
     workloads = _workload_rows(targets) if args.perf else []
     if workloads:
         print()

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 from kvarena.check.cache import _cache_get, _cache_key, _cache_put
 from kvarena.check.cases import SHARED_LIMIT, TARGET_NAMES
+from kvarena.check.cycles import LoopCounts, tile_model
 from kvarena.check.launches import _Launch, _signature
-from kvarena.check.sass import _kv_buffers, _main_loop_sass, _mma_kind
+from kvarena.check.sass import _kv_buffers, _main_loop_counts, _mma_kind
 
 
 @dataclass
@@ -31,18 +32,21 @@ class Row:
     cached: bool = False  # read from the compile cache (same values as compiling)
     # --perf metrics (attention rows): CTAs per SM, MMA kind, K/V shared-memory buffers in
     # the main loop, SASS instructions per main-loop iteration and the same for the
-    # contiguous reference loop at the same tile.
+    # contiguous reference loop at the same tile; the main loop's SASS counts
+    # (cycles.LoopCounts) and its tile cycle model (cycles.TileModel) as dicts.
     ctas_per_sm: int = 0
     mma: str = ""
     kv_buffers: int = -1
     loop_sass: int = -1
     ref_loop_sass: int = -1
     occupancy_key: list | None = None
+    loop_counts: dict | None = None
+    tile_model: dict | None = None
 
 
 # The fields of a row that come from the compile (the rest come from the launch table).
 _COMPILED = ("registers", "spill_stores", "spill_loads", "shared_bytes", "fits", "error", "mma", "kv_buffers",
-             "loop_sass")
+             "loop_sass", "loop_counts")
 
 
 def _launch_key(launch: _Launch, capability: int, perf: bool) -> str:
@@ -70,7 +74,19 @@ def _compile_cached(launch: _Launch, capability: int, perf: bool = False) -> Row
         row.ctas_per_sm = occupancy(capability, row.registers, row.shared_bytes, launch.num_warps)
         row.mma, row.kv_buffers, row.loop_sass = hit["mma"], hit["kv_buffers"], hit["loop_sass"]
         row.occupancy_key = list(launch.occupancy_key)
+        _set_model(row, hit.get("loop_counts"), launch, capability)
     return row
+
+
+def _set_model(row: Row, counts: dict | None, launch: _Launch, capability: int) -> None:
+    """The row's loop counts and, for a tensor-core loop, its tile cycle model."""
+    from dataclasses import asdict
+
+    row.loop_counts = counts
+    k = launch.constexprs
+    fma = 2 * k["BLOCK_M"] * k["BLOCK_N"] * k["HEAD_DIM_PAD"]  # Q.K^T and P.V of one tile
+    model = tile_model(LoopCounts(**counts), capability, launch.num_warps, row.ctas_per_sm, fma) if counts else None
+    row.tile_model = asdict(model) if model else None
 
 
 def _compile(launch: _Launch, capability: int, perf: bool = False) -> Row:
@@ -109,6 +125,7 @@ def _compile(launch: _Launch, capability: int, perf: bool = False) -> Row:
         row.mma = _mma_kind(compiled.asm["ptx"])
         row.kv_buffers = _kv_buffers(compiled.asm["ttgir"], launch.constexprs["BLOCK_N"],
                                      launch.constexprs["HEAD_DIM_PAD"])
-        row.loop_sass = _main_loop_sass(compiled.asm["cubin"])
+        row.loop_sass, counts = _main_loop_counts(compiled.asm["cubin"])
         row.occupancy_key = list(launch.occupancy_key)
+        _set_model(row, counts, launch, capability)
     return row

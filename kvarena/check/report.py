@@ -45,8 +45,21 @@ def _print_table(rows: list[Row], wide: bool = False) -> None:
         + (perf_cols(r) if perf else ())
         for r in rows
     ]
+    _print_columns(head, body, 1 if wide else 0, wide)
+    errors = [r for r in rows if not r.fits and r.error]
+    if errors and not wide:
+        print("compile errors:")
+        for r in errors:
+            print(textwrap.fill(f"{r.config} [{r.target}]: {r.error}", TABLE_COLUMNS, initial_indent="  ",
+                                subsequent_indent="    "))
+
+
+def _print_columns(head: tuple, body: list[tuple], cfg: int, wide: bool) -> None:
+    """Columns left-aligned; unless ``wide``, column ``cfg`` (the config) is narrowed so the
+    line fits :data:`TABLE_COLUMNS` and wraps onto continuation lines."""
+    import textwrap
+
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
-    cfg = 1 if wide else 0  # the config column
     if not wide:
         others = sum(w for i, w in enumerate(widths) if i != cfg) + 2 * (len(widths) - 1)
         widths[cfg] = max(len(head[cfg]), min(widths[cfg], TABLE_COLUMNS - others))
@@ -58,12 +71,32 @@ def _print_table(rows: list[Row], wide: bool = False) -> None:
         print("  ".join(x.ljust(w) for x, w in zip(first, widths)).rstrip())
         for more in parts[1:]:
             print(more.rstrip())
-    errors = [r for r in rows if not r.fits and r.error]
-    if errors and not wide:
-        print("compile errors:")
-        for r in errors:
-            print(textwrap.fill(f"{r.config} [{r.target}]: {r.error}", TABLE_COLUMNS, initial_indent="  ",
-                                subsequent_indent="    "))
+
+
+def _print_model(rows: list[Row], wide: bool = False) -> None:
+    """The tile cycle model of every tensor-core main loop (docs/perf-model.md): SM cycles
+    per iteration of the tensor cores, SFU, issue and shared memory, what runs beside the
+    exp2s, the modelled tile time, its ratio to the tensor time and the predicted fraction
+    of the dense tensor peak (the tile's own math over the tile time). ``wide`` adds the
+    useful tensor cycles, the loop's MMA shapes, EX2s and barriers."""
+    rows = [r for r in rows if r.tile_model]
+    if not rows:
+        return
+    head = ("hot-loop tile model", "target", "TC", "SFU", "issue", "smem", "beside exp2", "tile", "/TC", "peak",
+            "bound")
+    if wide:
+        head += ("useful TC", "MMAs per warp", "EX2", "ex2 under own MMA", "CTA/named bars", "wg arrive/wait")
+
+    def cols(r: Row) -> tuple:
+        m, c = r.tile_model, r.loop_counts
+        out = (r.config, r.target, str(m["tc"]), str(m["sfu"]), str(m["issue"]), str(m["smem"]), m["overlap"],
+               str(m["tile"]), f"{m['ratio']:.2f}", f"{100 * m['peak']:.0f}%", m["bound"])
+        if wide:
+            out += (str(m["useful"]), c["mma_shapes"], str(c["ex2"]), f"{c['ex2_under_mma']:.2f}",
+                    f"{c['cta_barriers']}/{c['named_barriers']}", f"{c['wg_arrives']}/{c['wg_waits']}")
+        return out
+
+    _print_columns(head, [cols(r) for r in rows], 0, wide)
 
 
 def _print_workloads(rows: list[dict]) -> None:

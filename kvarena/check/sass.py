@@ -1,6 +1,7 @@
 """The ``--perf`` metrics read from a compile: MMA kind (PTX), K/V buffers in flight
-(ttgir), SASS instructions per main-loop iteration (``nvdisasm``), and the same for the
-contiguous flash reference at the same tile."""
+(ttgir), SASS instructions per main-loop iteration and that loop's counts for the tile
+cycle model (``nvdisasm``, :mod:`.cycles`), and the same for the contiguous flash
+reference at the same tile."""
 
 from __future__ import annotations
 
@@ -39,23 +40,27 @@ def _nvdisasm() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
 
 
-def _main_loop_sass(cubin: bytes) -> int:
-    """SASS instructions of the main loop: the smallest innermost loop that runs the dots.
-
-    Loops are found from backward branches in ``nvdisasm`` output; innermost ones contain
-    no other loop. On the large-block path the smallest such loop is the interior loop
-    (no mask code), elsewhere there is one. -1 when nvdisasm is missing or finds none.
-    """
+def _disassemble(cubin: bytes) -> str | None:
+    """``nvdisasm -c`` of a cubin; None when the tool is missing."""
     import subprocess
     import tempfile
 
     tool = _nvdisasm()
     if not os.path.exists(tool):
-        return -1
+        return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, timeout=120).stdout
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True, timeout=120).stdout
+
+
+def _main_loop(text: str) -> list[str] | None:
+    """The SASS lines of the main loop: the smallest innermost loop that runs the dots.
+
+    Loops are found from backward branches in ``nvdisasm`` output; innermost ones contain
+    no other loop. On the large-block path the smallest such loop is the interior loop
+    (no mask code), elsewhere there is one. None when there is none.
+    """
     labels, instrs, pending = {}, [], []
     for line in text.splitlines():
         m = re.match(r"^(\.L_x_\d+):", line)
@@ -75,12 +80,31 @@ def _main_loop_sass(cubin: bytes) -> int:
         if m and labels.get(m.group(1), addr + 1) < addr:
             loops.append((labels[m.group(1)], addr))
     inner = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
-    sizes = []
+    bodies = []
     for lo, hi in inner:
         body = [ins for a, ins in instrs if lo <= a <= hi]
         if any("MMA" in ins or "FFMA" in ins for ins in body):
-            sizes.append(len(body))
-    return min(sizes, default=-1)
+            bodies.append(body)
+    return min(bodies, key=len, default=None)
+
+
+def _main_loop_sass(cubin: bytes) -> int:
+    """SASS instructions of the main loop (:func:`_main_loop`); -1 when nvdisasm is missing
+    or finds none."""
+    text = _disassemble(cubin)
+    body = _main_loop(text) if text is not None else None
+    return len(body) if body else -1
+
+
+def _main_loop_counts(cubin: bytes) -> tuple[int, dict | None]:
+    """(main-loop SASS or -1, its :class:`~kvarena.check.cycles.LoopCounts` as a dict or None)."""
+    from dataclasses import asdict
+
+    from kvarena.check.cycles import count_loop
+
+    text = _disassemble(cubin)
+    body = _main_loop(text) if text is not None else None
+    return (len(body), asdict(count_loop(body))) if body else (-1, None)
 
 
 def _reference_loop_sass_cached(tile: tuple, capability: int) -> int:
