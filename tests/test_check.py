@@ -47,6 +47,7 @@ def test_check_compiles_every_config_without_spills(perf_run):
     n_attention += len(check.OWN_CASES)  # slab cases also compile as a one-launch denoising step
     n_attention += len(check.FP8_CASES)  # and these with an fp8 cache
     n_attention += len(check.ROPE_CASES)  # RoPE on read
+    n_attention += len(check.WIDE_CASES)  # 64-bit key offsets on the page path
     n_cases = n_attention + len(check.REDUCE_CASES) + len(check.STORE_CASES) + len(check.MERGE_CASES)
     n_cases += 2 * len(check.BWD_CASES)  # the backward's dQ and dK/dV kernels
     assert len(rows) == 2 * n_cases, f"expected one row per config and target, got {len(rows)}"
@@ -198,8 +199,10 @@ def test_all_variants_of_one_config():
     attention config (a split always writes lse: 8 for a split config, 16 otherwise). Read
     from the launch table itself: the compiles of these variants are what --all runs."""
     split = check._launches("decode 32q/8kv split", 90, all_variants=True)
-    # + as launched with an fp8 cache, with RoPE on read, and (--all only) with both
-    assert len(split) == 11 and len({launch.config for launch in split}) == 11
+    # + as launched with an fp8 cache, with RoPE on read, with 64-bit key offsets, and (--all
+    # only) with fp8 and RoPE at once
+    assert len(split) == 12 and len({launch.config for launch in split}) == 12
+    assert sum("+wide-offsets" in launch.config for launch in split) == 1
     assert sum("+fp8-kv" in launch.config for launch in split) == 2
     assert sum("+rope-on-read" in launch.config for launch in split) == 2
     assert sum("+rope-on-read" in launch.config for launch in check._launches("decode 32q/8kv split", 90)) == 1

@@ -313,13 +313,15 @@ def test_paged_attention_equals_attention_over_what_was_stored(backend, spec_id,
 
 @interpreter_only
 @pytest.mark.parametrize("decode", ["native", "shift"])
-@pytest.mark.parametrize(("bs", "q_len", "spec_id"), [(64, 7, "full"), (48, 5, "window-sinks-softcap")],
-                         ids=["large-block-path", "page-path-guarded"])
+@pytest.mark.parametrize(("bs", "q_len", "spec_id"),
+                         [(64, 7, "full"), (48, 5, "window-sinks-softcap"), (16, 1, "window-sinks-softcap")],
+                         ids=["large-block-path", "page-path-guarded", "pages16-decode"])
 def test_both_decodes_in_the_interpreter(monkeypatch, decode, bs, q_len, spec_id) -> None:
     """sm_89+ widens float8e4nv loads in hardware; sm_80 (no fp8 type) decodes uint8 bytes by
     shifting them into fp16 (value / 256, the 256 folded into the scales). Both decodes, on
     the contiguous large-block loop (64-token blocks at bf16, a 7-query chunk) and on the
-    page path with the non-finite guard (NaN-poisoned scales in the same key tiles)."""
+    page path with the non-finite guard (NaN-poisoned scales in the same key tiles), and on
+    16-token pages at decode (shift addressing, scales read at the keys' clamped slots)."""
     from kvarena.kernels import paged_attention as pa
 
     monkeypatch.setattr(pa, "fp8_native", lambda cap: decode == "native")

@@ -39,6 +39,7 @@ from kvarena.check.cases import (
     SM_COUNT,
     STORE_CASES,
     TARGET_NAMES,
+    WIDE_CASES,
     WORKLOADS,
 )
 from kvarena.check.command import _Progress, add_arguments, run
@@ -59,6 +60,7 @@ __all__ = [
     "STORE_CASES",
     "TABLE_COLUMNS",
     "TARGET_NAMES",
+    "WIDE_CASES",
     "WORKLOADS",
     "Row",
     "add_arguments",

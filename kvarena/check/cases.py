@@ -10,15 +10,16 @@ TARGET_NAMES = {80: "sm_80", 90: "sm_90a"}
 # Realistic heaviest launches: (name, head_dim, group, dtype, q_len_max, block_size, split,
 # deterministic, flags as launched). q_len_max is what the pool passes as max_seqlen_q: 1 for
 # decode, the chunk for slabs; block_size selects the block layout specialization (16:
-# power-of-two pages, 48: pages divided at run time, >= BLOCK_N: slabs, the contiguous
-# large-block path). Flags (causal, kv_start, lse, softcap): the slab pool's chunks run
-# non-causal with kv_start and lse, decode and prefill causal. Each case also compiles with
+# power-of-two pages, 48: pages divided at run time, >= BLOCK_N: slabs and 64-token pages,
+# the contiguous large-block path). Flags (causal, kv_start, lse, softcap): the slab pool's
+# chunks run non-causal with kv_start and lse, decode and prefill causal. Each case also compiles with
 # every flag on (the most code), since spills must not depend on the options.
 _DECODE, _PREFILL, _SLAB = (True, False, False, False), (True, False, False, False), (False, True, True, False)
 ATTENTION_CASES = [
     ("decode 32q/8kv", 128, 4, "bf16", 1, 16, False, False, _DECODE),
     ("decode 32q/8kv split", 128, 4, "bf16", 1, 16, True, False, _DECODE),
     ("decode D256 GQA8 split", 256, 8, "fp16", 1, 16, True, False, _DECODE),
+    ("decode page64 split", 128, 4, "bf16", 1, 64, True, False, _DECODE),
     ("prefill 32q/8kv page48", 128, 4, "bf16", 2048, 48, False, False, _PREFILL),
     ("chunk MAGI 24q/8kv", 128, 3, "bf16", 12150, 12150, False, False, _SLAB),
     ("chunk Wan split", 128, 1, "fp16", 4680, 4680, True, False, _SLAB),
@@ -42,6 +43,10 @@ FP8_CASES = ("decode 32q/8kv split", "prefill 32q/8kv page48", "chunk Wan split"
 # per-block position shifts): decode with half-split pairs, the slab chunk (own keys,
 # interleaved pairs as Wan's); with an fp8 cache too under --all-variants.
 ROPE_CASES = ("decode 32q/8kv split", "chunk Wan split")
+# Cases also compiled with 64-bit key offsets on the page path: a cache whose layer view
+# spans more than 2**31 elements (over 4 GiB of bf16 per K or V view; the other launches
+# address keys with int32 offsets).
+WIDE_CASES = ("decode 32q/8kv split",)
 # The contract's workloads for --perf (sinks 1 + window 3 for slab chunks): the launch
 # plan each gets, its grid and its wave efficiency. (name, head_dim, group, num_kv_heads,
 # num_seqs, q_len, k_len (cached keys), block_size, causal, own_len (the step's own keys,

@@ -16,6 +16,7 @@ from kvarena.check.cases import (
     REDUCE_CASES,
     ROPE_CASES,
     STORE_CASES,
+    WIDE_CASES,
 )
 from kvarena.kernels.placement import OWN_AFTER_HISTORY
 
@@ -79,6 +80,8 @@ def _attention_variants(name: str, launched: tuple, split: bool, all_variants: b
         variants[(launched, name in OWN_CASES, "rope")] = "as launched"
         if name in FP8_CASES and all_variants:  # both at once: --all only (CI time)
             variants[(launched, name in OWN_CASES, "rope+fp8")] = "variant"
+    if name in WIDE_CASES:
+        variants[(launched, False, "wide")] = "as launched"
     variants.setdefault(((True, True, True, True), False, False), "all flags")
     if all_variants:  # a split always writes its lse
         for f in itertools.product((True, False), repeat=4):
@@ -101,12 +104,15 @@ def _attention_launch(case: tuple, flags: tuple, own: bool, kv, label: str, capa
     cfg = pa._pick_config(d, group, eb, None if det else q_len, capability,
                           lean=not det and not guard and not softcap, rope=bool(rope), kv_fp8=fp8,
                           own=own)
+    cfg = pa._path_config(cfg, pa._use_large_blocks(block, cfg["BLOCK_N"], True, guard, eb))
     meta = pa._attn_constexprs(cfg, group, d, causal=causal, has_kv_start=has_kv_start,
                                write_lse=write_lse, split=split, upcast=False, guard=guard,
                                softcap=softcap, block_size=block, elem_bytes=eb, own=own,
                                sink_logits=label == "all flags", kv_fp8=fp8,  # the most code: with sinks
-                               capability=capability, rope=rope, rope_q_pos=True, rope_k_shift=True)
+                               capability=capability, rope=rope, rope_q_pos=True, rope_k_shift=True,
+                               wide_offsets=kv == "wide", same_kv_strides=True)
     meta.update(stride_qd=1, stride_od=1)  # unit strides: the JIT specializes them too
+    meta.update(dict.fromkeys(pa.unused_pointers(meta)))  # passed as None: constexprs
     kv_dt = ("fp8e4nv" if meta["FP8_NATIVE"] else "u8") if fp8 else dt
     ptrs = {"q_ptr": dt, "k_ptr": kv_dt, "v_ptr": kv_dt, "o_ptr": "fp32" if split else dt, "lse_ptr": "fp32",
             "block_table_ptr": "i32", "seq_lens_ptr": "i32", "cu_q_ptr": "i32", "kv_start_ptr": "i32",
@@ -116,7 +122,8 @@ def _attention_launch(case: tuple, flags: tuple, own: bool, kv, label: str, capa
         meta.update(stride_ksh=1, stride_vsh=1)
     return _Launch("attention", _attention_desc(name, dt, d, group, cfg, flags, meta, fp8, rope),
                    pa._paged_attn_kernel, ptrs, meta, cfg["num_warps"],
-                   cfg["num_stages"], i64=("stride_kb", "stride_vb"),
+                   # Block strides are one block's elements (< 2**31): int32, as the JIT sees them.
+                   cfg["num_stages"], i64=(),
                    floats=("scale_log2", "softcap_inv", "softcap_log2"), maxnreg=cfg.get("maxnreg"),
                    div16=("block_size",) if block % 16 == 0 else (), variant=label,
                    nodiv=("stride_kst", "stride_vst"),
@@ -141,6 +148,8 @@ def _attention_desc(name: str, dt: str, d: int, group: int, cfg: dict, flags: tu
         desc += " +fp8-kv"
     if rope:
         desc += " +rope-on-read" + (" (interleaved)" if rope == 2 else "")
+    if meta["WIDE_OFFSETS"] and not meta["LARGE_BLOCKS"]:
+        desc += " +wide-offsets"
     return desc
 
 
@@ -160,7 +169,9 @@ def _bwd_launches() -> list[_Launch]:
                 "v_ptr": dt, "block_table_ptr": "i32", "seq_lens_ptr": "i32", "cu_q_ptr": "i32",
                 "kv_start_ptr": "i32", "own_k_ptr": dt, "own_v_ptr": dt}
         out.append(_Launch("attention_bwd", f"{name} dQ: {tile}" + (" +own-k/v" if after else ""),
-                           bwd._attn_bwd_dq_kernel, ptrs, dict(flags, HAS_OWN=after), cfg["num_warps"],
+                           bwd._attn_bwd_dq_kernel, ptrs,
+                           dict(flags, HAS_OWN=after, **({} if after else {"own_k_ptr": None, "own_v_ptr": None})),
+                           cfg["num_warps"],
                            cfg["num_stages"], i64=("stride_kb", "stride_vb"), floats=floats,
                            maxnreg=cfg["maxnreg"]))
         ptrs = {"q_ptr": dt, "do_ptr": dt, "lse_ptr": "fp32", "delta_ptr": "fp32", "own_k_ptr": dt, "own_v_ptr": dt,
@@ -201,6 +212,8 @@ def _store_launches() -> list[_Launch]:
                     QUANT=store.QUANT_TOKEN if fp8 else store.QUANT_NONE)
         if fp8:
             meta.update(stride_sh=1, stride_wh=1)
+        else:  # passed as None without scales
+            meta.update(ks_ptr=None, vs_ptr=None)
         cache = "u8" if fp8 else dt
         ptrs = {"k_ptr": dt, "v_ptr": dt, "k_cache_ptr": cache, "v_cache_ptr": cache, "slot_ptr": "i64",
                 "ks_ptr": "fp32", "vs_ptr": "fp32"}

@@ -2,7 +2,20 @@
 
 One kernel family serves the paged pool (16-token pages) and the slab pool (a slab is one
 big page of up to ~12k tokens); ``block_size`` need not be a power of two nor divide the
-key tile, so every key finds its block with ``t // block_size`` and a gathered block id.
+key tile.
+
+Key addressing
+--------------
+* Blocks of at least one key tile (slabs, 64-token pages at 16 bits) run contiguous
+  inner loops from the block's base pointers: one block-table read per block.
+* Smaller pages (the page loop): a power-of-two page size is a constexpr, so a key's page
+  and row are a shift and a mask. The tile's pages' block ids are loaded once per page
+  and each key picks its own (``tl.gather``); K is loaded in V's ``[keys, dims]`` layout
+  and transposed for the dot, so when K and V share strides (``SAME_KV_STRIDES``, the
+  arena's views) one offset per key serves both. Offsets are int32 unless the cache view
+  spans more than ``2**31`` elements (``WIDE_OFFSETS``). Keys of a tile outside its key
+  range read the range's nearest key (a written slot) instead of taking masked loads, and
+  their scores are masked.
 
 Tiles
 -----
@@ -44,6 +57,7 @@ from kvarena.kernels._common import (
     interpreting,
 )
 from kvarena.kernels.fp8 import _fp8e4m3_decode
+from kvarena.kernels.key_range import row_bounds, sees, tile_key_range
 from kvarena.kernels.occupancy import ctas_per_sm
 
 # ----------------------------------------------------------------------------- constants
@@ -245,9 +259,7 @@ def _block_tiles(
             kt = kt.to(tl.float32)
         s = _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, FP8)
         if MASKED:
-            vis = key_ok[None, :] & (t[None, :] < row_hi[:, None])
-            vis = vis & ((t[None, :] >= row_lo[:, None]) | (t[None, :] < sink_tokens))
-            s = tl.where(vis, s, float("-inf"))
+            s = tl.where(key_ok[None, :] & sees(t, row_hi, row_lo, sink_tokens), s, float("-inf"))
             v = tl.load(v_blk + rel[:, None] * stride_vt + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
         elif HEAD_DIM == HEAD_DIM_PAD:
             v = tl.load(v_blk + rel[:, None] * stride_vt + d[None, :])
@@ -304,6 +316,8 @@ def _paged_attn_kernel(
     GUARD_NONFINITE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,
     LARGE_BLOCKS: tl.constexpr,
     HAS_OWN: tl.constexpr,
     HAS_SINK_LOGITS: tl.constexpr,
@@ -347,28 +361,13 @@ def _paged_attn_kernel(
     head_in = j % GROUP
     pos_base = seq_len - q_len
     q_pos = pos_base + pos_idx  # [BLOCK_M] key-space position of each row's query
-    if CAUSAL:
-        # chunk_size = 1 is plain causal: t <= q_pos  <=>  t < (q_pos // 1 + 1) * 1.
-        row_hi = tl.minimum((q_pos // chunk_size + 1) * chunk_size, seq_len)
-    else:
-        row_hi = tl.zeros_like(q_pos) + seq_len
-    row_lo = q_pos - window_left  # window: t >= q_pos - window_left (or t < sink_tokens)
+    row_hi, row_lo = row_bounds(q_pos, seq_len, chunk_size, window_left, CAUSAL)
 
     # ---- key range of the whole tile (scalars): rows are monotone in q_pos
     q_pos_min = pos_base + m0 // GROUP
     q_pos_max = pos_base + (tl.minimum(m0 + BLOCK_M, n_rows) - 1) // GROUP
-    if CAUSAL:
-        hi = tl.minimum((q_pos_max // chunk_size + 1) * chunk_size, seq_len)
-    else:
-        hi = seq_len
-    lo = tl.maximum(kv_lo, q_pos_min - window_left)
-    # The tightest row bounds of the tile (for the interior-tile test below).
-    if CAUSAL:
-        hi_min = tl.minimum((q_pos_min // chunk_size + 1) * chunk_size, seq_len)
-    else:
-        hi_min = seq_len
-    lo_max = q_pos_max - window_left
-    sink_hi = tl.minimum(tl.minimum(sink_tokens, lo), hi)
+    lo, hi, sink_hi, hi_min, lo_max = tile_key_range(q_pos_min, q_pos_max, seq_len, kv_lo, chunk_size,
+                                                     window_left, sink_tokens, CAUSAL)
     sink_base = (kv_lo // BLOCK_N) * BLOCK_N
     main_base = (lo // BLOCK_N) * BLOCK_N
     if LARGE_BLOCKS:
@@ -418,20 +417,27 @@ def _paged_attn_kernel(
         q = q.to(tl.float32 if UPCAST else q_ptr.dtype.element_ty)
     elif UPCAST:
         q = q.to(tl.float32)
-    kshift_row = kshift_ptr + b.to(tl.int64) * stride_rb
+    kshift_row = kshift_ptr
+    if ROPE_K_SHIFT:
+        kshift_row = kshift_ptr + b.to(tl.int64) * stride_rb
 
     bt_row = block_table_ptr + b.to(tl.int64) * stride_bt
     k_head = k_ptr + kvh.to(tl.int64) * stride_kh
     v_head = v_ptr + kvh.to(tl.int64) * stride_vh
     # fp8 caches: per-key scales at [block, row, head] (all strides 0 for a static scale).
-    ks_head = ks_ptr + kvh.to(tl.int64) * stride_ksh
-    vs_head = vs_ptr + kvh.to(tl.int64) * stride_vsh
+    ks_head = ks_ptr
+    vs_head = vs_ptr
+    if KV_FP8:
+        ks_head = ks_ptr + kvh.to(tl.int64) * stride_ksh
+        vs_head = vs_ptr + kvh.to(tl.int64) * stride_vsh
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     bad_w = tl.zeros([BLOCK_M], tl.float32)  # weight on visible non-finite values (GUARD_NONFINITE)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     n_off = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    # Power-of-two pages a key tile spans (tile starts are multiples of BLOCK_N).
+    PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE if PAGE_SIZE > 0 and PAGE_SIZE < BLOCK_N else 1
 
     if LARGE_BLOCKS:
         # block_size >= BLOCK_N (slabs: 2640-12150 rows): walk the block table in an outer
@@ -460,8 +466,11 @@ def _paged_attn_kernel(
                     bid = tl.load(bt_row + blk).to(tl.int64)
                     k_blk = k_head + bid * stride_kb
                     v_blk = v_head + bid * stride_vb
-                    ks_blk = ks_head + bid * stride_ksb
-                    vs_blk = vs_head + bid * stride_vsb
+                    ks_blk = ks_head
+                    vs_blk = vs_head
+                    if KV_FP8:
+                        ks_blk = ks_head + bid * stride_ksb
+                        vs_blk = vs_head + bid * stride_vsb
                     rshift = 0
                     if ROPE_K_SHIFT:
                         rshift = tl.load(kshift_row + blk)
@@ -497,13 +506,13 @@ def _paged_attn_kernel(
                 no_lo = tl.zeros_like(row_lo) - 1
                 # The own keys are given in q's dtype (never fp8).
                 m_i, l_i, acc, bad_w = _block_tiles(
-                    q, k_blk, v_blk, k_blk, v_blk, 0, ja, f_b - ja, 0, 0, m_i, l_i, acc,
+                    q, k_blk, v_blk, None, None, 0, ja, f_b - ja, 0, 0, m_i, l_i, acc,
                     bad_w, 0, own_len, all_rows_hi, no_lo, 0, stride_own_kt, stride_own_vt, 0, 0,
                     scale_log2, softcap_inv, softcap_log2,
                     HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, False, False,
                     cos_ptr, sin_ptr, stride_rp, n_pos, rope_q0, ROPE)
                 m_i, l_i, acc, bad_w = _block_tiles(
-                    q, k_blk, v_blk, k_blk, v_blk, 0, f_b, jb - f_b, jb, 0, m_i, l_i, acc,
+                    q, k_blk, v_blk, None, None, 0, f_b, jb - f_b, jb, 0, m_i, l_i, acc,
                     bad_w, 0, own_len, all_rows_hi, no_lo, 0, stride_own_kt, stride_own_vt, 0, 0,
                     scale_log2, softcap_inv, softcap_log2,
                     HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, False, False,
@@ -516,36 +525,54 @@ def _paged_attn_kernel(
             key_hi = tl.where(in_sink, sink_hi, hi)
             t = t0 + n_off  # [BLOCK_N]
             key_ok = (t >= key_lo) & (t < key_hi)
-            # Pages (block_size < BLOCK_N): each key gathers its own block id, masked to
-            # visible keys so table padding (possibly garbage ids) is never followed. A
-            # power-of-two PAGE_SIZE makes // and % shifts and masks.
-            if PAGE_SIZE > 0:
-                blk_idx = t // PAGE_SIZE
-                row_in_blk = (t % PAGE_SIZE).to(tl.int64)
+            # A key outside the tile's range reads the range's nearest key instead: a written
+            # slot of a real block, so the loads need no mask and table padding (possibly
+            # garbage ids) is never followed; its score is masked below.
+            tc = tl.minimum(tl.maximum(t, key_lo), key_hi - 1)
+            if PAGE_SIZE > 0:  # tc >= 0: as unsigned, // and % are a shift and a mask
+                blk_idx = (tc.to(tl.uint32) // PAGE_SIZE).to(tl.int32)
+                row_in_blk = (tc.to(tl.uint32) % PAGE_SIZE).to(tl.int32)
+                # The tile's pages' block ids: one load per page (clamped into the range's
+                # pages like the keys), then each key picks its page's.
+                pg0 = t0 // PAGE_SIZE
+                pg = tl.minimum(tl.maximum(pg0 + tl.arange(0, PAGES), key_lo // PAGE_SIZE), (key_hi - 1) // PAGE_SIZE)
+                blk = tl.gather(tl.load(bt_row + pg), blk_idx - pg0, 0)
             else:
-                blk_idx = t // block_size
-                row_in_blk = (t % block_size).to(tl.int64)
-            blk = tl.load(bt_row + blk_idx, mask=key_ok, other=0).to(tl.int64)
-            k_off = blk * stride_kb + row_in_blk * stride_kt  # [BLOCK_N] int64
-            v_off = blk * stride_vb + row_in_blk * stride_vt
-            kt = tl.load(k_head + k_off[None, :] + d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
+                blk_idx = tc // block_size
+                row_in_blk = tc % block_size
+                blk = tl.load(bt_row + blk_idx)
+            if WIDE_OFFSETS:  # the cache spans more than 2**31 elements
+                blk = blk.to(tl.int64)
+            # One offset per key for K and V alike (SAME_KV_STRIDES), K loaded in V's
+            # [keys, dims] layout and transposed for the dot: one address per 16-byte vector.
+            k_off = blk * stride_kb + row_in_blk * stride_kt  # [BLOCK_N]
+            if SAME_KV_STRIDES:
+                v_off = k_off
+            else:
+                v_off = blk * stride_vb + row_in_blk * stride_vt
+            if k_ptr.dtype.element_ty == tl.float32:
+                # fp32 (FMA dots): K^T loaded as such (the transposed tile spills at D = 256).
+                kt = tl.load(k_head + k_off[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
+            elif HEAD_DIM == HEAD_DIM_PAD:
+                kt = tl.trans(tl.load(k_head + k_off[:, None] + d[None, :]))  # [HEAD_DIM_PAD, BLOCK_N]
+            else:
+                kt = tl.trans(tl.load(k_head + k_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0))
             kcol = scale_log2  # unused without KV_FP8
             vcol = scale_log2
             if ROPE != 0:
-                k_ok = key_ok[None, :] & d_ok[:, None]
-                kp = tl.load(k_head + k_off[None, :] + pd[:, None], mask=k_ok, other=0.0)
+                kp = tl.trans(tl.load(k_head + k_off[:, None] + pd[None, :], mask=d_ok[None, :], other=0.0))
                 if KV_FP8:
                     kt, kp = _fp8_to(kt, tl.float32, FP8_NATIVE), _fp8_to(kp, tl.float32, FP8_NATIVE)
-                kpos = t
+                kpos = tc
                 if ROPE_K_SHIFT:
-                    kpos = t + tl.load(kshift_row + blk_idx, mask=key_ok, other=0)
-                kt = _rotate(kt, kp, kpos[None, :], fi[:, None], sg[:, None], k_ok, cos_ptr, sin_ptr,
+                    kpos = tc + tl.load(kshift_row + blk_idx)
+                kt = _rotate(kt, kp, kpos[None, :], fi[:, None], sg[:, None], d_ok[:, None], cos_ptr, sin_ptr,
                              stride_rp, n_pos).to(q.dtype)
             if KV_FP8:
                 if ROPE == 0:
                     kt = _fp8_to(kt, q.dtype, FP8_NATIVE)
-                kcol = tl.load(ks_head + blk * stride_ksb + row_in_blk * stride_kst, mask=key_ok, other=0.0)
-                vcol = tl.load(vs_head + blk * stride_vsb + row_in_blk * stride_vst, mask=key_ok, other=0.0)
+                kcol = tl.load(ks_head + blk * stride_ksb + row_in_blk * stride_kst)
+                vcol = tl.load(vs_head + blk * stride_vsb + row_in_blk * stride_vst)
                 if not FP8_NATIVE:  # the shift decode gives value / 256
                     kcol = kcol * 256.0
                     vcol = vcol * 256.0
@@ -558,10 +585,11 @@ def _paged_attn_kernel(
             interior = (t0 >= key_lo) & (t_end <= key_hi) & (t_end <= hi_min)
             interior = interior & ((t0 >= lo_max) | (t_end <= sink_tokens))
             if not interior:
-                vis = key_ok[None, :] & (t[None, :] < row_hi[:, None])
-                vis = vis & ((t[None, :] >= row_lo[:, None]) | (t[None, :] < sink_tokens))
-                s = tl.where(vis, s, float("-inf"))
-            v = tl.load(v_head + v_off[:, None] + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
+                s = tl.where(key_ok[None, :] & sees(t, row_hi, row_lo, sink_tokens), s, float("-inf"))
+            if HEAD_DIM == HEAD_DIM_PAD:
+                v = tl.load(v_head + v_off[:, None] + d[None, :])  # [BLOCK_N, HEAD_DIM_PAD]
+            else:
+                v = tl.load(v_head + v_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
             if KV_FP8:
                 v = _fp8_to(v, q.dtype, FP8_NATIVE)
             elif UPCAST:
@@ -722,9 +750,10 @@ def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | No
         # ptxas is erratic here: left alone it capped 256 threads at 64 registers and spilt
         # 8 bytes in two sm_80 flag variants (causal + lse without kv_start), and a 255 cap
         # makes it fill the cap and spill. Found by sweeping every flag variant on both
-        # targets: 16 x 32 over 8 warps capped at 128 at D <= 128 (84-96 registers), 32 x 16
-        # over 8 warps uncapped at D = 256 (~115-160); no spills.
-        return cfg(16, 32, 8, 2, maxnreg=128) if d_pad <= 128 else cfg(32, 16, 8, 2, maxnreg=None)
+        # targets and both Tritons: 16 x 32 over 8 warps, capped at 128 at D <= 128 (84-100
+        # registers), uncapped at D = 256 (76-153; 32 x 16 spilt 4-32 bytes there once the
+        # page loop's loads lost their key masks, whatever the cap); no spills.
+        return cfg(16, 32, 8, 2, maxnreg=128 if d_pad <= 128 else None)
     if decode:
         # Decode: 16 rows is the smallest MMA tile (a 32q/8kv step fills 4 of them).
         # Memory-bound, so what matters is bytes in flight: the block-id gather takes a
@@ -756,6 +785,15 @@ def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | No
     # Short chunks (<= 64 rows) and the deterministic pin on sm_80: 64 x 64, 8 warps,
     # ~175-235 registers (4 warps spill 16-24 bytes there).
     return cfg(64, 64, 8, 2)
+
+
+def _path_config(cfg: dict, large: bool) -> dict:
+    """``cfg`` as the block path it runs on needs it: a decode tile (16 rows, 5 stages: the
+    page loop's block-id gather takes a stage of its own) over large blocks takes 3 stages,
+    which keep the two K/V buffers in flight (4 spilt 8-12 bytes at 255 registers)."""
+    if large and cfg["BLOCK_M"] == 16 and cfg["num_stages"] == 5:
+        return dict(cfg, num_stages=3)
+    return cfg
 
 
 def _older_triton_config(cfg: dict, capability: int, *, lean: bool, kv_fp8: bool, own: bool) -> dict:
@@ -863,12 +901,16 @@ def _attn_constexprs(cfg: dict, group: int, head_dim: int, *, causal: bool, has_
                      write_lse: bool, split: bool, upcast: bool, guard: bool, softcap: bool,
                      block_size: int, elem_bytes: int, large_ok: bool = True, own: bool = False,
                      sink_logits: bool = False, kv_fp8: bool = False, capability: int = 90, rope: int = 0,
-                     rope_q_pos: bool = False, rope_k_shift: bool = False) -> dict:
+                     rope_q_pos: bool = False, rope_k_shift: bool = False, wide_offsets: bool = False,
+                     same_kv_strides: bool = True) -> dict:
     """The constexpr arguments of ``_paged_attn_kernel`` (shared with ``kvarena check``).
 
     The block layout is specialized three ways: blocks of at least ``BLOCK_N`` rows
     (slabs) take the two-block contiguous path; smaller power-of-two pages pass their size
-    as ``PAGE_SIZE`` (shifts, not divides); other page sizes divide at run time.
+    as ``PAGE_SIZE`` (shifts, not divides); other page sizes divide at run time. The page
+    path addresses keys with int32 offsets unless ``wide_offsets`` (a cache spanning more
+    than 2**31 elements, :func:`_cache_addressing`), and computes one offset per key for
+    K and V when ``same_kv_strides``.
     """
     large = _use_large_blocks(block_size, cfg["BLOCK_N"], large_ok, guard, elem_bytes)
     page = block_size if not large and block_size & (block_size - 1) == 0 else 0
@@ -876,9 +918,33 @@ def _attn_constexprs(cfg: dict, group: int, head_dim: int, *, causal: bool, has_
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, HAS_KV_START=has_kv_start, WRITE_LSE=write_lse,
         SPLIT=split, UPCAST=upcast, GUARD_NONFINITE=guard, HAS_SOFTCAP=softcap, PAGE_SIZE=page,
+        WIDE_OFFSETS=wide_offsets, SAME_KV_STRIDES=same_kv_strides,
         LARGE_BLOCKS=large, HAS_OWN=own and large, HAS_SINK_LOGITS=sink_logits, KV_FP8=kv_fp8,
         FP8_NATIVE=kv_fp8 and fp8_native(capability), ROPE=rope, ROPE_Q_POS=rope_q_pos and rope != 0,
         ROPE_K_SHIFT=rope_k_shift and rope != 0,
+    )
+
+
+@dataclass(frozen=True)
+class CacheAddressing:
+    """How the page path addresses a K/V cache pair (host values: shapes and strides)."""
+
+    wide_offsets: bool  # some key's offset from its head's base passes int32
+    same_kv_strides: bool  # K and V share block and token strides: one offset per key
+
+
+def _span(t: torch.Tensor) -> int:
+    """Largest element offset within one head of a ``[blocks, block_size, H, D]`` cache view,
+    plus one."""
+    return (t.shape[0] - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1) + (t.shape[3] - 1) * t.stride(3) + 1
+
+
+def _cache_addressing(k_cache: torch.Tensor, v_cache: torch.Tensor) -> CacheAddressing:
+    """:class:`CacheAddressing` of a cache pair. (fp8 scales ``[blocks, block_size, H]``
+    span fewer elements than their K.)"""
+    return CacheAddressing(
+        wide_offsets=max(_span(k_cache), _span(v_cache)) > I32_MAX,
+        same_kv_strides=k_cache.stride()[:2] == v_cache.stride()[:2],
     )
 
 
@@ -898,7 +964,7 @@ def _use_large_blocks(block_size: int, block_n: int, large_ok: bool, guard: bool
     sm_90a, since the sanitized V takes a register round trip in a loop that already holds
     ~234 registers), so guarded launches (multi-row tiles with causal or window masks) keep
     the page path. fp32 (IEEE FMA dots, no tensor cores, not a speed target) keeps it too:
-    its 32 x 16 tile at D = 256 spills 32-36 bytes here.
+    its D = 256 tile spilt 32-36 bytes here.
     """
     return large_ok and block_size >= block_n and not guard and elem_bytes < 4
 
@@ -1024,6 +1090,7 @@ def plan_launch(*, head_dim: int, group: int, elem_bytes: int, num_seqs: int, nu
     # on the large-block path tiles restart at every block start.
     max_tiles = triton.cdiv(max(max_seqlen_k, 1), block_n) + (1 if has_sinks else 0)
     large = _use_large_blocks(block_size, block_n, large_ok, guard, elem_bytes)
+    cfg = _path_config(cfg, large)
     if large:
         max_tiles = (triton.cdiv(max(max_seqlen_k, 1), block_size) + 1) * triton.cdiv(block_size, block_n)
     own = own_len > 0 and large and not causal and window_left is None
@@ -1090,13 +1157,15 @@ def _plan_forward(q, k_cache, v_cache, *, num_seqs: int, spec, max_seqlen_q: int
     if own_len is not None and not plan.own:
         return None
     split = plan.num_splits > 1
+    addressing = _cache_addressing(k_cache, v_cache)
     meta = _attn_constexprs(plan.cfg, group, head_dim, causal=causal, has_kv_start=has_kv_start,
                             write_lse=write_lse or split, split=split, upcast=interpreting(),
                             guard=plan.guard, softcap=bool(softcap), block_size=block_size,
                             elem_bytes=q.element_size(), large_ok=plan.large_ok, own=plan.own,
                             sink_logits=spec.sink_logits is not None, kv_fp8=kv_fp8,
                             capability=_capability(dev), rope=spec.rope_mode, rope_q_pos=rope_q_pos,
-                            rope_k_shift=rope_k_shift)
+                            rope_k_shift=rope_k_shift, wide_offsets=addressing.wide_offsets,
+                            same_kv_strides=addressing.same_kv_strides)
     return _ForwardLaunch(
         plan, meta, scale * LOG2E,
         softcap_inv=scale / softcap if softcap else 0.0, softcap_log2=softcap * LOG2E if softcap else 0.0,
@@ -1113,7 +1182,7 @@ class _Outputs:
 
     o: torch.Tensor
     o_strides: tuple[int, ...]  # (split, token, head, dim)
-    lse: torch.Tensor  # o itself when no lse is written
+    lse: torch.Tensor | None  # None when no lse is written
     lse_strides: tuple[int, ...]  # (split, token, head)
     lse_target: torch.Tensor | None  # unsplit: the lse written (None: none)
 
@@ -1130,33 +1199,53 @@ def _outputs(out: torch.Tensor, lse: torch.Tensor | None, fwd: _ForwardLaunch, g
     if lse is not None and _tile_span(lse, block_m, group) > I32_MAX:
         lse_k = torch.empty(lse.shape, dtype=lse.dtype, device=lse.device)
     if lse_k is None:  # never written when WRITE_LSE is False
-        return _Outputs(out_k, (0, *out_k.stride()), out_k, (0, 0, 0), None)
+        return _Outputs(out_k, (0, *out_k.stride()), None, (0, 0, 0), None)
     return _Outputs(out_k, (0, *out_k.stride()), lse_k, (0, *lse_k.stride()), lse_k)
 
 
 @dataclass(frozen=True, eq=False)
 class _RopeOperands:
-    """The kernel's RoPE-on-read arguments (a dummy tensor where never read)."""
+    """The kernel's RoPE-on-read arguments (None where the launch reads none)."""
 
-    cos: torch.Tensor
-    sin: torch.Tensor
-    q_pos: torch.Tensor
-    k_shift: torch.Tensor
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    q_pos: torch.Tensor | None
+    k_shift: torch.Tensor | None
     stride_rp: int
     stride_rb: int
     n_pos: int
 
 
-def _rope_operands(spec, rope_q_pos, rope_k_shift, dummy: torch.Tensor) -> _RopeOperands:
+def _rope_operands(spec, rope_q_pos, rope_k_shift) -> _RopeOperands:
     on = bool(spec.rope_mode)
-    cos, sin = (spec.rope_cos, spec.rope_sin) if on else (dummy, dummy)
-    k_shift = dummy if rope_k_shift is None else rope_k_shift
+    cos, sin = (spec.rope_cos, spec.rope_sin) if on else (None, None)
+    k_shift = rope_k_shift
     if rope_k_shift is not None and rope_k_shift.shape[1] > 1 and rope_k_shift.stride(1) != 1:
         k_shift = rope_k_shift.contiguous()
-    return _RopeOperands(cos, sin, rope_q_pos.contiguous() if rope_q_pos is not None else dummy, k_shift,
+    return _RopeOperands(cos, sin, rope_q_pos.contiguous() if rope_q_pos is not None else None, k_shift,
                          stride_rp=cos.stride(0) if on else 0,
                          stride_rb=k_shift.stride(0) if rope_k_shift is not None else 0,
                          n_pos=cos.shape[0] if on else 1)
+
+
+def unused_pointers(meta: dict) -> frozenset[str]:
+    """The pointer arguments of ``_paged_attn_kernel`` that its constexprs ``meta`` leave
+    unread: the launcher passes them as None (constexpr), and ``kvarena check`` compiles them
+    so."""
+    unused = {
+        "lse_ptr": not meta["WRITE_LSE"],
+        "kv_start_ptr": not meta["HAS_KV_START"],
+        "own_k_ptr": not meta["HAS_OWN"],
+        "own_v_ptr": not meta["HAS_OWN"],
+        "sink_ptr": not meta["HAS_SINK_LOGITS"] or meta["SPLIT"],  # a split leaves the sink to the reduce
+        "ks_ptr": not meta["KV_FP8"],
+        "vs_ptr": not meta["KV_FP8"],
+        "cos_ptr": not meta["ROPE"],
+        "sin_ptr": not meta["ROPE"],
+        "qpos_ptr": not meta["ROPE_Q_POS"],
+        "kshift_ptr": not meta["ROPE_K_SHIFT"],
+    }
+    return frozenset(name for name, off in unused.items() if off)
 
 
 def _launch_attention(fwd: _ForwardLaunch, dst: _Outputs, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
@@ -1164,10 +1253,10 @@ def _launch_attention(fwd: _ForwardLaunch, dst: _Outputs, q, k_cache, v_cache, b
     """One ``_paged_attn_kernel`` launch of ``fwd`` into ``dst``."""
     # 1-D metadata is read with unit stride; .contiguous() is free when it already is.
     seq_lens, cu_seqlens_q = seq_lens.contiguous(), cu_seqlens_q.contiguous()
-    kv_start_arg = kv_start.contiguous() if kv_start is not None else seq_lens  # else never read
     if block_table.shape[1] > 1 and block_table.stride(1) != 1:
         block_table = block_table.contiguous()
-    ks, vs, sc_strides = k_cache, v_cache, (0,) * 6  # never read without KV_FP8
+    ks = vs = None
+    sc_strides = (0,) * 6
     if kv_scales is not None:
         ks, vs = kv_scales
         if ks.dim():
@@ -1175,14 +1264,20 @@ def _launch_attention(fwd: _ForwardLaunch, dst: _Outputs, q, k_cache, v_cache, b
         if not fwd.meta["FP8_NATIVE"]:
             k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     own = fwd.plan.own
-    own_k, own_v = (own_k, own_v) if own else (k_cache, v_cache)  # never read without HAS_OWN
     own_strides = (*own_k.stride()[-4:-1], *own_v.stride()[-4:-1]) if own else (0,) * 6
-    rope = _rope_operands(spec, rope_q_pos, rope_k_shift, seq_lens)
+    rope = _rope_operands(spec, rope_q_pos, rope_k_shift)
+    pointers = dict(
+        q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, o_ptr=dst.o, lse_ptr=dst.lse, block_table_ptr=block_table,
+        seq_lens_ptr=seq_lens, cu_q_ptr=cu_seqlens_q,
+        kv_start_ptr=kv_start.contiguous() if kv_start is not None else None, own_k_ptr=own_k, own_v_ptr=own_v,
+        sink_ptr=sink, ks_ptr=ks, vs_ptr=vs, cos_ptr=rope.cos, sin_ptr=rope.sin, qpos_ptr=rope.q_pos,
+        kshift_ptr=rope.k_shift,
+    )
+    for name in unused_pointers(fwd.meta):
+        pointers[name] = None
     cfg, plan = fwd.plan.cfg, fwd.plan
     _paged_attn_kernel[(plan.programs, plan.num_splits)](
-        q, k_cache, v_cache, dst.o, dst.lse,
-        block_table, seq_lens, cu_seqlens_q, kv_start_arg,
-        own_k, own_v, sink, ks, vs, rope.cos, rope.sin, rope.q_pos, rope.k_shift,
+        *(pointers[name] for name in _POINTER_ARGS),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -1195,6 +1290,10 @@ def _launch_attention(fwd: _ForwardLaunch, dst: _Outputs, q, k_cache, v_cache, b
         k_cache.shape[2], plan.num_q_tiles, plan.tiles_per_split, rope.n_pos,
         **fwd.meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg["maxnreg"],
     )
+
+
+# The kernel's pointer arguments, in order (the launch passes them by this list).
+_POINTER_ARGS = tuple(name for name in _paged_attn_kernel.arg_names if name.endswith("_ptr"))
 
 
 def _launch_reduce(fwd: _ForwardLaunch, dst: _Outputs, out: torch.Tensor, lse: torch.Tensor | None, sink) -> None:
@@ -1213,15 +1312,14 @@ def split_reduce(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, 
     num_splits, total_q, h_q, head_dim = part.shape
     n_rows = total_q * h_q
     tile = _reduce_tile(n_rows, head_dim, num_splits, _sm_count(_device_index(out)), deterministic=deterministic)
-    lse_out = lse if lse is not None else part_lse  # dummy pointer when not written
     lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     _split_reduce_kernel[tile.grid](
-        part, part_lse, out, lse_out,
+        part, part_lse, out, lse,
         part.stride(0), part.stride(1), part.stride(2),
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         *lse_strides,
-        sink_logits if sink_logits is not None else part_lse,  # else never read
+        sink_logits,
         n_rows, h_q, num_splits,
         HEAD_DIM=head_dim, BLOCK_D=tile.BLOCK_D, BLOCK_R=tile.BLOCK_R, BLOCK_S=tile.BLOCK_S,
         WRITE_LSE=lse is not None, HAS_SINK_LOGITS=sink_logits is not None, num_warps=ROW_TILE_WARPS,
@@ -1272,7 +1370,7 @@ def paged_attention_fwd(
     if fwd is None:
         return False
     group = q.shape[1] // k_cache.shape[2]
-    sink = spec.sink_logits if spec.sink_logits is not None else seq_lens  # else never read
+    sink = spec.sink_logits
     # The kernel addresses rows as an int64 tile base + int32 in-tile offsets; a view with a
     # row stride near 2**31 / BLOCK_M elements (never a real activation) goes via a copy.
     if _tile_span(q, fwd.plan.cfg["BLOCK_M"], group) > I32_MAX:

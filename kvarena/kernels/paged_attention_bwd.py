@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from kvarena.kernels._common import LOG2E, head_dim_pad, interpreting
+from kvarena.kernels.key_range import row_bounds, sees, tile_key_range
 from kvarena.kernels.paged_attention import _NO_WINDOW, _tanh
 from kvarena.kernels.placement import OWN_AFTER_HISTORY, OWN_AT_QUERIES
 
@@ -132,20 +133,12 @@ def _attn_bwd_dq_kernel(
         GROUP, UPCAST)
     pos_base = seq_len - q_len
     q_pos = pos_base + pos_idx  # [BLOCK_M]
-    if CAUSAL:
-        row_hi = tl.minimum((q_pos // chunk_size + 1) * chunk_size, seq_len)
-    else:
-        row_hi = tl.zeros_like(q_pos) + seq_len
-    row_lo = q_pos - window_left
+    row_hi, row_lo = row_bounds(q_pos, seq_len, chunk_size, window_left, CAUSAL)
 
     q_pos_min = pos_base + m0 // GROUP
     q_pos_max = pos_base + (tl.minimum(m0 + BLOCK_M, n_rows) - 1) // GROUP
-    if CAUSAL:
-        hi = tl.minimum((q_pos_max // chunk_size + 1) * chunk_size, seq_len)
-    else:
-        hi = seq_len
-    lo = tl.maximum(kv_lo, q_pos_min - window_left)
-    sink_hi = tl.minimum(tl.minimum(sink_tokens, lo), hi)
+    lo, hi, sink_hi, _, _ = tile_key_range(q_pos_min, q_pos_max, seq_len, kv_lo, chunk_size, window_left,
+                                           sink_tokens, CAUSAL)
     sink_base = (kv_lo // BLOCK_N) * BLOCK_N
     main_base = (lo // BLOCK_N) * BLOCK_N
     n_sink = tl.where(sink_hi > kv_lo, tl.cdiv(sink_hi - sink_base, BLOCK_N), 0)
@@ -173,8 +166,7 @@ def _attn_bwd_dq_kernel(
         if UPCAST:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
-        vis = key_ok[None, :] & (t[None, :] < row_hi[:, None])
-        vis = vis & ((t[None, :] >= row_lo[:, None]) | (t[None, :] < sink_tokens))
+        vis = key_ok[None, :] & sees(t, row_hi, row_lo, sink_tokens)
         p, th = _probs(q, kt, lse2, vis, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP)
         ds = _dscores(p, th, do, vt, delta, HAS_SOFTCAP)
         dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision="ieee")
@@ -271,11 +263,8 @@ def _attn_bwd_dkdv_kernel(
             stride_qh, d, d_ok, GROUP, UPCAST)
         vis = row_ok[:, None] & key_ok[None, :]
         if OWN_PLACEMENT == 0:
-            q_pos = seq_len - q_len + pos_idx  # [BLOCK_M]
-            if CAUSAL:
-                row_hi = tl.minimum((q_pos // chunk_size + 1) * chunk_size, seq_len)
-                vis = vis & (t[None, :] < row_hi[:, None])
-            vis = vis & ((t[None, :] >= (q_pos - window_left)[:, None]) | (t[None, :] < sink_tokens))
+            row_hi, row_lo = row_bounds(seq_len - q_len + pos_idx, seq_len, chunk_size, window_left, CAUSAL)
+            vis = vis & sees(t, row_hi, row_lo, sink_tokens)
         p, th = _probs(q, kt, lse2, vis, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP)
         ds = _dscores(p, th, do, vt, delta, HAS_SOFTCAP)
         dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision="ieee")  # [BLOCK_N, HEAD_DIM_PAD]
@@ -392,19 +381,19 @@ def paged_attention_bwd(
         own_k, own_v = own_k.contiguous(), own_v.contiguous()
     after = own_k is not None and placement == OWN_AFTER_HISTORY
     own_len = own_k.shape[1] if after else 0
-    dq_k, dq_v = (own_k, own_v) if after else (k_cache, v_cache)  # never read without HAS_OWN
-    kv_start_arg = kv_start if kv_start is not None else seq_lens
+    dq_k, dq_v = (own_k, own_v) if after else (None, None)  # no own-key pointers without HAS_OWN
+    own_k_strides = own_k.stride()[:3] if after else (0, 0, 0)
     num_q_tiles = triton.cdiv(max(max_seqlen_q, 1) * bwd.constexprs["GROUP"], bwd.cfg["BLOCK_M"])
     run = q.device.type != "meta"  # meta: a dry run (the allocations, no kernel)
     if run:
         _attn_bwd_dq_kernel[(num_q_tiles * b_count * h_kv,)](
             q_c, do_c, lse_c, delta, dq,
-            k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start_arg,
+            k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start,
             dq_k, dq_v,
             q_c.stride(0), q_c.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            dq_k.stride(0), dq_k.stride(1), dq_k.stride(2),
+            *own_k_strides,
             block_table.stride(0),
             bwd.scale, bwd.scale * LOG2E, bwd.softcap_inv, bwd.softcap_log2,
             k_cache.shape[1], bwd.chunk, bwd.window, spec.sink_tokens, own_len,
@@ -422,7 +411,7 @@ def paged_attention_bwd(
         _attn_bwd_dkdv_kernel[(num_k_tiles * b_count * h_kv,)](
             q_c, do_c, lse_c, delta,
             own_k, own_v, dk, dv,
-            seq_lens, cu_seqlens_q, kv_start_arg,
+            seq_lens, cu_seqlens_q, kv_start,
             q_c.stride(0), q_c.stride(1),
             *own_strides,
             bwd.scale, bwd.scale * LOG2E, bwd.softcap_inv, bwd.softcap_log2,

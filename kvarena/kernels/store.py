@@ -112,7 +112,7 @@ def store_kv_fwd(k, v, k_cache, v_cache, slot_mapping, kv_scales=None) -> None:
     if n == 0 or h_kv == 0:
         return
     cfg = _pick_config(head_dim)
-    quant, ks, vs = QUANT_NONE, k_cache, v_cache  # the scale pointers are never read without QUANT
+    quant, ks, vs = QUANT_NONE, None, None  # no scale pointers without QUANT
     sk = sv = (0, 0, 0)
     if kv_scales is not None:
         ks, vs = kv_scales
