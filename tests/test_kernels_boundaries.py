@@ -282,6 +282,20 @@ def test_large_blocks_not_a_tile_multiple(num_splits, tiny_tiles, large_path):
 
 
 @gpu_test
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_large_blocks_pipelined_interior_loop(num_splits, monkeypatch, large_path):
+    """64-key tiles take the software-pipelined interior loop (tile j's softmax beside tile
+    j + 1's Q.K^T): 330-row slabs (5 x 64 + 10), D = 24 padded to 32, GQA 3, kv_start, the
+    lean slab launch (no softcap), split 1 and 4 ways (a split may start mid-run)."""
+    real = pa._pick_config
+    monkeypatch.setattr(pa, "_pick_config", lambda *a, **k: dict(real(*a, **k), BLOCK_M=64, BLOCK_N=64))
+    c = make([1000, 331, 70], [7, 5, 3], kv_start=[11, 0, 2], group=3, h_kv=2, head_dim=24, block_size=330,
+             seed=26, dtype=torch.bfloat16)
+    check(c, causal=False, num_splits=num_splits)
+    assert large_path and all(large_path), "the launch did not take the large-block path"
+
+
+@gpu_test
 @pytest.mark.parametrize(("window_left", "sink_tokens"), [(100, 75), (150, 3), (0, 0), (69, 140)])
 def test_large_blocks_windows_and_sinks_crossing_block_edges(window_left, sink_tokens, tiny_tiles, large_path):
     """Decode rows (one position per sequence, no guard) with windows and sink ranges that

@@ -105,16 +105,8 @@ def _tanh(x):
 @triton.jit
 def _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP: tl.constexpr, FP8: tl.constexpr):
     # [BLOCK_M, BLOCK_N] fp32 scores in the exp2 domain (fp32 inputs: full IEEE dots).
-    s = tl.dot(q, kt, input_precision="ieee")
-    if FP8:
-        # fp8 keys: the dot ran on the widened bytes (exact in q's dtype; value / 256 after the
-        # shift decode); the per-key scale (times 256 there) multiplies the fp32 score column.
-        s = s * kcol[None, :]
-    if HAS_SOFTCAP:
-        s = softcap_log2 * _tanh(s * softcap_inv)
-    else:
-        s = s * scale_log2
-    return s
+    return _scale_scores(tl.dot(q, kt, input_precision="ieee"), kcol, scale_log2, softcap_inv, softcap_log2,
+                         HAS_SOFTCAP, FP8)
 
 
 @triton.jit
@@ -162,6 +154,19 @@ def _rotate(x, xp, pos, fi, sg, ok, cos_ptr, sin_ptr, stride_rp, n_pos):
 
 
 @triton.jit
+def _online_probs(s, m_i, l_i):
+    """The online-softmax update of a score tile ``s``: the new row max, row sum, the
+    rescale ``alpha`` of the old accumulator and the tile's probabilities ``pr``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead keeps
+    # exp2(-inf - (-inf)) = NaN out of alpha and pr.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M]
+    pr = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
+    return m_new, l_i * alpha + tl.sum(pr, 1), alpha, pr
+
+
+@triton.jit
 def _softmax_step(s, v, vcol, m_i, l_i, acc, bad_w, GUARD: tl.constexpr, guard_now, FP8: tl.constexpr):
     """One online-softmax step over masked scores ``s`` and values ``v``.
 
@@ -171,13 +176,7 @@ def _softmax_step(s, v, vcol, m_i, l_i, acc, bad_w, GUARD: tl.constexpr, guard_n
     as it would have been. Only boundary tiles need it (every row sees every key of an
     interior tile).
     """
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead keeps
-    # exp2(-inf - (-inf)) = NaN out of alpha and pr.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M]
-    pr = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
-    l_i = l_i * alpha + tl.sum(pr, 1)
+    m_new, l_i, alpha, pr = _online_probs(s, m_i, l_i)
     if GUARD and guard_now:
         v_ok = tl.abs(v) < float("inf")  # [BLOCK_N, HEAD_DIM_PAD]; False for NaN
         key_bad = tl.max(tl.where(v_ok, 0.0, 1.0), 1)  # [BLOCK_N]
@@ -198,6 +197,73 @@ def _softmax_step(s, v, vcol, m_i, l_i, acc, bad_w, GUARD: tl.constexpr, guard_n
 
 
 @triton.jit
+def _load_tile(blk, rel, stride_t, d, d_ok, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KT: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """An unmasked K^T ``[HEAD_DIM_PAD, BLOCK_N]`` (``KT``) or V ``[BLOCK_N, HEAD_DIM_PAD]``
+    tile at block rows ``rel`` (the head-dim padding masked off)."""
+    if KT:
+        ptrs = blk + rel[None, :] * stride_t + d[:, None]
+    else:
+        ptrs = blk + rel[:, None] * stride_t + d[None, :]
+    if HEAD_DIM == HEAD_DIM_PAD:
+        x = tl.load(ptrs)
+    elif KT:
+        x = tl.load(ptrs, mask=d_ok[:, None], other=0.0)
+    else:
+        x = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _scale_scores(s, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP: tl.constexpr, FP8: tl.constexpr):
+    """Raw dot scores in the exp2 domain: the fp8 key scales on the columns, then softcap or scale."""
+    if FP8:
+        # fp8 keys: the dot ran on the widened bytes (exact in q's dtype; value / 256 after the
+        # shift decode); the per-key scale (times 256 there) multiplies the fp32 score column.
+        s = s * kcol[None, :]
+    if HAS_SOFTCAP:
+        s = softcap_log2 * _tanh(s * softcap_inv)
+    else:
+        s = s * scale_log2
+    return s
+
+
+@triton.jit
+def _interior_pipelined(q, k_blk, v_blk, j_lo, n_tiles, m_i, l_i, acc, stride_kt, stride_vt, scale_log2,
+                        softcap_inv, softcap_log2, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                        BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr):
+    """``n_tiles`` interior tiles (every key visible to every row), software-pipelined.
+
+    Each iteration runs tile j's softmax on raw scores computed one iteration earlier, then
+    issues tile j+1's Q.K^T, then tile j's P.V: the exp2s of tile j run while the tensor
+    cores finish tile j-1's P.V and start tile j+1's Q.K^T (wgmma is asynchronous), instead
+    of after a full wait on tile j's own Q.K^T.
+    """
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    n_off = tl.arange(0, BLOCK_N)
+    rel = j_lo * BLOCK_N + n_off
+    if n_tiles > 0:
+        s_raw = tl.dot(q, _load_tile(k_blk, rel, stride_kt, d, d_ok, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST),
+                       input_precision="ieee")
+        for _ in range(0, n_tiles - 1):
+            s = _scale_scores(s_raw, scale_log2, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, False)
+            m_i, l_i, alpha, pr = _online_probs(s, m_i, l_i)
+            kt = _load_tile(k_blk, rel + BLOCK_N, stride_kt, d, d_ok, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
+            s_raw = tl.dot(q, kt, input_precision="ieee")
+            v = _load_tile(v_blk, rel, stride_vt, d, d_ok, HEAD_DIM, HEAD_DIM_PAD, False, UPCAST)
+            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
+            rel += BLOCK_N
+        s = _scale_scores(s_raw, scale_log2, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, False)
+        m_i, l_i, alpha, pr = _online_probs(s, m_i, l_i)
+        v = _load_tile(v_blk, rel, stride_vt, d, d_ok, HEAD_DIM, HEAD_DIM_PAD, False, UPCAST)
+        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _block_tiles(
     q, k_blk, v_blk, ks_blk, vs_blk, blk_start, j_lo, n_tiles, gap_at, gap_len, m_i, l_i, acc, bad_w,
     key_lo, key_hi, row_hi, row_lo, sink_tokens,
@@ -205,6 +271,7 @@ def _block_tiles(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     GUARD: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr,
     FP8_NATIVE: tl.constexpr, cos_ptr, sin_ptr, stride_rp, n_pos, rshift, ROPE: tl.constexpr,
+    PIPELINE: tl.constexpr = True,
 ):
     """``n_tiles`` key tiles of one large block from tile ``j_lo``, at rows ``j * BLOCK_N``.
 
@@ -213,8 +280,36 @@ def _block_tiles(
     to every row, so there is no mask code at all; ``MASKED=True`` handles the block's
     few boundary tiles, both ends in one loop: tiles from ``gap_at`` on skip ahead by
     ``gap_len`` (over the interior run). ``ROPE``: keys are rotated as loaded, key at
-    block row ``r`` by table row ``blk_start + r + rshift``.
+    block row ``r`` by table row ``blk_start + r + rshift``. ``PIPELINE``: an interior run
+    of q-dtype keys (no fp8, no RoPE) at ``HEAD_DIM_PAD <= 128`` over key tiles of at least
+    64 (the wgmma tiles of sm_90a; sm_80's chunk tiles are 16 keys) takes
+    :func:`_interior_pipelined`; the others keep one tile after the other (the second live
+    score tile spills there: fp8 beside the own keys under Triton 3.9, D = 256 and sm_80's
+    MAGI tile under 3.6).
     """
+    if PIPELINE and (not MASKED) and ROPE == 0 and not FP8 and HEAD_DIM_PAD <= 128 and BLOCK_N >= 64:
+        m_i, l_i, acc = _interior_pipelined(q, k_blk, v_blk, j_lo, n_tiles, m_i, l_i, acc, stride_kt, stride_vt,
+                                            scale_log2, softcap_inv, softcap_log2, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N,
+                                            HAS_SOFTCAP, UPCAST)
+    else:
+        m_i, l_i, acc, bad_w = _block_tiles_loop(
+            q, k_blk, v_blk, ks_blk, vs_blk, blk_start, j_lo, n_tiles, gap_at, gap_len, m_i, l_i, acc, bad_w,
+            key_lo, key_hi, row_hi, row_lo, sink_tokens, stride_kt, stride_vt, stride_kst, stride_vst, scale_log2,
+            softcap_inv, softcap_log2, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, MASKED, GUARD, HAS_SOFTCAP, UPCAST, FP8,
+            FP8_NATIVE, cos_ptr, sin_ptr, stride_rp, n_pos, rshift, ROPE)
+    return m_i, l_i, acc, bad_w
+
+
+@triton.jit
+def _block_tiles_loop(
+    q, k_blk, v_blk, ks_blk, vs_blk, blk_start, j_lo, n_tiles, gap_at, gap_len, m_i, l_i, acc, bad_w,
+    key_lo, key_hi, row_hi, row_lo, sink_tokens,
+    stride_kt, stride_vt, stride_kst, stride_vst, scale_log2, softcap_inv, softcap_log2,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    GUARD: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr,
+    FP8_NATIVE: tl.constexpr, cos_ptr, sin_ptr, stride_rp, n_pos, rshift, ROPE: tl.constexpr,
+):
+    """:func:`_block_tiles`' loop, one tile after the other (masked tiles, fp8, RoPE)."""
     d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = d < HEAD_DIM
     n_off = tl.arange(0, BLOCK_N)
@@ -510,7 +605,7 @@ def _paged_attn_kernel(
                     bad_w, 0, own_len, all_rows_hi, no_lo, 0, stride_own_kt, stride_own_vt, 0, 0,
                     scale_log2, softcap_inv, softcap_log2,
                     HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, False, False,
-                    cos_ptr, sin_ptr, stride_rp, n_pos, rope_q0, ROPE)
+                    cos_ptr, sin_ptr, stride_rp, n_pos, rope_q0, ROPE, False)  # a 2nd pipelined loop spills
                 m_i, l_i, acc, bad_w = _block_tiles(
                     q, k_blk, v_blk, None, None, 0, f_b, jb - f_b, jb, 0, m_i, l_i, acc,
                     bad_w, 0, own_len, all_rows_hi, no_lo, 0, stride_own_kt, stride_own_vt, 0, 0,
