@@ -163,3 +163,14 @@ def test_addressing_is_read_from_shapes_and_strides():
     assert pa._cache_addressing(big, big).wide_offsets, "(2**20 - 1) * (2**11 + 16) > 2**31"
     other = torch.empty(4, 17, 2, 8)[:, :16]
     assert not pa._cache_addressing(small, other).same_kv_strides
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_over_64_token_pages_takes_the_block_loop(launched, seed, num_splits):
+    """16-bit decode over pages as long as its 64-key tile runs the large-block loop (its
+    interior tiles software-pipelined) at 3 stages; windows and sinks cut inside pages."""
+    c = paged_case([1, 77, 300], [1, 1, 1], dtype=torch.bfloat16, group=4, h_kv=2, head_dim=32, block_size=64,
+                   seed=seed, kv_start=[0, 5, 0])
+    run(c, num_splits=num_splits)
+    run(c, num_splits=num_splits, window_left=130, sink_tokens=20)
+    assert all(m["LARGE_BLOCKS"] and m["BLOCK_N"] == 64 for m in launched), f"launched {launched}"
