@@ -329,3 +329,31 @@ def test_4d_blocks_on_the_triton_path(name: str) -> None:
         hf.register()
     err = (got - want).abs().max().item()
     assert err <= TOL, f"{name} triton: max logit error {err:.2e} > {TOL}"
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "gemma3"])
+def test_custom_mask_function_is_served_as_its_4d_mask(name: str) -> None:
+    """A mask function composed with ``or_mask_function`` (Gemma 3's bidirectional image
+    tokens) reaches the hook with ``use_vmap``: the hook returns transformers' own boolean
+    mask (padding folded in), which the attention function serves like a user's 4-D mask
+    (here by the kernels: every row sees one interval); logits equal eager's on that mask."""
+    from transformers.masking_utils import causal_mask_function, or_masks, sdpa_mask
+
+    def image(batch_idx, head_idx, q_idx, kv_idx):  # tokens 3..7 attend each other both ways
+        return (q_idx >= 3) & (q_idx < 8) & (kv_idx >= 3) & (kv_idx < 8)
+
+    fn = or_masks(causal_mask_function, image)
+    pad = torch.ones(B, S, dtype=torch.long)
+    pad[1, :4] = 0  # left padding that cuts into the image block
+    mask = hf.kvarena_mask(B, S, S, mask_function=fn, attention_mask=pad, use_vmap=True)
+    want = sdpa_mask(batch_size=B, q_length=S, kv_length=S, mask_function=fn, attention_mask=pad.bool(),
+                     allow_is_causal_skip=False, use_vmap=True)
+    assert torch.equal(mask, want), "the hook's mask is not transformers' own"
+    assert isinstance(read_4d(mask, B, 4, S, S), Blocks)
+    ids = torch.randint(1, 128, (B, S), generator=torch.Generator().manual_seed(5))
+    model = _model(name)
+    with torch.no_grad():
+        ref = _logits(model, "eager", ids, _additive(mask))
+        got = _logits(model, "kvarena", ids, mask)
+    err = (got - ref).abs().max().item()
+    assert err <= TOL, f"{name}: max logit error {err:.2e} > {TOL}"

@@ -65,7 +65,7 @@ def kvarena_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
     if attention_mask is not None and hasattr(attention_mask, "_kvarena"):
         return _fed_back(attention_mask, sizes, mask_function, kwargs.get("device"))
     if kwargs.get("use_vmap"):
-        raise _unsupported("a custom mask function (or_mask_function / and_mask_function, which need vmap)")
+        return _custom_mask(sizes, mask_function, attention_mask, kwargs.get("device"), use_vmap=True)
     if torch.compiler.is_compiling():
         return _mask_compiling(sizes, mask_function, attention_mask, kwargs.get("device"))
     # A static cache (StaticCache) hands over all its slots: the keys that hold tokens are the
@@ -87,8 +87,8 @@ def kvarena_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
         found = None
         if attention_mask is None and q_offset == kv_offset == 0 and q_length == kv_length:
             found = _segments_of(mask_function, batch_size, q_length)
-        if found is None:
-            raise
+        if found is None:  # any other rule (chunked attention, prefix or block masks): its 4-D mask
+            return _custom_mask(sizes, mask_function, attention_mask, kwargs.get("device"), use_vmap=False)
         rule, segments = found
     padded = attention_mask is not None
     if padded:
@@ -211,6 +211,25 @@ def _mask_compiling(sizes: tuple, mask_function, attention_mask, device) -> torc
     kv_start._kvarena_valid = valid if isinstance(valid, torch.Tensor) or kv_length > valid else None
     kv_start._kvarena_sizes = sizes
     return kv_start
+
+
+def _custom_mask(sizes: tuple, mask_function, attention_mask, device, *, use_vmap: bool) -> torch.Tensor:
+    """A mask function that is not one rule kvarena reads (causal, a causal window,
+    bidirectional, packed sequences): one transformers composes with ``or_mask_function`` /
+    ``and_mask_function`` (Gemma 3's bidirectional image tokens; ``use_vmap``), chunked
+    attention, prefix or block masks. Returns transformers' own boolean ``[B, 1, Q, KV]``
+    mask (``sdpa_mask``, padding folded in), which the attention function reads as a 4-D
+    mask: kvarena's kernels where every query row sees one interval of keys, else the exact
+    masked path (:mod:`.masked`)."""
+    from transformers.masking_utils import sdpa_mask
+
+    batch_size, q_length, kv_length, q_offset, kv_offset = sizes
+    if attention_mask is not None:
+        device = attention_mask.device
+        attention_mask = attention_mask.bool()  # as transformers hands it to a mask hook
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                     allow_is_causal_skip=False, allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)
 
 
 def _segments_of(mask_function, b: int, n: int):
