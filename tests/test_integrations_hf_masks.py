@@ -357,3 +357,20 @@ def test_custom_mask_function_is_served_as_its_4d_mask(name: str) -> None:
         got = _logits(model, "kvarena", ids, mask)
     err = (got - ref).abs().max().item()
     assert err <= TOL, f"{name}: max logit error {err:.2e} > {TOL}"
+
+
+def test_a_mask_function_is_read_on_every_batch_row() -> None:
+    """A mask function that departs from causal only in a middle batch row (an image block in
+    row 1 of 3, as Gemma 3's block overlays do) is not read as causal: the hook hands over
+    transformers' own 4-D mask, row 1's block included."""
+    from transformers.masking_utils import causal_mask_function, or_masks, sdpa_mask
+
+    def block_in_row_1(batch_idx, head_idx, q_idx, kv_idx):
+        return (batch_idx == 1) & (q_idx >= 2) & (q_idx < 6) & (kv_idx >= 2) & (kv_idx < 6)
+
+    fn = or_masks(causal_mask_function, block_in_row_1)
+    got = hf.kvarena_mask(3, S, S, mask_function=fn)
+    assert got.dim() == 4, "read as one rule for every row"
+    assert torch.equal(got, sdpa_mask(batch_size=3, q_length=S, kv_length=S, mask_function=fn,
+                                      allow_is_causal_skip=False))
+    assert bool(got[1, 0, 2, 5]) and not bool(got[0, 0, 2, 5])

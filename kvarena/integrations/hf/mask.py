@@ -18,33 +18,39 @@ def _rule_of(mask_function, batch_size: int, q_offset: int, q_length: int, kv_of
     """``(causal, window)`` that reproduces a transformers mask function on this call.
 
     kvarena expresses ``kv <= q`` (causal), optionally ``kv > q - W`` (a sliding window), or
-    everything (bidirectional). The function is evaluated (index-based, as transformers'
-    non-vmap path does) on up to 64 evenly spaced query rows, the last one included, of the
-    first and last batch rows, over the call's keys; the rule is read off those rows and
-    must reproduce each of them exactly, else ``kvarena:`` NotImplementedError (chunked
-    attention, prefix / block masks, packed sequences). ``window`` None: no key of this
-    call is cut by a window.
+    everything (bidirectional). transformers' own mask functions are recognised by what they
+    are (:func:`_standard_rule`, never evaluated). Any other is evaluated (index-based, as
+    transformers' non-vmap path does) on every batch row, query row and key of the call;
+    the rule is read off them and must reproduce every one exactly, else ``kvarena:``
+    NotImplementedError (chunked attention, prefix / block masks, packed sequences, Gemma
+    3's image blocks). ``window`` None: no key of this call is cut by a window.
     """
-    n = min(q_length, 64)
-    rows_q = torch.unique(torch.linspace(q_offset, q_offset + q_length - 1, n).round().long())
-    rows_b = torch.tensor(sorted({0, batch_size - 1}))
+    rule = _standard_rule(mask_function)
+    if rule is not None:
+        return rule
+    rows_q = torch.arange(q_offset, q_offset + q_length)
     kv = torch.arange(kv_offset, kv_offset + kv_length)
-    got = mask_function(rows_b[:, None, None, None], torch.zeros(1, 1, 1, 1, dtype=torch.long),
-                        rows_q[None, None, :, None], kv[None, None, None, :])
-    got = torch.as_tensor(got).to("cpu").expand(len(rows_b), 1, len(rows_q), len(kv))[:, 0]  # [b, q, kv]
     future = kv[None, None, :] > rows_q[None, :, None]
-    causal = not bool((got & future).any())
-    want = ~future if causal else torch.ones_like(got)
-    window = None
-    last = got[:, -1]  # the last query row of each batch row: the one a window cuts most
-    if causal and bool(last.any()):
-        lo = int(kv[last.any(0).nonzero().min()])
-        if lo > kv_offset:
-            window = int(rows_q[-1]) - lo + 1
+    step = max(1, (1 << 24) // max(1, q_length * kv_length))  # batch rows per evaluation: <= 16M entries
+    causal, window = True, None
+    for b0 in range(0, batch_size, step):
+        rows_b = torch.arange(b0, min(batch_size, b0 + step))
+        got = mask_function(rows_b[:, None, None, None], torch.zeros(1, 1, 1, 1, dtype=torch.long),
+                            rows_q[None, None, :, None], kv[None, None, None, :])
+        got = torch.as_tensor(got).to("cpu").expand(len(rows_b), 1, q_length, kv_length)[:, 0]  # [b, q, kv]
+        if b0 == 0:
+            causal = not bool((got & future).any())
+            last = got[:, -1]  # the last query row of each batch row: the one a window cuts most
+            if causal and bool(last.any()):
+                lo = int(kv[last.any(0).nonzero().min()])
+                if lo > kv_offset:
+                    window = int(rows_q[-1]) - lo + 1
+        want = ~future if causal else torch.ones_like(future)
+        if window is not None:
             want = want & (kv[None, None, :] > rows_q[None, :, None] - window)
-    if not torch.equal(got, want.expand_as(got)):
-        raise _unsupported("a mask other than causal, a causal sliding window or bidirectional (chunked "
-                           "attention, a prefix or block mask, packed sequences)")
+        if not torch.equal(got, want.expand_as(got)):
+            raise _unsupported("a mask other than causal, a causal sliding window or bidirectional (chunked "
+                               "attention, a prefix or block mask, packed sequences)")
     return causal, window
 
 
@@ -237,8 +243,7 @@ def _segments_of(mask_function, b: int, n: int):
     in each row (a query sees no key before its sequence's first token), else None.
 
     The sequence starts are read off every ``(q, q - 1)`` pair; the rule (causal, the
-    sequence, optionally a window) must then reproduce the function on the rows
-    :func:`_rule_of` samples. ``segments``: one kvarena sequence per packed sequence, row-
+    sequence, optionally a window) must then reproduce the function on every row. ``segments``: one kvarena sequence per packed sequence, row-
     major: (rows int32 ``[N, 1]``, ends ``[N]`` as ``seq_lens``, starts ``[N]`` as
     ``kv_start``, cu_seqlens_q ``[N + 1]``, the longest)."""
     if n < 2:
@@ -250,13 +255,13 @@ def _segments_of(mask_function, b: int, n: int):
     new = torch.cat([torch.ones(b, 1, dtype=torch.bool), ~prev.bool()], 1)  # a sequence starts here
     idx = torch.arange(n)
     start = torch.where(new, idx, 0).cummax(1).values  # [b, n]: each token's sequence start
-    rows_q = torch.unique(torch.linspace(0, n - 1, min(n, 64)).round().long())
-    rows_b = torch.tensor(sorted({0, b - 1}))
+    rows_q = idx
+    rows_b = torch.arange(b)
     got = torch.as_tensor(mask_function(rows_b[:, None, None, None], zero, rows_q[None, None, :, None],
-                                        idx[None, None, None, :])).to("cpu").expand(len(rows_b), 1, len(rows_q), n)[:, 0]
-    st = start[rows_b][:, rows_q]  # [b', q']
+                                        idx[None, None, None, :])).to("cpu").expand(b, 1, n, n)[:, 0]
+    st = start  # [b, n]
     want = (idx[None, None, :] <= rows_q[None, :, None]) & (idx[None, None, :] >= st[..., None])
-    lo = torch.where(got.any(-1), got.int().argmax(-1), -1)  # the first key each sampled query sees
+    lo = torch.where(got.any(-1), got.int().argmax(-1), -1)  # the first key each query sees
     cut = (lo > st) & got.any(-1)
     window = None
     if bool(cut.any()):
