@@ -74,9 +74,11 @@ STEPS = [
     ("decode-window-sinks", [1, 1, 1], dict(window_left=45, sink_tokens=3), (64,)),
     ("prefill-chunk", [6, 1, 6], {}, (3,)),
 ]
+# The 6-query chunk (the slowest in the interpreter) on the pool's pages and the straddling 48 only.
 CASES = [pytest.param(bs, dt, page, q_lens, opts, n, id=f"{name}-{n}-splits-{pid}")
          for name, q_lens, opts, splits in STEPS for n in splits
-         for (bs, dt, page), pid in ((p.values, p.id) for p in PAGES)]
+         for (bs, dt, page), pid in ((p.values, p.id) for p in PAGES)
+         if name != "prefill-chunk" or pid in ("page16-bf16", "page48-straddling-fp32")]
 
 
 @pytest.mark.parametrize(("block_size", "dtype", "page", "q_lens", "opts", "num_splits"), CASES)
