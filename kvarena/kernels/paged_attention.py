@@ -1028,18 +1028,23 @@ class CacheAddressing:
     same_kv_strides: bool  # K and V share block and token strides: one offset per key
 
 
-def _span(t: torch.Tensor) -> int:
+def _span(shape: tuple, stride: tuple) -> int:
     """Largest element offset within one head of a ``[blocks, block_size, H, D]`` cache view,
     plus one."""
-    return (t.shape[0] - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1) + (t.shape[3] - 1) * t.stride(3) + 1
+    return (shape[0] - 1) * stride[0] + (shape[1] - 1) * stride[1] + (shape[3] - 1) * stride[3] + 1
 
 
 def _cache_addressing(k_cache: torch.Tensor, v_cache: torch.Tensor) -> CacheAddressing:
     """:class:`CacheAddressing` of a cache pair. (fp8 scales ``[blocks, block_size, H]``
-    span fewer elements than their K.)"""
+    span fewer elements than their K.) Memoized on shapes and strides: it runs per launch."""
+    return _addressing(k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride())
+
+
+@functools.lru_cache(maxsize=64)
+def _addressing(k_shape: tuple, k_stride: tuple, v_shape: tuple, v_stride: tuple) -> CacheAddressing:
     return CacheAddressing(
-        wide_offsets=max(_span(k_cache), _span(v_cache)) > I32_MAX,
-        same_kv_strides=k_cache.stride()[:2] == v_cache.stride()[:2],
+        wide_offsets=max(_span(k_shape, k_stride), _span(v_shape, v_stride)) > I32_MAX,
+        same_kv_strides=k_stride[:2] == v_stride[:2],
     )
 
 
@@ -1326,21 +1331,21 @@ def _rope_operands(spec, rope_q_pos, rope_k_shift) -> _RopeOperands:
 def unused_pointers(meta: dict) -> frozenset[str]:
     """The pointer arguments of ``_paged_attn_kernel`` that its constexprs ``meta`` leave
     unread: the launcher passes them as None (constexpr), and ``kvarena check`` compiles them
-    so."""
-    unused = {
-        "lse_ptr": not meta["WRITE_LSE"],
-        "kv_start_ptr": not meta["HAS_KV_START"],
-        "own_k_ptr": not meta["HAS_OWN"],
-        "own_v_ptr": not meta["HAS_OWN"],
-        "sink_ptr": not meta["HAS_SINK_LOGITS"] or meta["SPLIT"],  # a split leaves the sink to the reduce
-        "ks_ptr": not meta["KV_FP8"],
-        "vs_ptr": not meta["KV_FP8"],
-        "cos_ptr": not meta["ROPE"],
-        "sin_ptr": not meta["ROPE"],
-        "qpos_ptr": not meta["ROPE_Q_POS"],
-        "kshift_ptr": not meta["ROPE_K_SHIFT"],
+    so. Memoized on the flags that decide it: it runs per launch."""
+    return _unused_pointers(meta["WRITE_LSE"], meta["HAS_KV_START"], meta["HAS_OWN"],
+                            meta["HAS_SINK_LOGITS"] and not meta["SPLIT"],  # a split leaves the sink to the reduce
+                            meta["KV_FP8"], bool(meta["ROPE"]), meta["ROPE_Q_POS"], meta["ROPE_K_SHIFT"])
+
+
+@functools.lru_cache(maxsize=64)
+def _unused_pointers(lse: bool, kv_start: bool, own: bool, sink: bool, fp8: bool, rope: bool, rope_q_pos: bool,
+                     rope_k_shift: bool) -> frozenset[str]:
+    read = {
+        "lse_ptr": lse, "kv_start_ptr": kv_start, "own_k_ptr": own, "own_v_ptr": own, "sink_ptr": sink,
+        "ks_ptr": fp8, "vs_ptr": fp8, "cos_ptr": rope, "sin_ptr": rope, "qpos_ptr": rope_q_pos,
+        "kshift_ptr": rope_k_shift,
     }
-    return frozenset(name for name, off in unused.items() if off)
+    return frozenset(name for name, on in read.items() if not on)
 
 
 def _launch_attention(fwd: _ForwardLaunch, dst: _Outputs, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
