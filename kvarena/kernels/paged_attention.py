@@ -249,14 +249,14 @@ def _interior_pipelined(q, k_blk, v_blk, j_lo, n_tiles, m_i, l_i, acc, stride_kt
         s_raw = tl.dot(q, _load_tile(k_blk, rel, stride_kt, d, d_ok, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST),
                        input_precision="ieee")
         for _ in range(0, n_tiles - 1):
-            s = _scale_scores(s_raw, scale_log2, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, False)
+            s = _scale_scores(s_raw, None, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, False)
             m_i, l_i, alpha, pr = _online_probs(s, m_i, l_i)
             kt = _load_tile(k_blk, rel + BLOCK_N, stride_kt, d, d_ok, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
             s_raw = tl.dot(q, kt, input_precision="ieee")
             v = _load_tile(v_blk, rel, stride_vt, d, d_ok, HEAD_DIM, HEAD_DIM_PAD, False, UPCAST)
             acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
             rel += BLOCK_N
-        s = _scale_scores(s_raw, scale_log2, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, False)
+        s = _scale_scores(s_raw, None, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, False)
         m_i, l_i, alpha, pr = _online_probs(s, m_i, l_i)
         v = _load_tile(v_blk, rel, stride_vt, d, d_ok, HEAD_DIM, HEAD_DIM_PAD, False, UPCAST)
         acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
@@ -324,12 +324,10 @@ def _block_tiles_loop(
         if MASKED:
             key_ok = (t >= key_lo) & (t < key_hi)
             kt = tl.load(k_blk + rel[None, :] * stride_kt + d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
-        elif HEAD_DIM == HEAD_DIM_PAD:
-            kt = tl.load(k_blk + rel[None, :] * stride_kt + d[:, None])
         else:
-            kt = tl.load(k_blk + rel[None, :] * stride_kt + d[:, None], mask=d_ok[:, None], other=0.0)
-        kcol = scale_log2  # unused without FP8
-        vcol = scale_log2
+            kt = _load_tile(k_blk, rel, stride_kt, d, d_ok, HEAD_DIM, HEAD_DIM_PAD, True, False)
+        kcol = None  # the fp8 column scales (FP8 only)
+        vcol = None
         if ROPE != 0:
             # The partner rows of the same keys (an L1 hit), then the rotation in fp32.
             k_ok = d_ok[:, None] & (key_ok[None, :] if MASKED else (n_off >= 0)[None, :])
@@ -356,10 +354,8 @@ def _block_tiles_loop(
         if MASKED:
             s = tl.where(key_ok[None, :] & sees(t, row_hi, row_lo, sink_tokens), s, float("-inf"))
             v = tl.load(v_blk + rel[:, None] * stride_vt + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
-        elif HEAD_DIM == HEAD_DIM_PAD:
-            v = tl.load(v_blk + rel[:, None] * stride_vt + d[None, :])
         else:
-            v = tl.load(v_blk + rel[:, None] * stride_vt + d[None, :], mask=d_ok[None, :], other=0.0)
+            v = _load_tile(v_blk, rel, stride_vt, d, d_ok, HEAD_DIM, HEAD_DIM_PAD, False, False)
         if FP8:
             v = _fp8_to(v, q.dtype, FP8_NATIVE)
         elif UPCAST:
@@ -652,8 +648,8 @@ def _paged_attn_kernel(
                 kt = tl.trans(tl.load(k_head + k_off[:, None] + d[None, :]))  # [HEAD_DIM_PAD, BLOCK_N]
             else:
                 kt = tl.trans(tl.load(k_head + k_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0))
-            kcol = scale_log2  # unused without KV_FP8
-            vcol = scale_log2
+            kcol = None  # the fp8 column scales (KV_FP8 only)
+            vcol = None
             if ROPE != 0:
                 kp = tl.trans(tl.load(k_head + k_off[:, None] + pd[None, :], mask=d_ok[None, :], other=0.0))
                 if KV_FP8:
