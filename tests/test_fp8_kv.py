@@ -335,6 +335,27 @@ def test_both_decodes_in_the_interpreter(monkeypatch, decode, bs, q_len, spec_id
     assert_close(out, ref, torch.bfloat16, f"fp8 {decode} decode")
 
 
+@pytest.mark.parametrize("gain_log2", [17, -20], ids=["past-fp16-max", "under-fp16-normals"])
+@pytest.mark.parametrize(("bs", "q_len"), [(16, 1), (64, 7)], ids=["pages16-decode", "large-block-chunk"])
+def test_bf16_queries_outside_fp16_range(gain_log2, bs, q_len) -> None:
+    """fp8 caches under bf16 queries run their dots in fp16 (the fp8 values are exact there;
+    the query tile is scaled by a power of two into fp16's range). Queries 2**17 times the
+    usual (past fp16's 65504) or 2**-20 times (among fp16's subnormals), with the softmax
+    scale undoing it, must give the reference's result: without the range guard the first
+    is inf (NaN rows) and the second loses about 4 of its 8 bits."""
+    c = _paged_fp8_case([130, 71], [q_len, q_len], dtype=torch.bfloat16, group=4, d=32, bs=bs, seed=7,
+                        device=device_for(TRITON))
+    q = (c["q"].float() * 2.0**gain_log2).to(torch.bfloat16)
+    scale = 2.0**-gain_log2 * 32**-0.5
+    kd, vd = (dequantize_fp8(c["kc"], c["ks"], torch.float64), dequantize_fp8(c["vc"], c["vs"], torch.float64))
+    spec = AttentionSpec(scale=scale)
+    ref = paged_attention_ref(q.cpu().double(), kd.cpu(), vd.cpu(), c["table"].cpu(), c["lens"].cpu(),
+                              c["cu"].cpu(), spec=spec)
+    out = paged_attention(q, c["kc"], c["vc"], c["table"], c["lens"], c["cu"], k_scale=c["ks"], v_scale=c["vs"],
+                          scale=scale, backend="triton")
+    assert_close(out, ref, torch.bfloat16, f"bf16 queries x 2**{gain_log2} on fp8 keys")
+
+
 def test_functional_errors() -> None:
     c = _paged_fp8_case([5], [1], dtype=torch.bfloat16, group=1, d=16, bs=4)
     args = (c["q"], c["kc"], c["vc"], c["table"], c["lens"])

@@ -54,3 +54,27 @@ def _fp8e4m3_decode(b):
     bits = ((x & 0x80) << 8) | ((x & 0x7F) << 7)
     bits = tl.where((x & 0x7F) == 0x7F, 0x7E00, bits)
     return bits.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _f16_queries(q, UPCAST: tl.constexpr):
+    """A query tile for fp16 dots against fp8 keys, and the gain that undoes its scaling.
+
+    e4m3 values (and their shift decode) are exact in fp16, whose conversion takes one
+    instruction per two elements where bf16's takes about four. bf16 queries may lie outside
+    fp16's range, so the tile is scaled by a power of two that puts its largest magnitude in
+    [2**14, 2**15): in range, with 2**28 of headroom below it before fp16 subnormals. The
+    scores are the raw dots times ``gain`` (exact: a power of two). NaN and inf stay what
+    they are. Under ``UPCAST`` (the interpreter) the rounded tile is widened back to fp32.
+    """
+    qf = q.to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(qf), 1), 0)
+    ex = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(amax)), normal amax
+    sh = tl.minimum(tl.maximum(ex - 14, -100), 100)
+    down = ((127 - sh) << 23).to(tl.float32, bitcast=True)  # 2**-sh
+    gain = ((127 + sh) << 23).to(tl.float32, bitcast=True)  # 2**sh
+    q16 = (qf * down).to(tl.float16)
+    if UPCAST:
+        q16 = q16.to(tl.float32)
+    return q16, gain
+

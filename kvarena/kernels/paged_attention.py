@@ -56,7 +56,7 @@ from kvarena.kernels._common import (
     head_dim_pad,
     interpreting,
 )
-from kvarena.kernels.fp8 import _fp8e4m3_decode
+from kvarena.kernels.fp8 import _f16_queries, _fp8e4m3_decode
 from kvarena.kernels.key_range import row_bounds, sees, tile_key_range
 from kvarena.kernels.occupancy import ctas_per_sm
 
@@ -508,6 +508,13 @@ def _paged_attn_kernel(
         q = q.to(tl.float32 if UPCAST else q_ptr.dtype.element_ty)
     elif UPCAST:
         q = q.to(tl.float32)
+    # fp8 caches under bf16 queries take fp16 dots (the fp8 tiles widen to fp16 at a quarter
+    # of bf16's cost); the own keys are bf16, so a launch with them keeps bf16 dots.
+    F16_DOTS: tl.constexpr = KV_FP8 and (not HAS_OWN) and q_ptr.dtype.element_ty == tl.bfloat16
+    if F16_DOTS:
+        q, q_gain = _f16_queries(q, UPCAST)
+        scale_log2 = scale_log2 * q_gain
+        softcap_inv = softcap_inv * q_gain
     kshift_row = kshift_ptr
     if ROPE_K_SHIFT:
         kshift_row = kshift_ptr + b.to(tl.int64) * stride_rb
@@ -662,8 +669,12 @@ def _paged_attn_kernel(
             if KV_FP8:
                 if ROPE == 0:
                     kt = _fp8_to(kt, q.dtype, FP8_NATIVE)
-                kcol = tl.load(ks_head + blk * stride_ksb + row_in_blk * stride_kst)
-                vcol = tl.load(vs_head + blk * stride_vsb + row_in_blk * stride_vst)
+                ks_off = blk * stride_ksb + row_in_blk * stride_kst
+                kcol = tl.load(ks_head + ks_off)
+                if SAME_KV_STRIDES:  # the scales' strides agree too
+                    vcol = tl.load(vs_head + ks_off)
+                else:
+                    vcol = tl.load(vs_head + blk * stride_vsb + row_in_blk * stride_vst)
                 if not FP8_NATIVE:  # the shift decode gives value / 256
                     kcol = kcol * 256.0
                     vcol = vcol * 256.0
@@ -888,17 +899,14 @@ def _path_config(cfg: dict, large: bool) -> dict:
 
 
 def _older_triton_config(cfg: dict, capability: int, *, lean: bool, kv_fp8: bool, own: bool) -> dict:
-    """The config of an fp8-cache or own-keys launch under Triton < 3.9, where three of them spill.
+    """The config of an fp8-cache or own-keys launch under Triton < 3.9, where two of them spill.
 
     Measured with ``kvarena check`` under triton 3.6.0 (ptxas 12.8) and 3.9.0 (ptxas 12.9), D =
     128; every other config fits under both, and 3.9 keeps :func:`_pick_config`'s (the K/V
     buffers and loops tests/test_check.py asserts):
 
-    * fp8 decode (16 x 64, 4 warps, 5 stages): 255 registers and 12 B spilled on sm_90a (3.9:
-      246, none). 8 warps over the same tile and stages: 218 registers on sm_90a, 222 on sm_80,
-      still 2 K/V buffers; one 8-warp CTA per SM holds the bytes in flight of two 4-warp ones
-      (64-key tiles at 2 buffers), at the SASS per key of 32-key tiles at 4 warps (which fit
-      too: 232 / 234). With RoPE on read too (2 stages) 4 warps spill 8 B on sm_80, 8 fit (210).
+    * (fp8 decode took 8 warps here until its dots ran in fp16: at 4 warps it now fits under
+      3.6 as well, 226 registers on sm_90a, 238 on sm_80, 246 / 254 with RoPE on read.)
     * guarded fp8 prefill on sm_90a (128 x 64, 2 stages, page path): 255 registers and 160 B
       spilled (3.9: 251, none); 32-key tiles: 240 (244 with softcap, sinks and kv_start).
     * own keys (two more pipelined loops after the history's) at 3 stages: MAGI 24q/8kv spills
@@ -908,8 +916,6 @@ def _older_triton_config(cfg: dict, capability: int, *, lean: bool, kv_fp8: bool
 
     The CTAs per SM of these configs (one) are in the occupancy table by hand.
     """
-    if kv_fp8 and cfg["BLOCK_M"] == 16 and cfg["num_warps"] == 4:  # decode (fp32 decode runs 8 warps)
-        cfg = dict(cfg, num_warps=8)
     if kv_fp8 and capability >= 90 and cfg["BLOCK_M"] == 128 and not lean:
         cfg = dict(cfg, BLOCK_N=32)
     if own:
@@ -1021,7 +1027,7 @@ class CacheAddressing:
     """How the page path addresses a K/V cache pair (host values: shapes and strides)."""
 
     wide_offsets: bool  # some key's offset from its head's base passes int32
-    same_kv_strides: bool  # K and V share block and token strides: one offset per key
+    same_kv_strides: bool  # K and V (and their fp8 scales) share block and token strides: one offset per key
 
 
 def _span(shape: tuple, stride: tuple) -> int:
@@ -1030,17 +1036,20 @@ def _span(shape: tuple, stride: tuple) -> int:
     return (shape[0] - 1) * stride[0] + (shape[1] - 1) * stride[1] + (shape[3] - 1) * stride[3] + 1
 
 
-def _cache_addressing(k_cache: torch.Tensor, v_cache: torch.Tensor) -> CacheAddressing:
-    """:class:`CacheAddressing` of a cache pair. (fp8 scales ``[blocks, block_size, H]``
-    span fewer elements than their K.) Memoized on shapes and strides: it runs per launch."""
-    return _addressing(k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride())
+def _cache_addressing(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales=None) -> CacheAddressing:
+    """:class:`CacheAddressing` of a cache pair and its fp8 scales (``[blocks, block_size, H]``
+    or 0-dim; they span fewer elements than their K). Memoized on shapes and strides: it
+    runs per launch."""
+    sc = (kv_scales[0].stride()[:2], kv_scales[1].stride()[:2]) if kv_scales is not None else ((), ())
+    return _addressing(k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(), sc[0] == sc[1])
 
 
 @functools.lru_cache(maxsize=64)
-def _addressing(k_shape: tuple, k_stride: tuple, v_shape: tuple, v_stride: tuple) -> CacheAddressing:
+def _addressing(k_shape: tuple, k_stride: tuple, v_shape: tuple, v_stride: tuple,
+                same_scale_strides: bool) -> CacheAddressing:
     return CacheAddressing(
         wide_offsets=max(_span(k_shape, k_stride), _span(v_shape, v_stride)) > I32_MAX,
-        same_kv_strides=k_stride[:2] == v_stride[:2],
+        same_kv_strides=k_stride[:2] == v_stride[:2] and same_scale_strides,
     )
 
 
@@ -1227,12 +1236,13 @@ class _ForwardLaunch:
 
 
 def _plan_forward(q, k_cache, v_cache, *, num_seqs: int, spec, max_seqlen_q: int, max_seqlen_k: int,
-                  own_len: int | None, has_kv_start: bool, write_lse: bool, kv_fp8: bool, rope_q_pos: bool,
+                  own_len: int | None, has_kv_start: bool, write_lse: bool, kv_scales, rope_q_pos: bool,
                   rope_k_shift: bool) -> _ForwardLaunch | None:
     """The launch :func:`paged_attention_fwd` makes, from host values only (shapes, strides,
     the spec); None when it cannot take the ``own_len`` own keys per sequence (None: no own
     keys; see :func:`plan_launch`)."""
     head_dim = q.shape[2]
+    kv_fp8 = kv_scales is not None
     h_kv, block_size = k_cache.shape[2], k_cache.shape[1]
     group = q.shape[1] // h_kv
     scale = spec.scale_for(head_dim)
@@ -1253,7 +1263,7 @@ def _plan_forward(q, k_cache, v_cache, *, num_seqs: int, spec, max_seqlen_q: int
     if own_len is not None and not plan.own:
         return None
     split = plan.num_splits > 1
-    addressing = _cache_addressing(k_cache, v_cache)
+    addressing = _cache_addressing(k_cache, v_cache, kv_scales)
     meta = _attn_constexprs(plan.cfg, group, head_dim, causal=causal, has_kv_start=has_kv_start,
                             write_lse=write_lse or split, split=split, upcast=interpreting(),
                             guard=plan.guard, softcap=bool(softcap), block_size=block_size,
@@ -1461,7 +1471,7 @@ def paged_attention_fwd(
         rope_q_pos = rope_k_shift = None
     fwd = _plan_forward(q, k_cache, v_cache, num_seqs=seq_lens.shape[0], spec=spec, max_seqlen_q=max_seqlen_q,
                         max_seqlen_k=max_seqlen_k, own_len=None if own_k is None else own_k.shape[1],
-                        has_kv_start=kv_start is not None, write_lse=lse is not None, kv_fp8=kv_scales is not None,
+                        has_kv_start=kv_start is not None, write_lse=lse is not None, kv_scales=kv_scales,
                         rope_q_pos=rope_q_pos is not None, rope_k_shift=rope_k_shift is not None)
     if fwd is None:
         return False
