@@ -48,6 +48,8 @@ def test_check_compiles_every_config_without_spills(perf_run):
     n_attention += len(check.FP8_CASES)  # and these with an fp8 cache
     n_attention += len(check.ROPE_CASES)  # RoPE on read
     n_attention += len(check.WIDE_CASES)  # 64-bit key offsets on the page path
+    # the short-context decode tile, with a bf16 and (if an fp8 case) an fp8 cache
+    n_attention += sum(2 if name in check.FP8_CASES else 1 for name in check.SHORT_CASES)
     n_cases = n_attention + len(check.REDUCE_CASES) + len(check.STORE_CASES) + len(check.MERGE_CASES)
     n_cases += 2 * len(check.BWD_CASES)  # the backward's dQ and dK/dV kernels
     assert len(rows) == 2 * n_cases, f"expected one row per config and target, got {len(rows)}"
@@ -142,13 +144,13 @@ def test_workloads_fill_their_waves(perf_run):
 
 
 def test_workload_plans_fill_a_wave_at_batch_one():
-    """Host math only: B=1 decode (2K-128K keys) fills >= 90% of a wave on both targets, and
+    """Host math only: B=1 decode (1K-128K keys) fills >= 90% of a wave on both targets, and
     its split reduce runs at least one program per SM; an unsplit launch has no reduce."""
     from kvarena.check.report import _workload_rows
 
     rows = _workload_rows((80, 90))
     b1 = [r for r in rows if r["workload"].startswith("decode B=1 ")]
-    assert len(b1) == 6
+    assert len(b1) == 8
     for r in b1:
         assert r["efficiency"] >= 0.9 and r["splits"] > 1, r
         assert r["reduce_grid"] and r["reduce_waves"] >= 1.0, r
@@ -199,11 +201,12 @@ def test_all_variants_of_one_config():
     attention config (a split always writes lse: 8 for a split config, 16 otherwise). Read
     from the launch table itself: the compiles of these variants are what --all runs."""
     split = check._launches("decode 32q/8kv split", 90, all_variants=True)
-    # + as launched with an fp8 cache, with RoPE on read, with 64-bit key offsets, and (--all
-    # only) with fp8 and RoPE at once
-    assert len(split) == 12 and len({launch.config for launch in split}) == 12
+    # + as launched with an fp8 cache, with RoPE on read, with 64-bit key offsets, over the
+    # short-context tile (bf16 and fp8), and (--all only) with fp8 and RoPE at once
+    assert len(split) == 14 and len({launch.config for launch in split}) == 14
     assert sum("+wide-offsets" in launch.config for launch in split) == 1
-    assert sum("+fp8-kv" in launch.config for launch in split) == 2
+    assert sum("+short-context tile" in launch.config and "BN32" in launch.config for launch in split) == 2
+    assert sum("+fp8-kv" in launch.config for launch in split) == 3
     assert sum("+rope-on-read" in launch.config for launch in split) == 2
     assert sum("+rope-on-read" in launch.config for launch in check._launches("decode 32q/8kv split", 90)) == 1
     plain = check._launches("decode 32q/8kv:", 90, all_variants=True)

@@ -356,6 +356,18 @@ def test_bf16_queries_outside_fp16_range(gain_log2, bs, q_len) -> None:
     assert_close(out, ref, torch.bfloat16, f"bf16 queries x 2**{gain_log2} on fp8 keys")
 
 
+def test_short_context_fp8_decode() -> None:
+    """B=1 fp8 decode at 1100 keys (the 32-key short-context tile, split one per tile)
+    equals attention over the stored values."""
+    c = _paged_fp8_case([1100], [1], dtype=torch.bfloat16, group=4, d=32, bs=16, seed=11, device=device_for(TRITON))
+    kd, vd = (dequantize_fp8(c["kc"], c["ks"], torch.float64), dequantize_fp8(c["vc"], c["vs"], torch.float64))
+    ref = paged_attention_ref(c["q"].cpu().double(), kd.cpu(), vd.cpu(), c["table"].cpu(), c["lens"].cpu(),
+                              c["cu"].cpu(), spec=AttentionSpec())
+    out = paged_attention(c["q"], c["kc"], c["vc"], c["table"], c["lens"], c["cu"], k_scale=c["ks"],
+                          v_scale=c["vs"], backend="triton")
+    assert_close(out, ref, torch.bfloat16, "fp8 decode, 32-key tiles")
+
+
 def test_functional_errors() -> None:
     c = _paged_fp8_case([5], [1], dtype=torch.bfloat16, group=1, d=16, bs=4)
     args = (c["q"], c["kc"], c["vc"], c["table"], c["lens"])

@@ -397,6 +397,26 @@ def test_split_heuristic_numbers():
                 assert pa._pick_num_splits(programs, keys, sms, ctas, tiles=5) <= 5
 
 
+@pytest.mark.parametrize(("keys", "opts", "block_n"), [
+    (1024, {}, 32), (1536, {}, 32), (2048, {}, 64), (131072, {}, 64), (1000, {}, 64),
+    (1024, {"num_splits": 4}, 64), (1024, {"deterministic": True}, 64), (1024, {"rope": True}, 64),
+], ids=["1K", "1.5K", "2K", "128K", "under-1K", "explicit-splits", "deterministic", "rope"])
+@pytest.mark.parametrize("capability", [80, 90])
+def test_short_context_decode_tile(keys, opts, block_n, capability):
+    """B=1 decode (8 kv heads) from 1K keys on fills >= 90% of a wave: where 64-key tiles
+    cannot (1K-2K keys), the launch takes 32-key tiles; an explicit split count, the
+    deterministic pin and RoPE on read keep 64."""
+    kw = dict(num_splits=None, deterministic=False, rope=False)
+    kw.update(opts)
+    sms = {80: 108, 90: 132}[capability]
+    plan = pa.plan_launch(head_dim=128, group=4, elem_bytes=2, num_seqs=1, num_kv_heads=8, max_seqlen_q=1,
+                          max_seqlen_k=keys, block_size=16, causal=True, window_left=None, sink_tokens=0,
+                          softcap=False, capability=capability, sm_count=sms, **kw)
+    assert plan.cfg["BLOCK_N"] == block_n, plan
+    if keys >= 1024 and not opts:
+        assert plan.wave_efficiency(sms) >= 0.9, plan
+
+
 def test_reduce_tile_fills_the_grid_within_its_budget():
     """The reduce's tile holds <= ROW_TILE_ELEMS partials, <= 4 rows, every split up to 64 at
     once; B=1 (32 rows) gets >= one program per SM; deterministic tiles ignore the batch."""

@@ -176,3 +176,13 @@ def test_decode_over_64_token_pages_takes_the_block_loop(launched, seed, num_spl
     run(c, num_splits=num_splits)
     run(c, num_splits=num_splits, window_left=130, sink_tokens=20)
     assert all(m["LARGE_BLOCKS"] and m["BLOCK_N"] == 64 for m in launched), f"launched {launched}"
+
+
+def test_short_context_decode_runs_32_key_tiles(launched, seed):
+    """B=1 decode from 1K keys whose 64-key tiles cannot fill a wave runs 32-key tiles, split
+    one per tile: the result is the oracle's, windows and sinks included."""
+    c = paged_case([1100], [1], dtype=torch.bfloat16, group=4, h_kv=2, head_dim=32, block_size=16, seed=seed)
+    run(c, num_splits=None)
+    run(c, num_splits=None, window_left=700, sink_tokens=20)
+    assert launched and all(m["BLOCK_N"] == 32 and m["SPLIT"] for m in launched), f"launched {launched}"
+

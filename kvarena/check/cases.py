@@ -47,11 +47,15 @@ ROPE_CASES = ("decode 32q/8kv split", "chunk Wan split")
 # spans more than 2**31 elements (over 4 GiB of bf16 per K or V view; the other launches
 # address keys with int32 offsets).
 WIDE_CASES = ("decode 32q/8kv split",)
+# Cases also compiled over the short-context decode tile (32-key tiles: B = 1 at 1K-2K keys,
+# where 64-key tiles cannot fill a wave), with a bf16 and an fp8 cache.
+SHORT_CASES = ("decode 32q/8kv split",)
 # The contract's workloads for --perf (sinks 1 + window 3 for slab chunks): the launch
 # plan each gets, its grid and its wave efficiency. (name, head_dim, group, num_kv_heads,
 # num_seqs, q_len, k_len (cached keys), block_size, causal, own_len (the step's own keys,
 # attended in the same launch: a denoising step)).
 WORKLOADS = [
+    ("decode B=1 ctx=1K", 128, 4, 8, 1, 1, 1024, 16, True, 0),
     ("decode B=1 ctx=2K", 128, 4, 8, 1, 1, 2048, 16, True, 0),
     ("decode B=1 ctx=4K", 128, 4, 8, 1, 1, 4096, 16, True, 0),
     ("decode B=1 ctx=128K", 128, 4, 8, 1, 1, 131072, 16, True, 0),

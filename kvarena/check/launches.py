@@ -15,6 +15,7 @@ from kvarena.check.cases import (
     OWN_CASES,
     REDUCE_CASES,
     ROPE_CASES,
+    SHORT_CASES,
     STORE_CASES,
     WIDE_CASES,
 )
@@ -82,6 +83,10 @@ def _attention_variants(name: str, launched: tuple, split: bool, all_variants: b
             variants[(launched, name in OWN_CASES, "rope+fp8")] = "variant"
     if name in WIDE_CASES:
         variants[(launched, False, "wide")] = "as launched"
+    if name in SHORT_CASES:
+        variants[(launched, False, "short")] = "as launched"
+        if name in FP8_CASES:
+            variants[(launched, False, "short+fp8")] = "as launched"
     variants.setdefault(((True, True, True, True), False, False), "all flags")
     if all_variants:  # a split always writes its lse
         for f in itertools.product((True, False), repeat=4):
@@ -96,7 +101,8 @@ def _attention_launch(case: tuple, flags: tuple, own: bool, kv, label: str, capa
     from kvarena.kernels.occupancy import config_key
 
     name, d, group, dt, q_len, block, split, det, _launched = case
-    fp8 = kv in (True, "rope+fp8")
+    fp8 = kv in (True, "rope+fp8", "short+fp8")
+    short = kv in ("short", "short+fp8")
     rope = (2 if own else 1) if kv in ("rope", "rope+fp8") else 0
     causal, has_kv_start, write_lse, softcap = flags
     guard = pa._needs_guard(q_len, causal, None)
@@ -104,6 +110,8 @@ def _attention_launch(case: tuple, flags: tuple, own: bool, kv, label: str, capa
     cfg = pa._pick_config(d, group, eb, None if det else q_len, capability,
                           lean=not det and not guard and not softcap, rope=bool(rope), kv_fp8=fp8,
                           own=own)
+    if short:
+        cfg = pa._short_context_config(cfg)
     cfg = pa._path_config(cfg, pa._use_large_blocks(block, cfg["BLOCK_N"], True, guard, eb))
     meta = pa._attn_constexprs(cfg, group, d, causal=causal, has_kv_start=has_kv_start,
                                write_lse=write_lse, split=split, upcast=False, guard=guard,
@@ -120,7 +128,7 @@ def _attention_launch(case: tuple, flags: tuple, own: bool, kv, label: str, capa
             "cos_ptr": "fp32", "sin_ptr": "fp32", "qpos_ptr": "i32", "kshift_ptr": "i32"}
     if fp8:  # per-token scales [blocks, block_size, H_kv]: unit head stride, token stride H_kv
         meta.update(stride_ksh=1, stride_vsh=1)
-    return _Launch("attention", _attention_desc(name, dt, d, group, cfg, flags, meta, fp8, rope),
+    return _Launch("attention", _attention_desc(name, dt, d, group, cfg, flags, meta, fp8, rope, short),
                    pa._paged_attn_kernel, ptrs, meta, cfg["num_warps"],
                    # Block strides are one block's elements (< 2**31): int32, as the JIT sees them.
                    cfg["num_stages"], i64=(),
@@ -133,7 +141,7 @@ def _attention_launch(case: tuple, flags: tuple, own: bool, kv, label: str, capa
 
 
 def _attention_desc(name: str, dt: str, d: int, group: int, cfg: dict, flags: tuple, meta: dict, fp8: bool,
-                    rope: int) -> str:
+                    rope: int, short: bool = False) -> str:
     """The config column of an attention row: the case, its tile, its flags and extras."""
     desc = (f"{name}: {dt} D{d} G{group} BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} "
             f"w{cfg['num_warps']} s{cfg['num_stages']}")
@@ -150,6 +158,8 @@ def _attention_desc(name: str, dt: str, d: int, group: int, cfg: dict, flags: tu
         desc += " +rope-on-read" + (" (interleaved)" if rope == 2 else "")
     if meta["WIDE_OFFSETS"] and not meta["LARGE_BLOCKS"]:
         desc += " +wide-offsets"
+    if short:
+        desc += " +short-context tile"
     return desc
 
 

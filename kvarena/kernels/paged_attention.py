@@ -898,6 +898,23 @@ def _path_config(cfg: dict, large: bool) -> dict:
     return cfg
 
 
+def _short_context_config(cfg: dict) -> dict:
+    """The decode tile over 32-key tiles (item 2 of issue 25): at B = 1 and 1K-2K keys a
+    64-key tile leaves too few tiles to fill a wave with one split per tile (1K keys, 8 kv
+    heads: 8 x 16 programs = 0.49 of 264 slots); 32-key tiles double them."""
+    return dict(cfg, BLOCK_N=32)
+
+
+def _wants_short_tiles(cfg: dict, programs: int, max_seqlen_k: int, max_tiles: int, sm_count: int,
+                       capability: int, elem_bytes: int) -> bool:
+    """Whether a decode launch (16-row tile over 64-key tiles) from 1K keys on cannot reach
+    the target wave efficiency even at one split per key tile, so that 32-key tiles would."""
+    if cfg["BLOCK_M"] != 16 or cfg["BLOCK_N"] != 64 or max_seqlen_k < _FULL_WAVE_MIN_KEYS:
+        return False
+    wave = sm_count * max(1, ctas_per_sm(capability, cfg, elem_bytes))
+    return programs * max_tiles < _TARGET_WAVE_EFFICIENCY * wave
+
+
 def _older_triton_config(cfg: dict, capability: int, *, lean: bool, kv_fp8: bool, own: bool) -> dict:
     """The config of an fp8-cache or own-keys launch under Triton < 3.9, where two of them spill.
 
@@ -1187,13 +1204,17 @@ def plan_launch(*, head_dim: int, group: int, elem_bytes: int, num_seqs: int, nu
     # own: the config of a launch that may take the own keys (the tile decides the path).
     cfg = _pick_config(head_dim, group, elem_bytes, None if deterministic else max_seqlen_q, capability, lean=lean,
                        rope=rope, kv_fp8=kv_fp8, own=own_len > 0 and not causal and window_left is None)
-    block_n = cfg["BLOCK_N"]
     num_q_tiles = triton.cdiv(max_seqlen_q * group, cfg["BLOCK_M"])
     programs = num_q_tiles * num_seqs * num_kv_heads
     has_sinks = window_left is not None and sink_tokens > 0
     # Most key tiles one program can visit: the sink and window phases may share a tile;
     # on the large-block path tiles restart at every block start.
-    max_tiles = triton.cdiv(max(max_seqlen_k, 1), block_n) + (1 if has_sinks else 0)
+    max_tiles = triton.cdiv(max(max_seqlen_k, 1), cfg["BLOCK_N"]) + (1 if has_sinks else 0)
+    if num_splits is None and not deterministic and not rope and _wants_short_tiles(
+            cfg, programs, max_seqlen_k, max_tiles, sm_count, capability, elem_bytes):
+        cfg = _short_context_config(cfg)
+        max_tiles = triton.cdiv(max(max_seqlen_k, 1), cfg["BLOCK_N"]) + (1 if has_sinks else 0)
+    block_n = cfg["BLOCK_N"]
     large = _use_large_blocks(block_size, block_n, large_ok, guard, elem_bytes)
     cfg = _path_config(cfg, large)
     if large:
