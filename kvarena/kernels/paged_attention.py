@@ -197,6 +197,50 @@ def _softmax_step(s, v, vcol, m_i, l_i, acc, bad_w, GUARD: tl.constexpr, guard_n
 
 
 @triton.jit
+def _key_operand(kt, kp, kpos, fi, sg, rot_ok, dot_dtype: tl.constexpr, cos_ptr, sin_ptr, stride_rp, n_pos,
+                 UPCAST: tl.constexpr, FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, ROPE: tl.constexpr):
+    """A loaded K^T tile ``[HEAD_DIM_PAD, BLOCK_N]`` as the Q.K^T dot's operand, for the page
+    loop and the block loop alike: fp8 widened, rotated (RoPE: in fp32 with the partner
+    tile ``kp`` at positions ``kpos``, then rounded to the dot's dtype) or upcast (``UPCAST``)."""
+    if ROPE != 0:
+        if FP8:
+            kt, kp = _fp8_to(kt, tl.float32, FP8_NATIVE), _fp8_to(kp, tl.float32, FP8_NATIVE)
+        kt = _rotate(kt, kp, kpos[None, :], fi[:, None], sg[:, None], rot_ok, cos_ptr, sin_ptr, stride_rp,
+                     n_pos).to(dot_dtype)
+    elif FP8:
+        kt = _fp8_to(kt, dot_dtype, FP8_NATIVE)
+    elif UPCAST:
+        kt = kt.to(tl.float32)
+    return kt
+
+
+@triton.jit
+def _value_operand(v, dot_dtype: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, FP8_NATIVE: tl.constexpr):
+    """A loaded V tile ``[BLOCK_N, HEAD_DIM_PAD]`` as the P.V dot's operand."""
+    if FP8:
+        v = _fp8_to(v, dot_dtype, FP8_NATIVE)
+    elif UPCAST:
+        v = v.to(tl.float32)
+    return v
+
+
+@triton.jit
+def _fp8_column_scales(ks_ptrs, vs_ptrs, key_ok, MASKED: tl.constexpr, FP8_NATIVE: tl.constexpr):
+    """The per-key K and V scales ``[BLOCK_N]`` of an fp8 tile (times 256 after the shift
+    decode, which gives value / 256); ``MASKED``: keys outside ``key_ok`` read 0."""
+    if MASKED:
+        kcol = tl.load(ks_ptrs, mask=key_ok, other=0.0)
+        vcol = tl.load(vs_ptrs, mask=key_ok, other=0.0)
+    else:
+        kcol = tl.load(ks_ptrs)
+        vcol = tl.load(vs_ptrs)
+    if not FP8_NATIVE:
+        kcol = kcol * 256.0
+        vcol = vcol * 256.0
+    return kcol, vcol
+
+
+@triton.jit
 def _load_tile(blk, rel, stride_t, d, d_ok, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KT: tl.constexpr,
                UPCAST: tl.constexpr):
     """An unmasked K^T ``[HEAD_DIM_PAD, BLOCK_N]`` (``KT``) or V ``[BLOCK_N, HEAD_DIM_PAD]``
@@ -313,6 +357,7 @@ def _block_tiles_loop(
     d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = d < HEAD_DIM
     n_off = tl.arange(0, BLOCK_N)
+    pd, fi, sg = None, None, None  # RoPE's index tiles
     if ROPE != 0:
         pd, fi, sg = _rope_index(d, HEAD_DIM, ROPE)
     for jj in range(0, n_tiles):
@@ -326,40 +371,25 @@ def _block_tiles_loop(
             kt = tl.load(k_blk + rel[None, :] * stride_kt + d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
         else:
             kt = _load_tile(k_blk, rel, stride_kt, d, d_ok, HEAD_DIM, HEAD_DIM_PAD, True, False)
-        kcol = None  # the fp8 column scales (FP8 only)
-        vcol = None
+        kp = None  # RoPE: the partner rows of the same keys (an L1 hit)
+        k_ok = None
         if ROPE != 0:
-            # The partner rows of the same keys (an L1 hit), then the rotation in fp32.
             k_ok = d_ok[:, None] & (key_ok[None, :] if MASKED else (n_off >= 0)[None, :])
             kp = tl.load(k_blk + rel[None, :] * stride_kt + pd[:, None], mask=k_ok, other=0.0)
-            if FP8:
-                kt, kp = _fp8_to(kt, tl.float32, FP8_NATIVE), _fp8_to(kp, tl.float32, FP8_NATIVE)
-            kt = _rotate(kt, kp, (t + rshift)[None, :], fi[:, None], sg[:, None], k_ok, cos_ptr, sin_ptr,
-                         stride_rp, n_pos).to(q.dtype)
+        kt = _key_operand(kt, kp, t + rshift, fi, sg, k_ok, q.dtype, cos_ptr, sin_ptr, stride_rp, n_pos,
+                          UPCAST, FP8, FP8_NATIVE, ROPE)
+        kcol = None  # the fp8 column scales (FP8 only)
+        vcol = None
         if FP8:
-            if ROPE == 0:
-                kt = _fp8_to(kt, q.dtype, FP8_NATIVE)
-            if MASKED:
-                kcol = tl.load(ks_blk + rel * stride_kst, mask=key_ok, other=0.0)  # [BLOCK_N]
-                vcol = tl.load(vs_blk + rel * stride_vst, mask=key_ok, other=0.0)
-            else:
-                kcol = tl.load(ks_blk + rel * stride_kst)
-                vcol = tl.load(vs_blk + rel * stride_vst)
-            if not FP8_NATIVE:  # the shift decode gives value / 256
-                kcol = kcol * 256.0
-                vcol = vcol * 256.0
-        elif UPCAST and ROPE == 0:
-            kt = kt.to(tl.float32)
+            kcol, vcol = _fp8_column_scales(ks_blk + rel * stride_kst, vs_blk + rel * stride_vst,
+                                            key_ok if MASKED else None, MASKED, FP8_NATIVE)
         s = _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, FP8)
         if MASKED:
             s = tl.where(key_ok[None, :] & sees(t, row_hi, row_lo, sink_tokens), s, float("-inf"))
             v = tl.load(v_blk + rel[:, None] * stride_vt + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
         else:
             v = _load_tile(v_blk, rel, stride_vt, d, d_ok, HEAD_DIM, HEAD_DIM_PAD, False, False)
-        if FP8:
-            v = _fp8_to(v, q.dtype, FP8_NATIVE)
-        elif UPCAST:
-            v = v.to(tl.float32)
+        v = _value_operand(v, q.dtype, UPCAST, FP8, FP8_NATIVE)
         m_i, l_i, acc, bad_w = _softmax_step(s, v, vcol, m_i, l_i, acc, bad_w, GUARD and MASKED, True, FP8)
     return m_i, l_i, acc, bad_w
 
@@ -490,6 +520,7 @@ def _paged_attn_kernel(
     q_base = q_ptr + tok0 * stride_qt + head0 * stride_qh
     q_off = local[:, None] * stride_qt + head_in[:, None] * stride_qh + d[None, :] * stride_qd
     q = tl.load(q_base + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
+    pd, fi, sg = None, None, None  # RoPE's index tiles
     rope_q0 = seq_len  # rotary position of the sequence's first query (ROPE)
     if ROPE != 0:
         # Queries rotate once per program: row position = the first query's table row +
@@ -655,31 +686,23 @@ def _paged_attn_kernel(
                 kt = tl.trans(tl.load(k_head + k_off[:, None] + d[None, :]))  # [HEAD_DIM_PAD, BLOCK_N]
             else:
                 kt = tl.trans(tl.load(k_head + k_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0))
-            kcol = None  # the fp8 column scales (KV_FP8 only)
-            vcol = None
+            kp = None
+            kpos = tc
             if ROPE != 0:
                 kp = tl.trans(tl.load(k_head + k_off[:, None] + pd[None, :], mask=d_ok[None, :], other=0.0))
-                if KV_FP8:
-                    kt, kp = _fp8_to(kt, tl.float32, FP8_NATIVE), _fp8_to(kp, tl.float32, FP8_NATIVE)
-                kpos = tc
                 if ROPE_K_SHIFT:
                     kpos = tc + tl.load(kshift_row + blk_idx)
-                kt = _rotate(kt, kp, kpos[None, :], fi[:, None], sg[:, None], d_ok[:, None], cos_ptr, sin_ptr,
-                             stride_rp, n_pos).to(q.dtype)
+            kt = _key_operand(kt, kp, kpos, fi, sg, d_ok[:, None], q.dtype, cos_ptr, sin_ptr, stride_rp, n_pos,
+                              UPCAST, KV_FP8, FP8_NATIVE, ROPE)
+            kcol = None  # the fp8 column scales (KV_FP8 only)
+            vcol = None
             if KV_FP8:
-                if ROPE == 0:
-                    kt = _fp8_to(kt, q.dtype, FP8_NATIVE)
                 ks_off = blk * stride_ksb + row_in_blk * stride_kst
-                kcol = tl.load(ks_head + ks_off)
                 if SAME_KV_STRIDES:  # the scales' strides agree too
-                    vcol = tl.load(vs_head + ks_off)
+                    vs_off = ks_off
                 else:
-                    vcol = tl.load(vs_head + blk * stride_vsb + row_in_blk * stride_vst)
-                if not FP8_NATIVE:  # the shift decode gives value / 256
-                    kcol = kcol * 256.0
-                    vcol = vcol * 256.0
-            elif UPCAST and ROPE == 0:
-                kt = kt.to(tl.float32)
+                    vs_off = blk * stride_vsb + row_in_blk * stride_vst
+                kcol, vcol = _fp8_column_scales(ks_head + ks_off, vs_head + vs_off, None, False, FP8_NATIVE)
             s = _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, KV_FP8)
             # Interior tiles (every key visible to every row) skip the per-element mask: at
             # 128 x 64 it is ~8 integer ops per score, as many issue slots as the exp2/max/sum.
@@ -692,10 +715,7 @@ def _paged_attn_kernel(
                 v = tl.load(v_head + v_off[:, None] + d[None, :])  # [BLOCK_N, HEAD_DIM_PAD]
             else:
                 v = tl.load(v_head + v_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
-            if KV_FP8:
-                v = _fp8_to(v, q.dtype, FP8_NATIVE)
-            elif UPCAST:
-                v = v.to(tl.float32)
+            v = _value_operand(v, q.dtype, UPCAST, KV_FP8, FP8_NATIVE)
             m_i, l_i, acc, bad_w = _softmax_step(s, v, vcol, m_i, l_i, acc, bad_w, GUARD_NONFINITE, not interior, KV_FP8)
 
     # ---- epilogue: rows that saw no key give 0 and lse = -inf
