@@ -33,6 +33,8 @@ class StepRows:
     seqs: list[SeqRecord]
     old_lens: list[int]
     lens: list[int]
+    #: max(lens)
+    longest: int
     max_blocks: int
     #: The version every row is stamped with.
     version: int
@@ -92,7 +94,7 @@ def _gather(pool, step: StepRows) -> _Gathered:
     rows, seq_lens, cu_t, tail_t = parts[:4]
     table = table.index_select(1, rows)  # [G, B, max_blocks]
     if host:
-        return _Gathered(table, parts[3:], seq_lens, cu_t, total_q, max(step.lens))
+        return _Gathered(table, parts[3:], seq_lens, cu_t, total_q, step.longest)
     # Slot of every new token: token i of row b sits at position old_len[b] + i - cu[b] and
     # goes to block_table[g, b, pos // bs], row pos % bs.
     if decode:
@@ -104,7 +106,7 @@ def _gather(pool, step: StepRows) -> _Gathered:
         row_of = torch.repeat_interleave(torch.arange(nseq, device=dev), q_lens, output_size=total_q)
         pos = torch.arange(total_q, device=dev) - cu_t[:-1].long()[row_of] + tail_t.long()[row_of]
         slots = (table.long()[:, row_of, pos // bs] * bs + pos % bs).to(dt)  # [G, total_q]
-    return _Gathered(table, slots.unbind(0), seq_lens, cu_t, total_q, max(step.lens), slots)
+    return _Gathered(table, slots.unbind(0), seq_lens, cu_t, total_q, step.longest, slots)
 
 
 def packed_meta(pool, step: StepRows) -> PagedMetadata:
@@ -167,8 +169,8 @@ def padded_meta(pool, step: StepRows, pad_to: int) -> PagedMetadata:
     tables = tuple(table)
     return PagedMetadata(
         slot_mapping=slots[0], block_table=table[0], slot_mappings=tuple(slots), block_tables=tables,
-        seq_lens=seq_lens, cu_seqlens_q=cu, max_seqlen_q=pad_to, max_seqlen_k=max(lens), total_q=total_q,
+        seq_lens=seq_lens, cu_seqlens_q=cu, max_seqlen_q=pad_to, max_seqlen_k=step.longest, total_q=total_q,
         num_seqs=nseq, namespaces=step.namespaces, num_tokens=sum(news),
-        keys=_keys(tables, seq_lens, max(lens)), rows=QueryRows(cu, pad_to),
+        keys=_keys(tables, seq_lens, step.longest), rows=QueryRows(cu, pad_to),
         _owner=pool._cache_id, _versions=step.versions, _epoch=pool._epoch, pad_to=pad_to,
     )

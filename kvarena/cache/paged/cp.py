@@ -183,7 +183,7 @@ class DecodeContextParallel:
                                      f"budget {pool.policy.max_bytes} bytes); some rank of the group cannot take "
                                      "this step (nothing changed on any rank)")
             if owned:
-                self._local.reserve(owned)  # all-or-nothing
+                self._local.reserve(*zip(*owned))  # all-or-nothing
             for ns, _n in items:
                 if ns not in pool._seqs:  # a rank with no block of it yet: an empty local sequence
                     pool._seqs[ns] = pool._table.new_seq()

@@ -62,11 +62,11 @@ class LocalSteps:
     # ------------------------------------------------------------------ plan
     def plan(self, batch, graph: bool, pad_to: int | None) -> PagedMetadata:
         pool = self.pool
-        items = check_batch(batch, graph, pad_to, pool._graph)
+        names, news = check_batch(batch, graph, pad_to, pool._graph)
         if pad_to is not None:
             pad_to = int(pad_to)
         with pool._lock:
-            step = self.reserve(items, graph)
+            step = self.reserve(names, news, graph)
             if pad_to is not None:
                 return padded_meta(pool, step, pad_to)
             if graph:
@@ -74,17 +74,16 @@ class LocalSteps:
                 return graph_meta(pool, step, pool._graph, pool._graph_gen)
             return packed_meta(pool, step)
 
-    def reserve(self, items: list, graph: bool = False) -> StepRows:
-        """Take the blocks of ``items`` (all or nothing; call under the lock) and flush the
-        table: the step's rows, not yet gathered.
+    def reserve(self, names: tuple, news: tuple, graph: bool = False) -> StepRows:
+        """Take the blocks of ``news[i]`` new tokens of each namespace ``names[i]`` (all or
+        nothing; call under the lock) and flush the table: the step's rows, not yet gathered.
 
         A sequence whose new tokens end within its record's ``limit`` (most rows of a decode
         step) is a plain append: only its length and version change. The others are
         counted, released and taken in full (:meth:`WindowRules.count`)."""
         pool = self.pool
-        names, news = zip(*items)
         recs = list(map(pool._seqs.get, names))
-        if None in recs or not min(news):
+        if None in recs or 0 in news:
             olds = [0 if r is None else r.seq_len for r in recs]
             ends = list(map(add, olds, news))
             slow = [i for i, (r, e, n) in enumerate(zip(recs, ends, news)) if r is None or not n or e > r.limit]
@@ -92,8 +91,9 @@ class LocalSteps:
             olds = list(map(_SEQ_LEN, recs))
             ends = list(map(add, olds, news))
             slow = list(compress(count(), map(gt, ends, map(_LIMIT, recs))))
-        max_blocks = cdiv(max(ends), pool.block_size)
-        rest = [items[i] for i in slow]
+        longest = max(ends)
+        max_blocks = cdiv(longest, pool.block_size)
+        rest = [(names[i], news[i]) for i in slow]
         needs = pool._windows.count(rest, pool._seqs, pool.allocator) if rest else None
         g_cap = pool._graph
         if graph and max_blocks > g_cap.max_blocks:
@@ -120,7 +120,7 @@ class LocalSteps:
             for i in slow:
                 refresh(recs[i], refs)
         pool._table.flush()
-        return StepRows(names, news, recs, olds, ends, max_blocks, version, slow)
+        return StepRows(names, news, recs, olds, ends, longest, max_blocks, version, slow)
 
     def _release(self, needs: StepNeeds, version: int) -> None:
         """The step's out-of-window blocks back to the allocator (even if a shared allocator

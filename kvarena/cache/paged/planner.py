@@ -60,8 +60,9 @@ class GroupClass:
 _INT = {int}
 
 
-def check_batch(batch, graph: bool, pad_to: int | None, buffers: GraphBuffers | None) -> list:
-    """``plan``'s argument checks; returns the batch's ``(namespace, new tokens)`` items."""
+def check_batch(batch, graph: bool, pad_to: int | None, buffers: GraphBuffers | None) -> tuple[tuple, tuple]:
+    """``plan``'s argument checks; returns the batch's namespaces and new-token counts, as two
+    tuples in the mapping's order."""
     check_bool("graph", graph)
     if not isinstance(batch, Mapping):
         raise TypeError(f"batch: expected a mapping of namespace -> n_new_tokens, got {type(batch).__name__}")
@@ -71,27 +72,27 @@ def check_batch(batch, graph: bool, pad_to: int | None, buffers: GraphBuffers | 
         pad_to = _check_int("pad_to", pad_to, 1)
         if graph:
             raise ValueError("pad_to: not with graph=True (graph plans have their own fixed rows)")
-    news = batch.values()
+    # Two tuples, not (namespace, count) pairs: a decode step of B rows then costs a few
+    # C-level passes over B, not B tuples built and unzipped.
+    names, news = tuple(batch), tuple(batch.values())
     # Every count a plain int in range (the common step): a few C-level passes; otherwise
     # item by item, for the message of the first bad one.
-    if set(map(type, news)) == _INT and min(news) >= (0 if pad_to else 1) and (
-            pad_to is None or max(news) <= pad_to):
-        items = list(batch.items())
-    else:
-        items = [(ns, _check_int(f"batch[{ns!r}]", n, 0 if pad_to else 1)) for ns, n in batch.items()]
-        for ns, n in items:
+    if not (set(map(type, news)) == _INT and min(news) >= (0 if pad_to else 1) and (
+            pad_to is None or max(news) <= pad_to)):
+        news = tuple(_check_int(f"batch[{ns!r}]", n, 0 if pad_to else 1) for ns, n in zip(names, news))
+        for ns, n in zip(names, news):
             if pad_to is not None and n > pad_to:
                 raise ValueError(f"batch[{ns!r}]: {n} new tokens do not fit pad_to = {pad_to} rows")
     if graph:
         if buffers is None:
             raise ValueError("graph: this PagedKVCache was made without graph_capacity=")
-        if len(items) > buffers.max_batch:
-            raise ValueError(f"batch: {len(items)} namespaces exceed graph_capacity max_batch {buffers.max_batch}")
-        for ns, n in items:
+        if len(names) > buffers.max_batch:
+            raise ValueError(f"batch: {len(names)} namespaces exceed graph_capacity max_batch {buffers.max_batch}")
+        for ns, n in zip(names, news):
             if n != buffers.q_per_seq:
                 raise ValueError(f"batch[{ns!r}]: graph plans take exactly q_per_seq = {buffers.q_per_seq} "
                                  f"tokens, got {n}")
-    return items
+    return names, news
 
 
 class WindowRules:
