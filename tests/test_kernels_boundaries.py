@@ -374,3 +374,20 @@ def test_flash_reference_yardstick_is_attention():
     flash_reference_fwd(q, k, v, out)
     ref = torch.softmax((q.double() @ k.double().T) * 16**-0.5, -1) @ v.double()
     assert (out.double() - ref).abs().max() < 1e-5
+
+
+def test_flash_reference_yardstick_with_fp8_keys_is_attention():
+    """Its fp8 form (the yardstick of fp8 caches' loops): attention over the stored values,
+    fp16 queries and probabilities, per-key scales."""
+    from kvarena.kernels.flash_reference import flash_reference_fwd
+
+    gen = torch.Generator().manual_seed(16)
+    q = torch.randn(32, 16, generator=gen).half()
+    k8, v8 = (torch.randn(48, 16, generator=gen).clamp(-8, 8).to(torch.float8_e4m3fn) for _ in range(2))
+    ks, vs = (torch.rand(48, generator=gen) + 0.5 for _ in range(2))
+    out = torch.empty_like(q)
+    flash_reference_fwd(q, k8, v8, out, k_scale=ks, v_scale=vs)
+    kd, vd = k8.double() * ks.double()[:, None], v8.double() * vs.double()[:, None]
+    ref = torch.softmax((q.double() @ kd.T) * 16**-0.5, -1) @ vd
+    err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 2e-3, f"relative error {err:.2e} (fp16)"

@@ -42,7 +42,7 @@ class _Launch:
     nodiv: tuple = ()
     variant: str = ""
     occupancy_key: tuple | None = None
-    ref_tile: tuple | None = None  # (BLOCK_M, BLOCK_N, HEAD_DIM_PAD, warps, stages, dtype)
+    ref_tile: tuple | None = None  # (BLOCK_M, BLOCK_N, HEAD_DIM_PAD, warps, stages, dtype, K/V dtype)
 
 
 def _elem_bytes(dtype: str) -> int:
@@ -137,7 +137,7 @@ def _attention_launch(case: tuple, flags: tuple, own: bool, kv, label: str, capa
                    nodiv=("stride_kst", "stride_vst"),
                    occupancy_key=config_key(capability, cfg, eb),
                    ref_tile=(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["HEAD_DIM_PAD"], cfg["num_warps"],
-                             cfg["num_stages"], dt))
+                             cfg["num_stages"], dt, kv_dt))
 
 
 def _attention_desc(name: str, dt: str, d: int, group: int, cfg: dict, flags: tuple, meta: dict, fp8: bool,

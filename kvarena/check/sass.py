@@ -128,19 +128,24 @@ def _reference_loop_sass(tile: tuple, capability: int) -> int:
 
     from kvarena.kernels.flash_reference import _flash_reference_kernel as fn
 
-    block_m, block_n, d_pad, warps, stages, dt = tile
+    block_m, block_n, d_pad, warps, stages, dt, kv_dt = tile
+    fp8 = kv_dt != dt
+    consts = dict(HEAD_DIM=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, KV_FP8=fp8, FP8_NATIVE=kv_dt == "fp8e4nv")
+    ptr_types = {"k_ptr": kv_dt, "v_ptr": kv_dt, "ks_ptr": "fp32", "vs_ptr": "fp32"}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
-        if name in ("HEAD_DIM", "BLOCK_M", "BLOCK_N"):
+        if name in consts:
             sig[name] = "constexpr"
+        elif name in ("ks_ptr", "vs_ptr") and not fp8:
+            sig[name] = "constexpr"  # never read: None
+            consts[name] = None
         elif name.endswith("_ptr"):
-            sig[name], attrs[(i,)] = "*" + dt, [["tt.divisibility", 16]]
+            sig[name], attrs[(i,)] = "*" + ptr_types.get(name, dt), [["tt.divisibility", 16]]
         elif name == "scale_log2":
             sig[name] = "fp32"
         else:
             sig[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=sig, constexprs=dict(HEAD_DIM=d_pad, BLOCK_M=block_m, BLOCK_N=block_n),
-                    attrs=attrs)
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     with contextlib.redirect_stdout(io.StringIO()):
         compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32),
                                   options={"num_warps": warps, "num_stages": stages})
