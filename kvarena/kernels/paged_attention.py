@@ -200,28 +200,28 @@ def _softmax_step(s, v, vcol, m_i, l_i, acc, bad_w, GUARD: tl.constexpr, guard_n
 def _key_operand(kt, kp, kpos, fi, sg, rot_ok, dot_dtype: tl.constexpr, cos_ptr, sin_ptr, stride_rp, n_pos,
                  UPCAST: tl.constexpr, FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, ROPE: tl.constexpr):
     """A loaded K^T tile ``[HEAD_DIM_PAD, BLOCK_N]`` as the Q.K^T dot's operand, for the page
-    loop and the block loop alike: fp8 widened, rotated (RoPE: in fp32 with the partner
-    tile ``kp`` at positions ``kpos``, then rounded to the dot's dtype) or upcast (``UPCAST``)."""
+    loop and the block loop alike: rotated (RoPE: in fp32 with the partner tile ``kp`` at
+    positions ``kpos``, fp8 widened first, then rounded to the dot's dtype), else as
+    :func:`_dot_operand` makes it."""
     if ROPE != 0:
         if FP8:
             kt, kp = _fp8_to(kt, tl.float32, FP8_NATIVE), _fp8_to(kp, tl.float32, FP8_NATIVE)
         kt = _rotate(kt, kp, kpos[None, :], fi[:, None], sg[:, None], rot_ok, cos_ptr, sin_ptr, stride_rp,
                      n_pos).to(dot_dtype)
-    elif FP8:
-        kt = _fp8_to(kt, dot_dtype, FP8_NATIVE)
-    elif UPCAST:
-        kt = kt.to(tl.float32)
+    else:
+        kt = _dot_operand(kt, dot_dtype, UPCAST, FP8, FP8_NATIVE)
     return kt
 
 
 @triton.jit
-def _value_operand(v, dot_dtype: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, FP8_NATIVE: tl.constexpr):
-    """A loaded V tile ``[BLOCK_N, HEAD_DIM_PAD]`` as the P.V dot's operand."""
+def _dot_operand(x, dot_dtype: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, FP8_NATIVE: tl.constexpr):
+    """A loaded K^T or V tile as a dot's operand: fp8 widened to the dot's dtype, or fp32
+    under ``UPCAST``."""
     if FP8:
-        v = _fp8_to(v, dot_dtype, FP8_NATIVE)
+        x = _fp8_to(x, dot_dtype, FP8_NATIVE)
     elif UPCAST:
-        v = v.to(tl.float32)
-    return v
+        x = x.to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -389,7 +389,7 @@ def _block_tiles_loop(
             v = tl.load(v_blk + rel[:, None] * stride_vt + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
         else:
             v = _load_tile(v_blk, rel, stride_vt, d, d_ok, HEAD_DIM, HEAD_DIM_PAD, False, False)
-        v = _value_operand(v, q.dtype, UPCAST, FP8, FP8_NATIVE)
+        v = _dot_operand(v, q.dtype, UPCAST, FP8, FP8_NATIVE)
         m_i, l_i, acc, bad_w = _softmax_step(s, v, vcol, m_i, l_i, acc, bad_w, GUARD and MASKED, True, FP8)
     return m_i, l_i, acc, bad_w
 
@@ -715,7 +715,7 @@ def _paged_attn_kernel(
                 v = tl.load(v_head + v_off[:, None] + d[None, :])  # [BLOCK_N, HEAD_DIM_PAD]
             else:
                 v = tl.load(v_head + v_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
-            v = _value_operand(v, q.dtype, UPCAST, KV_FP8, FP8_NATIVE)
+            v = _dot_operand(v, q.dtype, UPCAST, KV_FP8, FP8_NATIVE)
             m_i, l_i, acc, bad_w = _softmax_step(s, v, vcol, m_i, l_i, acc, bad_w, GUARD_NONFINITE, not interior, KV_FP8)
 
     # ---- epilogue: rows that saw no key give 0 and lse = -inf
