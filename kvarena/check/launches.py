@@ -136,8 +136,10 @@ def _attention_launch(case: tuple, flags: tuple, own: bool, kv, label: str, capa
                    div16=("block_size",) if block % 16 == 0 else (), variant=label,
                    nodiv=("stride_kst", "stride_vst"),
                    occupancy_key=config_key(capability, cfg, eb),
+                   # fp8 rows against the yardstick's fp8 form, but with own keys: the loop the
+                   # row counts is then the own keys' (the smallest with the dots), in q's dtype.
                    ref_tile=(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["HEAD_DIM_PAD"], cfg["num_warps"],
-                             cfg["num_stages"], dt, kv_dt))
+                             cfg["num_stages"], dt, dt if meta["HAS_OWN"] else kv_dt))
 
 
 def _attention_desc(name: str, dt: str, d: int, group: int, cfg: dict, flags: tuple, meta: dict, fp8: bool,
