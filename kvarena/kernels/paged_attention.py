@@ -262,13 +262,16 @@ def _load_tile(blk, rel, stride_t, d, d_ok, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD
 
 @triton.jit
 def _scale_scores(s, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP: tl.constexpr, FP8: tl.constexpr):
-    """Raw dot scores in the exp2 domain: the fp8 key scales on the columns, then softcap or scale."""
-    if FP8:
-        # fp8 keys: the dot ran on the widened bytes (exact in q's dtype; value / 256 after the
-        # shift decode); the per-key scale (times 256 there) multiplies the fp32 score column.
-        s = s * kcol[None, :]
+    """Raw dot scores in the exp2 domain: softcap or scale, with the fp8 keys' per-key scales
+    (``kcol``, times 256 after the shift decode) folded into the column factor: the dot ran
+    on the widened bytes, exact in its dtype."""
     if HAS_SOFTCAP:
-        s = softcap_log2 * _tanh(s * softcap_inv)
+        if FP8:
+            s = softcap_log2 * _tanh(s * (kcol * softcap_inv)[None, :])
+        else:
+            s = softcap_log2 * _tanh(s * softcap_inv)
+    elif FP8:
+        s = s * (kcol * scale_log2)[None, :]
     else:
         s = s * scale_log2
     return s
@@ -679,8 +682,10 @@ def _paged_attn_kernel(
                 v_off = k_off
             else:
                 v_off = blk * stride_vb + row_in_blk * stride_vt
-            if k_ptr.dtype.element_ty == tl.float32:
-                # fp32 (FMA dots): K^T loaded as such (the transposed tile spills at D = 256).
+            if k_ptr.dtype.element_ty == tl.float32 or KV_FP8:
+                # fp32 (FMA dots): K^T loaded as such (the transposed tile spills at D = 256);
+                # fp8 too: its bytes widen in registers either way, and the transposed load
+                # costs 9 SASS more per tile under Triton 3.6 (2 fewer under 3.9).
                 kt = tl.load(k_head + k_off[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
             elif HEAD_DIM == HEAD_DIM_PAD:
                 kt = tl.trans(tl.load(k_head + k_off[:, None] + d[None, :]))  # [HEAD_DIM_PAD, BLOCK_N]
@@ -689,7 +694,10 @@ def _paged_attn_kernel(
             kp = None
             kpos = tc
             if ROPE != 0:
-                kp = tl.trans(tl.load(k_head + k_off[:, None] + pd[None, :], mask=d_ok[None, :], other=0.0))
+                if k_ptr.dtype.element_ty == tl.float32 or KV_FP8:  # as kt
+                    kp = tl.load(k_head + k_off[None, :] + pd[:, None], mask=d_ok[:, None], other=0.0)
+                else:
+                    kp = tl.trans(tl.load(k_head + k_off[:, None] + pd[None, :], mask=d_ok[None, :], other=0.0))
                 if ROPE_K_SHIFT:
                     kpos = tc + tl.load(kshift_row + blk_idx)
             kt = _key_operand(kt, kp, kpos, fi, sg, d_ok[:, None], q.dtype, cos_ptr, sin_ptr, stride_rp, n_pos,
