@@ -103,10 +103,11 @@ def _tanh(x):
 
 
 @triton.jit
-def _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP: tl.constexpr, FP8: tl.constexpr):
+def _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP: tl.constexpr, FP8: tl.constexpr,
+            FOLD: tl.constexpr):
     # [BLOCK_M, BLOCK_N] fp32 scores in the exp2 domain (fp32 inputs: full IEEE dots).
     return _scale_scores(tl.dot(q, kt, input_precision="ieee"), kcol, scale_log2, softcap_inv, softcap_log2,
-                         HAS_SOFTCAP, FP8)
+                         HAS_SOFTCAP, FP8, FOLD)
 
 
 @triton.jit
@@ -261,19 +262,29 @@ def _load_tile(blk, rel, stride_t, d, d_ok, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD
 
 
 @triton.jit
-def _scale_scores(s, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP: tl.constexpr, FP8: tl.constexpr):
-    """Raw dot scores in the exp2 domain: softcap or scale, with the fp8 keys' per-key scales
-    (``kcol``, times 256 after the shift decode) folded into the column factor: the dot ran
-    on the widened bytes, exact in its dtype."""
-    if HAS_SOFTCAP:
-        if FP8:
+def _scale_scores(s, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP: tl.constexpr, FP8: tl.constexpr,
+                  FOLD: tl.constexpr):
+    """Raw dot scores in the exp2 domain: the fp8 key scales on the columns, then softcap or scale.
+
+    fp8 keys: the dot ran on the widened bytes (exact in its dtype; value / 256 after the
+    shift decode) and the per-key scale ``kcol`` (times 256 there) multiplies each fp32 score
+    column. ``FOLD`` (the page loop) multiplies by one column factor, the key's scale times
+    the softmax scale (or softcap's), one multiply per score fewer; the block loop keeps two,
+    since folding spills the Wan chunk with an fp8 history beside its own keys (Triton 3.9:
+    16 B at 255 registers).
+    """
+    if FP8 and FOLD:
+        if HAS_SOFTCAP:
             s = softcap_log2 * _tanh(s * (kcol * softcap_inv)[None, :])
         else:
-            s = softcap_log2 * _tanh(s * softcap_inv)
-    elif FP8:
-        s = s * (kcol * scale_log2)[None, :]
+            s = s * (kcol * scale_log2)[None, :]
     else:
-        s = s * scale_log2
+        if FP8:
+            s = s * kcol[None, :]
+        if HAS_SOFTCAP:
+            s = softcap_log2 * _tanh(s * softcap_inv)
+        else:
+            s = s * scale_log2
     return s
 
 
@@ -296,14 +307,14 @@ def _interior_pipelined(q, k_blk, v_blk, j_lo, n_tiles, m_i, l_i, acc, stride_kt
         s_raw = tl.dot(q, _load_tile(k_blk, rel, stride_kt, d, d_ok, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST),
                        input_precision="ieee")
         for _ in range(0, n_tiles - 1):
-            s = _scale_scores(s_raw, None, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, False)
+            s = _scale_scores(s_raw, None, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, False, False)
             m_i, l_i, alpha, pr = _online_probs(s, m_i, l_i)
             kt = _load_tile(k_blk, rel + BLOCK_N, stride_kt, d, d_ok, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
             s_raw = tl.dot(q, kt, input_precision="ieee")
             v = _load_tile(v_blk, rel, stride_vt, d, d_ok, HEAD_DIM, HEAD_DIM_PAD, False, UPCAST)
             acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
             rel += BLOCK_N
-        s = _scale_scores(s_raw, None, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, False)
+        s = _scale_scores(s_raw, None, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, False, False)
         m_i, l_i, alpha, pr = _online_probs(s, m_i, l_i)
         v = _load_tile(v_blk, rel, stride_vt, d, d_ok, HEAD_DIM, HEAD_DIM_PAD, False, UPCAST)
         acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
@@ -386,7 +397,7 @@ def _block_tiles_loop(
         if FP8:
             kcol, vcol = _fp8_column_scales(ks_blk + rel * stride_kst, vs_blk + rel * stride_vst,
                                             key_ok if MASKED else None, MASKED, FP8_NATIVE)
-        s = _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, FP8)
+        s = _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, FP8, False)
         if MASKED:
             s = tl.where(key_ok[None, :] & sees(t, row_hi, row_lo, sink_tokens), s, float("-inf"))
             v = tl.load(v_blk + rel[:, None] * stride_vt + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
@@ -711,7 +722,7 @@ def _paged_attn_kernel(
                 else:
                     vs_off = blk * stride_vsb + row_in_blk * stride_vst
                 kcol, vcol = _fp8_column_scales(ks_head + ks_off, vs_head + vs_off, None, False, FP8_NATIVE)
-            s = _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, KV_FP8)
+            s = _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, KV_FP8, True)
             # Interior tiles (every key visible to every row) skip the per-element mask: at
             # 128 x 64 it is ~8 integer ops per score, as many issue slots as the exp2/max/sum.
             t_end = t0 + BLOCK_N
