@@ -36,9 +36,10 @@ _FLAG_NAMES = ("causal", "kv_start", "lse", "softcap")
 # step's own keys as two key sources of one launch (commit=False).
 OWN_CASES = ("chunk MAGI 24q/8kv", "chunk Wan split")
 # Cases also compiled with a float8_e4m3fn cache (bytes decoded in registers, per-key fp32
-# scales on the score and probability columns): decode (paged), prefill through the guarded
-# page path, and a slab chunk on the large-block path with the step's own keys (never fp8).
-FP8_CASES = ("decode 32q/8kv split", "prefill 32q/8kv page48", "chunk Wan split")
+# scales on the score and probability columns): decode (paged, and over 64-token pages on
+# the block loop), prefill through the guarded page path, and a slab chunk on the
+# large-block path with the step's own keys (never fp8).
+FP8_CASES = ("decode 32q/8kv split", "decode page64 split", "prefill 32q/8kv page48", "chunk Wan split")
 # Cases also compiled with RoPE on read (queries and keys rotated by table rows as loaded,
 # per-block position shifts): decode with half-split pairs, the slab chunk (own keys,
 # interleaved pairs as Wan's); with an fp8 cache too under --all-variants.
