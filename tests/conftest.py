@@ -23,6 +23,24 @@ def seed():
     return 1234
 
 
+@pytest.fixture
+def launched(monkeypatch):
+    """The constexprs of every attention launch of the test, in order: a spy on the one
+    function that builds them (``paged_attention._attn_constexprs``)."""
+    import kvarena.kernels.paged_attention as pa
+
+    seen = []
+    real = pa._attn_constexprs
+
+    def spy(*args, **kwargs):
+        meta = real(*args, **kwargs)
+        seen.append(meta)
+        return meta
+
+    monkeypatch.setattr(pa, "_attn_constexprs", spy)
+    return seen
+
+
 # The slowest modules first: under `pytest -n 2 --dist loadfile` (the README's command) a
 # module runs whole on one worker, so a 2-minute module scheduled last would run alone on
 # its core while the other idles. Order only; what runs is unchanged.

@@ -253,24 +253,9 @@ def test_head_dim_stride_beyond_int32():
 # ------------------------------------------------------------------- large-block contiguous path
 
 
-@pytest.fixture
-def large_path(monkeypatch):
-    """Records, per launch, whether the contiguous large-block path was compiled in."""
-    seen = []
-    real = pa._attn_constexprs
-
-    def spy(*args, **kwargs):
-        meta = real(*args, **kwargs)
-        seen.append(meta["LARGE_BLOCKS"])
-        return meta
-
-    monkeypatch.setattr(pa, "_attn_constexprs", spy)
-    return seen
-
-
 @gpu_test
 @pytest.mark.parametrize("num_splits", [1, 3, 7])
-def test_large_blocks_not_a_tile_multiple(num_splits, tiny_tiles, large_path):
+def test_large_blocks_not_a_tile_multiple(num_splits, tiny_tiles, launched):
     """Slab-like launches (non-causal, kv_start) over 70-row blocks (70 = 4 x 16 + 6): the
     block-outer loop with masked edge tiles and an unmasked interior run, split 1/3/7 ways
     (a split boundary can fall inside a block)."""
@@ -278,12 +263,12 @@ def test_large_blocks_not_a_tile_multiple(num_splits, tiny_tiles, large_path):
              dtype=torch.bfloat16)  # fp32 keeps the page path; 170 = 2 x 70 + 30 keys
     check(c, causal=False, num_splits=num_splits)
     check(c, causal=False, num_splits=num_splits, softcap=3.0)
-    assert large_path and all(large_path), "the launch did not take the large-block path"
+    assert launched and all(m["LARGE_BLOCKS"] for m in launched), "the launch did not take the large-block path"
 
 
 @gpu_test
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_large_blocks_pipelined_interior_loop(num_splits, monkeypatch, large_path):
+def test_large_blocks_pipelined_interior_loop(num_splits, monkeypatch, launched):
     """64-key tiles take the software-pipelined interior loop (tile j's softmax beside tile
     j + 1's Q.K^T): 330-row slabs (5 x 64 + 10), D = 24 padded to 32, GQA 3, kv_start, the
     lean slab launch (no softcap), split 1 and 4 ways (a split may start mid-run)."""
@@ -292,22 +277,22 @@ def test_large_blocks_pipelined_interior_loop(num_splits, monkeypatch, large_pat
     c = make([1000, 331, 70], [7, 5, 3], kv_start=[11, 0, 2], group=3, h_kv=2, head_dim=24, block_size=330,
              seed=26, dtype=torch.bfloat16)
     check(c, causal=False, num_splits=num_splits)
-    assert large_path and all(large_path), "the launch did not take the large-block path"
+    assert launched and all(m["LARGE_BLOCKS"] for m in launched), "the launch did not take the large-block path"
 
 
 @gpu_test
 @pytest.mark.parametrize(("window_left", "sink_tokens"), [(100, 75), (150, 3), (0, 0), (69, 140)])
-def test_large_blocks_windows_and_sinks_crossing_block_edges(window_left, sink_tokens, tiny_tiles, large_path):
+def test_large_blocks_windows_and_sinks_crossing_block_edges(window_left, sink_tokens, tiny_tiles, launched):
     """Decode rows (one position per sequence, no guard) with windows and sink ranges that
     start, end and cross inside 70-row blocks."""
     c = make([300, 150, 1, 71], [1, 1, 1, 1], group=4, h_kv=1, block_size=70, seed=12, dtype=torch.float16)
     for n in (1, 4):
         check(c, causal=True, window_left=window_left, sink_tokens=sink_tokens, num_splits=n)
-    assert large_path and all(large_path)
+    assert launched and all(m["LARGE_BLOCKS"] for m in launched)
 
 
 @gpu_test
-def test_deterministic_mode_keeps_one_path_whatever_the_batch(tiny_tiles, large_path, monkeypatch):
+def test_deterministic_mode_keeps_one_path_whatever_the_batch(tiny_tiles, launched, monkeypatch):
     """A decode row alone could take the large-block path, batched with a causal multi-row
     sequence the page path (the guard depends on the batch): the two tile orders would round
     differently on a GPU. Deterministic mode therefore always takes the page path, and a
@@ -319,7 +304,7 @@ def test_deterministic_mode_keeps_one_path_whatever_the_batch(tiny_tiles, large_
                  cu_seqlens_q=big["cu_seqlens_q"][:2], kv_start=None, max_seqlen_q=1)
     out_alone, lse_alone = check(alone, causal=True, deterministic=True)
     assert torch.equal(out_big[:1], out_alone) and torch.equal(lse_big[:1], lse_alone)
-    assert large_path and not any(large_path), "deterministic launches must not take the large-block path"
+    assert launched and not any(m["LARGE_BLOCKS"] for m in launched), "deterministic launches must not take the large-block path"
 
 
 # ------------------------------------------------------------------- one launch for a denoising step

@@ -25,21 +25,6 @@ from kvarena.attention import AttentionSpec
 pytestmark = pytest.mark.interpreter
 
 
-@pytest.fixture
-def launched(monkeypatch):
-    """The constexprs of every attention launch of the test, in order."""
-    seen = []
-    real = pa._attn_constexprs
-
-    def spy(*args, **kwargs):
-        meta = real(*args, **kwargs)
-        seen.append(meta)
-        return meta
-
-    monkeypatch.setattr(pa, "_attn_constexprs", spy)
-    return seen
-
-
 def run(c, *, num_splits, **opts):
     """The kernel's (out, lse) on a case, checked against the fp64 oracle."""
     spec = dict(dict(causal=True, window_left=None, sink_tokens=0, softcap=None), **opts)
