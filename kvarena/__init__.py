@@ -7,9 +7,7 @@ imports triton.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from kvarena._lazy import lazy_names
 from kvarena._version import __version__
 
 _EXPORTS = {
@@ -40,14 +38,4 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvarena' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, globals())

@@ -8,8 +8,7 @@ Names are resolved lazily (PEP 562), so importing a submodule (the arena reads
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from kvarena._lazy import lazy_names
 
 _EXPORTS = {
     "AttentionSpec": "kvarena.attention.spec",
@@ -21,16 +20,4 @@ _EXPORTS = {
 __all__ = ["AttentionSpec", "paged_attention", "store_kv", "merge_attention_states", "reference"]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "reference":
-        return importlib.import_module("kvarena.attention.reference")
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvarena.attention' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, globals(), submodules=("reference",))
