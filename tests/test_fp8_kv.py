@@ -356,6 +356,29 @@ def test_bf16_queries_outside_fp16_range(gain_log2, bs, q_len) -> None:
     assert_close(out, ref, torch.bfloat16, f"bf16 queries x 2**{gain_log2} on fp8 keys")
 
 
+@pytest.mark.parametrize("bad", ["inf", "2**120", "nan"])
+def test_one_extreme_query_row_leaves_the_others_exact(bad) -> None:
+    """fp16 dots scale a bf16 query tile by one power of two: an inf, NaN or huge (2**120,
+    past fp16 even at 2**-100) element of one query head must not move the other heads'
+    rows, which share the tile (GQA 4: the four heads of a token); that row itself gives
+    what the reference gives (non-finite for inf/NaN, finite for 2**120)."""
+    c = _paged_fp8_case([70], [1], dtype=torch.bfloat16, group=4, d=32, bs=16, seed=13, device=device_for(TRITON))
+    q = c["q"].clone()
+    q[0, 1, 3] = {"inf": float("inf"), "2**120": 2.0**120, "nan": float("nan")}[bad]
+    kd, vd = (dequantize_fp8(c["kc"], c["ks"], torch.float64), dequantize_fp8(c["vc"], c["vs"], torch.float64))
+    ref = paged_attention_ref(q.cpu().double(), kd.cpu(), vd.cpu(), c["table"].cpu(), c["lens"].cpu(),
+                              c["cu"].cpu(), spec=AttentionSpec())
+    out = paged_attention(q, c["kc"], c["vc"], c["table"], c["lens"], c["cu"], k_scale=c["ks"], v_scale=c["vs"],
+                          backend="triton")
+    others = [0, 2, 3, 4, 5, 6, 7]  # query heads 0, 2-7 (head 1 holds the extreme element)
+    assert_close(out[:, others], ref[:, others], torch.bfloat16, f"heads beside a {bad} query element")
+    if bad == "2**120":
+        assert torch.isfinite(out[:, 1]).all(), f"the 2**120 row: {out[0, 1, :4].tolist()}"
+        assert_close(out[:, 1], ref[:, 1], torch.bfloat16, "the 2**120 row")
+    else:
+        assert not torch.isfinite(out[:, 1]).any(), f"the {bad} row: {out[0, 1, :4].tolist()}"
+
+
 def test_short_context_fp8_decode() -> None:
     """B=1 fp8 decode at 1100 keys (the 32-key short-context tile, split one per tile)
     equals attention over the stored values."""

@@ -58,23 +58,26 @@ def _fp8e4m3_decode(b):
 
 @triton.jit
 def _f16_queries(q, UPCAST: tl.constexpr):
-    """A query tile for fp16 dots against fp8 keys, and the gain that undoes its scaling.
+    """A query tile for fp16 dots against fp8 keys, and the per-row gains that undo its scaling.
 
     e4m3 values (and their shift decode) are exact in fp16, whose conversion takes one
     instruction per two elements where bf16's takes about four. bf16 queries may lie outside
-    fp16's range, so the tile is scaled by a power of two that puts its largest magnitude in
-    [2**14, 2**15): in range, with 2**28 of headroom below it before fp16 subnormals. The
-    scores are the raw dots times ``gain`` (exact: a power of two). NaN and inf stay what
-    they are. Under ``UPCAST`` (the interpreter) the rounded tile is widened back to fp32.
+    fp16's range, so each row is scaled by the power of two that puts its largest finite
+    magnitude in [2**14, 2**15): in range, with 2**38 below it before fp16's subnormals end.
+    Row by row, so rows of very different sizes (the heads of a GQA group, the tokens of a
+    chunk) each keep their bits, and a row holding inf or NaN moves no other row. The
+    scores of row m are its raw dots times ``gain[m]`` (exact: a power of two, within
+    2**+-126, which covers every finite bf16 and fp32 value). Under ``UPCAST`` (the
+    interpreter) the rounded tile is widened back to fp32.
     """
     qf = q.to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(qf), 1), 0)
+    a = tl.abs(qf)
+    amax = tl.max(tl.where(a < float("inf"), a, 0.0), 1)  # [BLOCK_M], finite values only (NaN: False)
     ex = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(amax)), normal amax
-    sh = tl.minimum(tl.maximum(ex - 14, -100), 100)
+    sh = tl.minimum(tl.maximum(ex - 14, -126), 126)
     down = ((127 - sh) << 23).to(tl.float32, bitcast=True)  # 2**-sh
     gain = ((127 + sh) << 23).to(tl.float32, bitcast=True)  # 2**sh
-    q16 = (qf * down).to(tl.float16)
+    q16 = (qf * down[:, None]).to(tl.float16)
     if UPCAST:
         q16 = q16.to(tl.float32)
     return q16, gain
-

@@ -104,10 +104,10 @@ def _tanh(x):
 
 @triton.jit
 def _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP: tl.constexpr, FP8: tl.constexpr,
-            FOLD: tl.constexpr):
+            FOLD: tl.constexpr, ROWS: tl.constexpr):
     # [BLOCK_M, BLOCK_N] fp32 scores in the exp2 domain (fp32 inputs: full IEEE dots).
     return _scale_scores(tl.dot(q, kt, input_precision="ieee"), kcol, scale_log2, softcap_inv, softcap_log2,
-                         HAS_SOFTCAP, FP8, FOLD)
+                         HAS_SOFTCAP, FP8, FOLD, ROWS)
 
 
 @triton.jit
@@ -263,28 +263,35 @@ def _load_tile(blk, rel, stride_t, d, d_ok, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD
 
 @triton.jit
 def _scale_scores(s, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP: tl.constexpr, FP8: tl.constexpr,
-                  FOLD: tl.constexpr):
+                  FOLD: tl.constexpr, ROWS: tl.constexpr):
     """Raw dot scores in the exp2 domain: the fp8 key scales on the columns, then softcap or scale.
 
     fp8 keys: the dot ran on the widened bytes (exact in its dtype; value / 256 after the
     shift decode) and the per-key scale ``kcol`` (times 256 there) multiplies each fp32 score
-    column. ``FOLD`` (the page loop) multiplies by one column factor, the key's scale times
-    the softmax scale (or softcap's), one multiply per score fewer; the block loop keeps two,
-    since folding spills the Wan chunk with an fp8 history beside its own keys (Triton 3.9:
-    16 B at 255 registers).
+    column. ``FOLD`` (the page loop) multiplies by one factor per score, the key's scale
+    times the softmax scale (or softcap's); the block loop keeps two multiplies, since
+    folding spills the Wan chunk with an fp8 history beside its own keys (Triton 3.9: 16 B
+    at 255 registers). ``ROWS``: ``scale_log2`` and ``softcap_inv`` are per query row
+    ``[BLOCK_M]`` (the fp16 dots' row gains folded in, :func:`_f16_queries`), else scalars.
     """
+    if ROWS:
+        sc = scale_log2[:, None]
+        ci = softcap_inv[:, None]
+    else:
+        sc = scale_log2
+        ci = softcap_inv
     if FP8 and FOLD:
         if HAS_SOFTCAP:
-            s = softcap_log2 * _tanh(s * (kcol * softcap_inv)[None, :])
+            s = softcap_log2 * _tanh(s * (kcol[None, :] * ci))
         else:
-            s = s * (kcol * scale_log2)[None, :]
+            s = s * (kcol[None, :] * sc)
     else:
         if FP8:
             s = s * kcol[None, :]
         if HAS_SOFTCAP:
-            s = softcap_log2 * _tanh(s * softcap_inv)
+            s = softcap_log2 * _tanh(s * ci)
         else:
-            s = s * scale_log2
+            s = s * sc
     return s
 
 
@@ -307,14 +314,14 @@ def _interior_pipelined(q, k_blk, v_blk, j_lo, n_tiles, m_i, l_i, acc, stride_kt
         s_raw = tl.dot(q, _load_tile(k_blk, rel, stride_kt, d, d_ok, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST),
                        input_precision="ieee")
         for _ in range(0, n_tiles - 1):
-            s = _scale_scores(s_raw, None, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, False, False)
+            s = _scale_scores(s_raw, None, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, False, False, False)
             m_i, l_i, alpha, pr = _online_probs(s, m_i, l_i)
             kt = _load_tile(k_blk, rel + BLOCK_N, stride_kt, d, d_ok, HEAD_DIM, HEAD_DIM_PAD, True, UPCAST)
             s_raw = tl.dot(q, kt, input_precision="ieee")
             v = _load_tile(v_blk, rel, stride_vt, d, d_ok, HEAD_DIM, HEAD_DIM_PAD, False, UPCAST)
             acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
             rel += BLOCK_N
-        s = _scale_scores(s_raw, None, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, False, False)
+        s = _scale_scores(s_raw, None, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, False, False, False)
         m_i, l_i, alpha, pr = _online_probs(s, m_i, l_i)
         v = _load_tile(v_blk, rel, stride_vt, d, d_ok, HEAD_DIM, HEAD_DIM_PAD, False, UPCAST)
         acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
@@ -329,7 +336,7 @@ def _block_tiles(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     GUARD: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr,
     FP8_NATIVE: tl.constexpr, cos_ptr, sin_ptr, stride_rp, n_pos, rshift, ROPE: tl.constexpr,
-    PIPELINE: tl.constexpr = True,
+    ROWS: tl.constexpr, PIPELINE: tl.constexpr = True,
 ):
     """``n_tiles`` key tiles of one large block from tile ``j_lo``, at rows ``j * BLOCK_N``.
 
@@ -354,7 +361,7 @@ def _block_tiles(
             q, k_blk, v_blk, ks_blk, vs_blk, blk_start, j_lo, n_tiles, gap_at, gap_len, m_i, l_i, acc, bad_w,
             key_lo, key_hi, row_hi, row_lo, sink_tokens, stride_kt, stride_vt, stride_kst, stride_vst, scale_log2,
             softcap_inv, softcap_log2, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, MASKED, GUARD, HAS_SOFTCAP, UPCAST, FP8,
-            FP8_NATIVE, cos_ptr, sin_ptr, stride_rp, n_pos, rshift, ROPE)
+            FP8_NATIVE, cos_ptr, sin_ptr, stride_rp, n_pos, rshift, ROPE, ROWS)
     return m_i, l_i, acc, bad_w
 
 
@@ -366,6 +373,7 @@ def _block_tiles_loop(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     GUARD: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr,
     FP8_NATIVE: tl.constexpr, cos_ptr, sin_ptr, stride_rp, n_pos, rshift, ROPE: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     """:func:`_block_tiles`' loop, one tile after the other (masked tiles, fp8, RoPE)."""
     d = tl.arange(0, HEAD_DIM_PAD)
@@ -397,7 +405,7 @@ def _block_tiles_loop(
         if FP8:
             kcol, vcol = _fp8_column_scales(ks_blk + rel * stride_kst, vs_blk + rel * stride_vst,
                                             key_ok if MASKED else None, MASKED, FP8_NATIVE)
-        s = _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, FP8, False)
+        s = _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, FP8, False, ROWS)
         if MASKED:
             s = tl.where(key_ok[None, :] & sees(t, row_hi, row_lo, sink_tokens), s, float("-inf"))
             v = tl.load(v_blk + rel[:, None] * stride_vt + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
@@ -556,7 +564,7 @@ def _paged_attn_kernel(
     # fp8 caches under bf16 queries take fp16 dots (the fp8 tiles widen to fp16 at a quarter
     # of bf16's cost); the own keys are bf16, so a launch with them keeps bf16 dots.
     F16_DOTS: tl.constexpr = KV_FP8 and (not HAS_OWN) and q_ptr.dtype.element_ty == tl.bfloat16
-    if F16_DOTS:
+    if F16_DOTS:  # the scales become per row [BLOCK_M]: each row's gain folded in
         q, q_gain = _f16_queries(q, UPCAST)
         scale_log2 = scale_log2 * q_gain
         softcap_inv = softcap_inv * q_gain
@@ -629,13 +637,13 @@ def _paged_attn_kernel(
                         l_i, acc, bad_w, r_lo, key_hi, row_hi, row_lo, sink_tokens, stride_kt, stride_vt,
                         stride_kst, stride_vst, scale_log2, softcap_inv, softcap_log2,
                         HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, KV_FP8, FP8_NATIVE,
-                        cos_ptr, sin_ptr, stride_rp, n_pos, rshift, ROPE)
+                        cos_ptr, sin_ptr, stride_rp, n_pos, rshift, ROPE, F16_DOTS)
                     m_i, l_i, acc, bad_w = _block_tiles(
                         q, k_blk, v_blk, ks_blk, vs_blk, bs0, f_a, f_b - f_a, 0, 0, m_i, l_i, acc,
                         bad_w, r_lo, key_hi, row_hi, row_lo, sink_tokens, stride_kt, stride_vt,
                         stride_kst, stride_vst, scale_log2, softcap_inv, softcap_log2,
                         HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, KV_FP8, FP8_NATIVE,
-                        cos_ptr, sin_ptr, stride_rp, n_pos, rshift, ROPE)
+                        cos_ptr, sin_ptr, stride_rp, n_pos, rshift, ROPE, F16_DOTS)
         if HAS_OWN:
             # Same online softmax, second key source: full tiles unmasked, the last partial
             # tile masked to own_len rows (cum == tiles of the history here).
@@ -653,13 +661,13 @@ def _paged_attn_kernel(
                     bad_w, 0, own_len, all_rows_hi, no_lo, 0, stride_own_kt, stride_own_vt, 0, 0,
                     scale_log2, softcap_inv, softcap_log2,
                     HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, False, False,
-                    cos_ptr, sin_ptr, stride_rp, n_pos, rope_q0, ROPE, False)  # a 2nd pipelined loop spills
+                    cos_ptr, sin_ptr, stride_rp, n_pos, rope_q0, ROPE, False, False)  # a 2nd pipelined loop spills
                 m_i, l_i, acc, bad_w = _block_tiles(
                     q, k_blk, v_blk, None, None, 0, f_b, jb - f_b, jb, 0, m_i, l_i, acc,
                     bad_w, 0, own_len, all_rows_hi, no_lo, 0, stride_own_kt, stride_own_vt, 0, 0,
                     scale_log2, softcap_inv, softcap_log2,
                     HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, False, False,
-                    cos_ptr, sin_ptr, stride_rp, n_pos, rope_q0, ROPE)
+                    cos_ptr, sin_ptr, stride_rp, n_pos, rope_q0, ROPE, False)
     else:
         for i in range(i_begin, i_end):
             in_sink = i < n_sink
@@ -722,7 +730,7 @@ def _paged_attn_kernel(
                 else:
                     vs_off = blk * stride_vsb + row_in_blk * stride_vst
                 kcol, vcol = _fp8_column_scales(ks_head + ks_off, vs_head + vs_off, None, False, FP8_NATIVE)
-            s = _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, KV_FP8, True)
+            s = _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, KV_FP8, True, F16_DOTS)
             # Interior tiles (every key visible to every row) skip the per-element mask: at
             # 128 x 64 it is ~8 integer ops per score, as many issue slots as the exp2/max/sum.
             t_end = t0 + BLOCK_N
