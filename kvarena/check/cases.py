@@ -49,8 +49,9 @@ ROPE_CASES = ("decode 32q/8kv split", "chunk Wan split")
 # address keys with int32 offsets).
 WIDE_CASES = ("decode 32q/8kv split",)
 # Cases also compiled over the short-context decode tile (32-key tiles: B = 1 at 1K-2K keys,
-# where 64-key tiles cannot fill a wave), with a bf16 and an fp8 cache.
-SHORT_CASES = ("decode 32q/8kv split",)
+# where 64-key tiles cannot fill a wave), with a bf16 and an fp8 cache: on 16-token pages
+# (the page loop) and on 64-token pages (the block loop, at 3 stages).
+SHORT_CASES = ("decode 32q/8kv split", "decode page64 split")
 # The contract's workloads for --perf (sinks 1 + window 3 for slab chunks): the launch
 # plan each gets, its grid and its wave efficiency. (name, head_dim, group, num_kv_heads,
 # num_seqs, q_len, k_len (cached keys), block_size, causal, own_len (the step's own keys,
