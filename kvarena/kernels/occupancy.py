@@ -50,8 +50,12 @@ def ctas_per_sm(capability: int, cfg: dict, elem_bytes: int) -> int:
 # Written by `kvarena check --perf --write-occupancy` (triton 3.9.0), plus by hand the keys
 # that only Triton < 3.9 launches (paged_attention._older_triton_config:
 # fp8 prefill on sm_90a with 32-key tiles), from triton 3.6.0 compiles: 1 CTA/SM each, the
-# value a missing key gets, so a rewrite under 3.9 that drops them changes nothing.
+# value a missing key gets, so a rewrite under 3.9 that drops them changes nothing. The
+# short-context tile over 64-token pages ((cap, 16, 32, 128, 4, 3, 2), 2 CTAs/SM: the fp8
+# variant's 200-208 registers) was added by hand from the `--perf` rows, the value the writer
+# gives it.
 CTAS_PER_SM: dict[tuple, int] = {
+    (80, 16, 32, 128, 4, 3, 2): 2,
     (80, 16, 32, 128, 4, 5, 2): 2,
     (80, 16, 32, 128, 8, 2, 4): 2,
     (80, 16, 32, 256, 4, 5, 2): 2,
@@ -64,6 +68,7 @@ CTAS_PER_SM: dict[tuple, int] = {
     (80, 64, 64, 128, 8, 2, 2): 1,
     (80, 128, 16, 128, 8, 2, 2): 1,
     (80, 128, 16, 128, 8, 3, 2): 1,
+    (90, 16, 32, 128, 4, 3, 2): 2,
     (90, 16, 32, 128, 4, 5, 2): 2,
     (90, 16, 32, 128, 8, 2, 4): 2,
     (90, 16, 32, 256, 4, 5, 2): 3,
