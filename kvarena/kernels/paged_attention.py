@@ -587,6 +587,11 @@ def _paged_attn_kernel(
     bad_w = tl.zeros([BLOCK_M], tl.float32)  # weight on visible non-finite values (GUARD_NONFINITE)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     n_off = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    # The page loop's K tiles (and RoPE partners): fp32 (FMA dots) loads K^T as such (the
+    # transposed tile spills at D = 256), and fp8 too (its bytes widen in registers either
+    # way; the transposed load costs 9 SASS more per tile under Triton 3.6, 2 fewer under
+    # 3.9); 16-bit K loads in V's [keys, dims] layout and is transposed.
+    K_AS_KT: tl.constexpr = k_ptr.dtype.element_ty == tl.float32 or KV_FP8
     # Power-of-two pages a key tile spans (tile starts are multiples of BLOCK_N).
     PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE if PAGE_SIZE > 0 and PAGE_SIZE < BLOCK_N else 1
 
@@ -701,10 +706,7 @@ def _paged_attn_kernel(
                 v_off = k_off
             else:
                 v_off = blk * stride_vb + row_in_blk * stride_vt
-            if k_ptr.dtype.element_ty == tl.float32 or KV_FP8:
-                # fp32 (FMA dots): K^T loaded as such (the transposed tile spills at D = 256);
-                # fp8 too: its bytes widen in registers either way, and the transposed load
-                # costs 9 SASS more per tile under Triton 3.6 (2 fewer under 3.9).
+            if K_AS_KT:
                 kt = tl.load(k_head + k_off[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
             elif HEAD_DIM == HEAD_DIM_PAD:
                 kt = tl.trans(tl.load(k_head + k_off[:, None] + d[None, :]))  # [HEAD_DIM_PAD, BLOCK_N]
@@ -713,7 +715,7 @@ def _paged_attn_kernel(
             kp = None
             kpos = tc
             if ROPE != 0:
-                if k_ptr.dtype.element_ty == tl.float32 or KV_FP8:  # as kt
+                if K_AS_KT:
                     kp = tl.load(k_head + k_off[None, :] + pd[:, None], mask=d_ok[:, None], other=0.0)
                 else:
                     kp = tl.trans(tl.load(k_head + k_off[:, None] + pd[None, :], mask=d_ok[None, :], other=0.0))
