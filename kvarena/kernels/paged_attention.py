@@ -954,14 +954,20 @@ def _short_context_config(cfg: dict) -> dict:
     return dict(cfg, BLOCK_N=32)
 
 
-def _wants_short_tiles(cfg: dict, programs: int, max_seqlen_k: int, max_tiles: int, sm_count: int,
+def _key_tiles(max_seqlen_k: int, block_n: int, has_sinks: bool) -> int:
+    """Most key tiles one program visits on the page path: the sink and window phases may
+    share a tile."""
+    return triton.cdiv(max(max_seqlen_k, 1), block_n) + (1 if has_sinks else 0)
+
+
+def _wants_short_tiles(cfg: dict, programs: int, max_seqlen_k: int, has_sinks: bool, sm_count: int,
                        capability: int, elem_bytes: int) -> bool:
     """Whether a decode launch (16-row tile over 64-key tiles) from 1K keys on cannot reach
     the target wave efficiency even at one split per key tile, so that 32-key tiles would."""
     if cfg["BLOCK_M"] != 16 or cfg["BLOCK_N"] != 64 or max_seqlen_k < _FULL_WAVE_MIN_KEYS:
         return False
     wave = sm_count * max(1, ctas_per_sm(capability, cfg, elem_bytes))
-    return programs * max_tiles < _TARGET_WAVE_EFFICIENCY * wave
+    return programs * _key_tiles(max_seqlen_k, cfg["BLOCK_N"], has_sinks) < _TARGET_WAVE_EFFICIENCY * wave
 
 
 def _older_triton_config(cfg: dict, capability: int, *, lean: bool, kv_fp8: bool, own: bool) -> dict:
@@ -971,8 +977,6 @@ def _older_triton_config(cfg: dict, capability: int, *, lean: bool, kv_fp8: bool
     128; every other config fits under both, and 3.9 keeps :func:`_pick_config`'s (the K/V
     buffers and loops tests/test_check.py asserts):
 
-    * (fp8 decode took 8 warps here until its dots ran in fp16: at 4 warps it now fits under
-      3.6 as well, 226 registers on sm_90a, 238 on sm_80, 246 / 254 with RoPE on read.)
     * guarded fp8 prefill on sm_90a (128 x 64, 2 stages, page path): 255 registers and 160 B
       spilled (3.9: 251, none); 32-key tiles: 240 (244 with softcap, sinks and kv_start).
     * own keys (two more pipelined loops after the history's) at 3 stages: MAGI 24q/8kv spills
@@ -1256,14 +1260,12 @@ def plan_launch(*, head_dim: int, group: int, elem_bytes: int, num_seqs: int, nu
     num_q_tiles = triton.cdiv(max_seqlen_q * group, cfg["BLOCK_M"])
     programs = num_q_tiles * num_seqs * num_kv_heads
     has_sinks = window_left is not None and sink_tokens > 0
-    # Most key tiles one program can visit: the sink and window phases may share a tile;
-    # on the large-block path tiles restart at every block start.
-    max_tiles = triton.cdiv(max(max_seqlen_k, 1), cfg["BLOCK_N"]) + (1 if has_sinks else 0)
     if num_splits is None and not deterministic and not rope and _wants_short_tiles(
-            cfg, programs, max_seqlen_k, max_tiles, sm_count, capability, elem_bytes):
+            cfg, programs, max_seqlen_k, has_sinks, sm_count, capability, elem_bytes):
         cfg = _short_context_config(cfg)
-        max_tiles = triton.cdiv(max(max_seqlen_k, 1), cfg["BLOCK_N"]) + (1 if has_sinks else 0)
     block_n = cfg["BLOCK_N"]
+    # On the large-block path tiles restart at every block start (below).
+    max_tiles = _key_tiles(max_seqlen_k, block_n, has_sinks)
     large = _use_large_blocks(block_size, block_n, large_ok, guard, elem_bytes)
     cfg = _path_config(cfg, large)
     if large:
