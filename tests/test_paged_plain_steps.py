@@ -60,6 +60,7 @@ def test_plain_path_equals_the_full_plan_under_random_operations(groups):
     for pool in (fast, ref):
         pool.plan({ns: 1 + i for i, ns in enumerate(live)})  # staggered lengths
     made = len(live)
+    lens = {ns: 1 + i for i, ns in enumerate(live)}  # an independent model of the lengths
     for step in range(160):
         op = rnd.random()
         if op < 0.06 and len(live) < 10:
@@ -68,6 +69,7 @@ def test_plain_path_equals_the_full_plan_under_random_operations(groups):
             for pool in (fast, ref):
                 pool.fork(src, dst)
             live.append(dst)
+            lens[dst] = lens[src]
         elif op < 0.10:
             ns = rnd.choice(live)
             n = max(0, fast.seq_len(ns) - rnd.randint(0, 3))
@@ -77,10 +79,12 @@ def test_plain_path_equals_the_full_plan_under_random_operations(groups):
                 continue
             for pool in (fast, ref):
                 pool.truncate(ns, n)
+            lens[ns] = n
         elif op < 0.12 and len(live) > 3:
             ns = live.pop(rnd.randrange(len(live)))
             for pool in (fast, ref):
                 pool.free_namespace(ns)
+            del lens[ns]
         elif op < 0.14:
             ns = rnd.choice(live)
             assert fast.allocate(ns, 1) == ref.allocate(ns, 1)
@@ -89,8 +93,12 @@ def test_plain_path_equals_the_full_plan_under_random_operations(groups):
             if not batch:
                 continue
             m_fast, m_ref = fast.plan(batch), ref.plan(batch)
+            for ns, n in batch.items():
+                lens[ns] += n
+            assert m_fast.seq_lens.tolist() == [lens[ns] for ns in batch], step
             _same_meta(m_fast, m_ref)
             fast.check_metadata(m_fast)
+        assert [fast.seq_len(ns) for ns in live] == [lens[ns] for ns in live], step
         assert _state(fast) == _state(ref), step
         assert _table_rows(fast) == _table_rows(ref), step
 
@@ -112,6 +120,45 @@ def test_a_decode_step_where_only_some_rows_cross_a_block():
         for b, ns in enumerate(names):
             ids = pool.block_ids(ns)
             assert meta.block_table[b, : len(ids)].tolist() == ids
+
+
+@pytest.mark.parametrize("order", ["creation order", "reversed", "a subset out of order"])
+def test_a_decode_step_in_any_row_order_reads_each_namespaces_blocks(order):
+    """Rows planned in the order they were made take the fast table view; any other order
+    gathers the table. Both must give row b its namespace's blocks, length and slot."""
+    names = [f"s{i}" for i in range(7)]
+    pick = {"creation order": names, "reversed": names[::-1], "a subset out of order": names[5:1:-2] + names[:1]}
+    pool = _pool(groups=True)
+    pool.plan({ns: 2 + 3 * i for i, ns in enumerate(names)})
+    for _ in range(2 * BS + 1):  # across block ends and window releases
+        batch = dict.fromkeys(pick[order], 1)
+        olds = [pool.seq_len(ns) for ns in batch]
+        meta = pool.plan(batch)
+        assert meta.seq_lens.tolist() == [o + 1 for o in olds]
+        for g in range(3):
+            for b, (ns, old) in enumerate(zip(batch, olds)):
+                ids = pool.block_ids(ns, g)
+                assert meta.block_tables[g][b, : len(ids)].tolist() == [max(i, 0) for i in ids], (ns, g)
+                assert meta.slot_mappings[g][b].item() == ids[old // BS] * BS + old % BS, (ns, g)
+
+
+def test_metadata_of_other_namespaces_outlives_later_plans():
+    """A plan's block table may be a view of the pool's table: later plans of OTHER
+    namespaces (new blocks, window releases, new rows and columns, frees) must not change
+    what it reads."""
+    pool = _pool(groups=True, blocks=2000)
+    first = [f"a{i}" for i in range(3)]
+    pool.plan({ns: 5 + i for i, ns in enumerate(first)})
+    meta = pool.plan(dict.fromkeys(first, 1))
+    tables, lens = [t.clone() for t in meta.block_tables], meta.seq_lens.clone()
+    for step in range(40):  # others grow past the table's rows and columns, release, are freed
+        batch = {f"b{i}": 1 + 3 * (step % 4) for i in range(step % 7 + 1)}
+        pool.plan(batch)
+        if step % 9 == 8:
+            pool.free_namespace(f"b{step % 5}")
+    assert pool.table.shape[1] > 3 and pool.table.shape[2] > tables[0].shape[1]
+    pool.check_metadata(meta)  # still current
+    assert all(torch.equal(t, c) for t, c in zip(meta.block_tables, tables)) and torch.equal(meta.seq_lens, lens)
 
 
 def test_fork_makes_the_next_append_copy_the_shared_last_block():

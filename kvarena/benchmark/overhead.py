@@ -16,6 +16,10 @@ Rows
     One layer's ``forward`` (store + attend), timed call by call. On CPU this includes
     the PyTorch path's arithmetic; on CUDA the calls are not synchronized one by one, so
     it is the host time to issue them (launches are asynchronous).
+``paged.plan (decode step, ops stubbed)``
+    The same plans, timed between the stubbed forwards below: on CUDA a layer's
+    arithmetic runs on the device, so the host's caches hold what the host touched; on
+    CPU the plain row's forwards run the attention on the host first and evict them.
 ``*.forward, ops stubbed``
     The same call with the pool module's ``store_kv`` / ``paged_attention`` /
     ``attend`` replaced by stubs that return at once: the pool's own
@@ -227,10 +231,13 @@ def _paged(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]
         _row("paged.forward (per layer)", batch, device, t_fwd,
              f"store + attend, up to {pool.seq_len(names[0])} keys/seq"),
     ]
+    t_plan_host = []
     try:
         with _patched("kvarena.cache.paged.local", store=_stub_store, attend=_stub_attention):
-            decode(None, t_stub)
+            decode(t_plan_host, t_stub)
         rows.append(_row("paged.forward, ops stubbed", batch, device, t_stub, "the pool's own Python"))
+        rows.append(_row("paged.plan (decode step, ops stubbed)", batch, device, t_plan_host,
+                         "between the stubbed forwards: no attention arithmetic on this host"))
     except Exception as exc:
         rows.append(_skipped("paged.forward, ops stubbed", batch, device, _reason(exc)))
 

@@ -5,18 +5,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
-from operator import attrgetter
+from operator import add
 
 import torch
 
 from kvarena.attention.batch import KeySet, QueryRows
 from kvarena.cache._meta import upload
 from kvarena.cache.paged.meta import GraphBuffers, PagedMetadata
-from kvarena.cache.paged.table import SeqRecord
+from kvarena.cache.paged.table import BatchRows, SeqRecord
 
 __all__ = ["StepRows", "graph_meta", "packed_meta", "padded_meta"]
 
-_ROW = attrgetter("row")
 #: Up to this many slots (rows times layer groups) a decode step's slots are computed on
 #: the host from the records (one list comprehension per group, in the upload); past it a
 #: gather on the device costs less (measured on CPU: 1 group x 256 rows host, 6 x 256 device).
@@ -25,12 +24,11 @@ _HOST_SLOTS = 1024
 
 @dataclass(frozen=True)
 class StepRows:
-    """The planned batch on the host: its namespaces and new-token counts, their records
-    and lengths before and after the step."""
+    """The planned batch on the host: its namespaces (records, table rows) and new-token
+    counts, their lengths before and after the step."""
 
-    namespaces: tuple
+    batch: BatchRows
     news: tuple
-    seqs: list[SeqRecord]
     old_lens: list[int]
     lens: list[int]
     #: max(lens)
@@ -43,8 +41,16 @@ class StepRows:
     slow: list[int]
 
     @property
+    def namespaces(self) -> tuple:
+        return self.batch.names
+
+    @property
+    def seqs(self) -> tuple[SeqRecord, ...]:
+        return self.batch.records
+
+    @property
     def versions(self) -> tuple:
-        return (self.version,) * len(self.seqs)
+        return (self.version,) * len(self.news)
 
 
 @dataclass(frozen=True)
@@ -66,10 +72,15 @@ def _keys(tables, seq_lens, max_k: int) -> tuple:
 
 def _host_slots(pool, step: StepRows, groups: int) -> list[int]:
     """The slots of a decode step (one new token a row, at its old length), group by group."""
-    bs, seqs, olds = pool.block_size, step.seqs, step.old_lens
+    bs, seqs, olds, batch = pool.block_size, step.seqs, step.old_lens, step.batch
+    first, n = batch.first, len(olds)
     out = []
     for g in range(groups):
-        slots = [s.bases[g] + pos for s, pos in zip(seqs, olds)]
+        bases = pool._table.state.bases[g]
+        if batch.consecutive:
+            slots = list(map(add, bases[first : first + n], olds))
+        else:
+            slots = [bases[r] + pos for r, pos in zip(batch.rows, olds)]
         for i in step.slow:
             pos = olds[i]
             slots[i] = seqs[i].blocks[g][pos // bs] * bs + pos % bs
@@ -82,17 +93,29 @@ def _gather(pool, step: StepRows) -> _Gathered:
     seqs, news = step.seqs, step.news
     nseq = len(seqs)
     total_q = sum(news)
-    table = pool._table.data[:, :, : step.max_blocks]
-    groups = table.shape[0]
+    groups = pool._ngroups
     decode = total_q == nseq  # one new token a row: its position is the row's old length
     host = decode and dt is torch.int32 and groups * nseq <= _HOST_SLOTS  # the slots from the records
-    # One upload: rows | seq_lens | cu_seqlens_q | slots (host) or old lengths.
-    cu = range(nseq + 1) if decode else accumulate(news, initial=0)
+    # Rows r0, r0 + 1, .. (namespaces planned in the order they were made): the step's table is
+    # a view of the persistent one, with no gather and no upload of the rows.
+    batch = step.batch
+    consecutive, first = batch.consecutive, batch.first
+    # One upload: rows (unless consecutive) | seq_lens | cu_seqlens_q (unless decode) |
+    # slots (host) or old lengths.
+    head = () if consecutive else batch.rows
+    cu = () if decode else accumulate(news, initial=0)
     tail = _host_slots(pool, step, groups) if host else step.old_lens
-    packed = upload([*map(_ROW, seqs), *step.lens, *cu, *tail], torch.int32, dev)
-    parts = packed.split((nseq, nseq, nseq + 1) + ((nseq,) * groups if host else (nseq,)))
-    rows, seq_lens, cu_t, tail_t = parts[:4]
-    table = table.index_select(1, rows)  # [G, B, max_blocks]
+    packed = upload([*head, *step.lens, *cu, *tail], torch.int32, dev)
+    sizes = (len(head), nseq, 0 if decode else nseq + 1) + ((nseq,) * groups if host else (nseq,))
+    parts = packed.split_with_sizes(sizes)  # (Tensor.split's Python wrapper costs twice as much)
+    rows_t, seq_lens, cu_t = parts[:3]
+    if decode:
+        cu_t = pool._table.iota(nseq + 1)
+    if consecutive:
+        table = pool._table.data[:, first : first + nseq, : step.max_blocks]  # [G, B, max_blocks]
+    else:
+        table = pool._table.data[:, :, : step.max_blocks].index_select(1, rows_t)
+    tail_t = parts[3]
     if host:
         return _Gathered(table, parts[3:], seq_lens, cu_t, total_q, step.longest)
     # Slot of every new token: token i of row b sits at position old_len[b] + i - cu[b] and
@@ -151,7 +174,7 @@ def padded_meta(pool, step: StepRows, pad_to: int) -> PagedMetadata:
     nseq = len(step.seqs)
     lens, news = step.lens, step.news
     total_q = nseq * pad_to
-    packed = upload([*map(_ROW, step.seqs), *lens, *step.old_lens, *news], torch.int32, dev)
+    packed = upload([*step.batch.rows, *lens, *step.old_lens, *news], torch.int32, dev)
     rows, seq_lens = packed[:nseq], packed[nseq : 2 * nseq]
     olds, new_t = packed[2 * nseq : 3 * nseq].long(), packed[3 * nseq :].long()
     # At least one column: a batch of padding only (no row holds a token) still indexes it.

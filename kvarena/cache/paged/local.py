@@ -10,9 +10,10 @@ one is dereferenced).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Hashable
 from itertools import compress, count
-from operator import add, attrgetter, gt
+from operator import add, gt
 
 import torch
 
@@ -28,7 +29,22 @@ from kvarena.cache.paged.table import FREED, cdiv
 
 __all__ = ["LocalSteps", "check_call"]
 
-_SEQ_LEN, _LIMIT = attrgetter("seq_len"), attrgetter("limit")
+
+
+def _take_rows(arr, batch) -> list:
+    """``arr``'s entries at the batch's rows, in its order."""
+    if batch.consecutive:
+        return arr[batch.first : batch.first + len(batch.rows)].tolist()
+    return [arr[r] for r in batch.rows]
+
+
+def _put_rows(arr, batch, values) -> None:
+    """``arr[rows[i]] = values[i]`` for the batch's rows."""
+    if batch.consecutive:
+        arr[batch.first : batch.first + len(batch.rows)] = array("q", values)
+    else:
+        for r, x in zip(batch.rows, values):
+            arr[r] = x
 
 
 class LocalSteps:
@@ -79,18 +95,22 @@ class LocalSteps:
         nothing; call under the lock) and flush the table: the step's rows, not yet gathered.
 
         A sequence whose new tokens end within its record's ``limit`` (most rows of a decode
-        step) is a plain append: only its length and version change. The others are
-        counted, released and taken in full (:meth:`WindowRules.count`)."""
+        step) is a plain append: only its length and version change, written into the
+        table's row arrays. The others are counted, released and taken in full
+        (:meth:`WindowRules.count`)."""
         pool = self.pool
-        recs = list(map(pool._seqs.get, names))
-        if None in recs or 0 in news:
+        table = pool._table
+        batch = table.rows_of(names, pool._seqs)
+        recs = batch.records
+        if batch.generation < 0 or 0 in news:
             olds = [0 if r is None else r.seq_len for r in recs]
             ends = list(map(add, olds, news))
             slow = [i for i, (r, e, n) in enumerate(zip(recs, ends, news)) if r is None or not n or e > r.limit]
         else:
-            olds = list(map(_SEQ_LEN, recs))
+            st = table.state
+            olds = _take_rows(st.lens, batch)
             ends = list(map(add, olds, news))
-            slow = list(compress(count(), map(gt, ends, map(_LIMIT, recs))))
+            slow = list(compress(count(), map(gt, ends, _take_rows(st.limit, batch))))
         longest = max(ends)
         max_blocks = cdiv(longest, pool.block_size)
         rest = [(names[i], news[i]) for i in slow]
@@ -110,17 +130,18 @@ class LocalSteps:
         if rest:
             self._release(needs, version)
             self._take(rest, needs)
-            for i in slow:
-                recs[i] = pool._seqs[names[i]]
-        for r, e in zip(recs, ends):
-            r.seq_len = e
-            r.version = version
+        if batch.generation < 0:  # records and rows made just now
+            batch = table.rows_of(names, pool._seqs)
+            recs = batch.records
+        st = table.state
+        _put_rows(st.lens, batch, ends)
+        _put_rows(st.version, batch, (version,) * len(ends))
         if rest:
             refs, refresh = pool.allocator._ref, pool._windows.refresh
             for i in slow:
                 refresh(recs[i], refs)
-        pool._table.flush()
-        return StepRows(names, news, recs, olds, ends, longest, max_blocks, version, slow)
+        table.flush()
+        return StepRows(batch, news, olds, ends, longest, max_blocks, version, slow)
 
     def _release(self, needs: StepNeeds, version: int) -> None:
         """The step's out-of-window blocks back to the allocator (even if a shared allocator

@@ -24,7 +24,10 @@ class PagedMetadata:
         layer group 0.
     block_table : Tensor, int32 ``[num_seqs, max_blocks]``
         Blocks of each sequence in logical order (entries past a sequence's blocks are
-        padding and never read), in layer group 0.
+        padding and never read), in layer group 0. Read-only: when the rows were planned in
+        the order their namespaces were made it is a view of the pool's persistent table
+        (row stride ``table.shape[2]``), which later plans write in place in their own
+        namespaces' rows only.
     slot_mappings, block_tables : tuple of Tensor
         The same per layer group (views of one ``[G, ...]`` tensor each; one entry for an
         ungrouped layout, ``slot_mapping`` / ``block_table`` themselves).
