@@ -73,14 +73,9 @@ def _keys(tables, seq_lens, max_k: int) -> tuple:
 def _host_slots(pool, step: StepRows, groups: int) -> list[int]:
     """The slots of a decode step (one new token a row, at its old length), group by group."""
     bs, seqs, olds, batch = pool.block_size, step.seqs, step.old_lens, step.batch
-    first, n = batch.first, len(olds)
     out = []
     for g in range(groups):
-        bases = pool._table.state.bases[g]
-        if batch.consecutive:
-            slots = list(map(add, bases[first : first + n], olds))
-        else:
-            slots = [bases[r] + pos for r, pos in zip(batch.rows, olds)]
+        slots = list(map(add, batch.take(pool._table.state.bases[g]), olds))
         for i in step.slow:
             pos = olds[i]
             slots[i] = seqs[i].blocks[g][pos // bs] * bs + pos % bs

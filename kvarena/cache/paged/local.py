@@ -10,7 +10,6 @@ one is dereferenced).
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Hashable
 from itertools import compress, count
 from operator import add, gt
@@ -28,23 +27,6 @@ from kvarena.cache.paged.planner import StepNeeds, check_batch
 from kvarena.cache.paged.table import FREED, cdiv
 
 __all__ = ["LocalSteps", "check_call"]
-
-
-
-def _take_rows(arr, batch) -> list:
-    """``arr``'s entries at the batch's rows, in its order."""
-    if batch.consecutive:
-        return arr[batch.first : batch.first + len(batch.rows)].tolist()
-    return [arr[r] for r in batch.rows]
-
-
-def _put_rows(arr, batch, values) -> None:
-    """``arr[rows[i]] = values[i]`` for the batch's rows."""
-    if batch.consecutive:
-        arr[batch.first : batch.first + len(batch.rows)] = array("q", values)
-    else:
-        for r, x in zip(batch.rows, values):
-            arr[r] = x
 
 
 class LocalSteps:
@@ -108,9 +90,9 @@ class LocalSteps:
             slow = [i for i, (r, e, n) in enumerate(zip(recs, ends, news)) if r is None or not n or e > r.limit]
         else:
             st = table.state
-            olds = _take_rows(st.lens, batch)
+            olds = batch.take(st.lens)
             ends = list(map(add, olds, news))
-            slow = list(compress(count(), map(gt, ends, _take_rows(st.limit, batch))))
+            slow = list(compress(count(), map(gt, ends, batch.take(st.limit))))
         longest = max(ends)
         max_blocks = cdiv(longest, pool.block_size)
         rest = [(names[i], news[i]) for i in slow]
@@ -134,8 +116,8 @@ class LocalSteps:
             batch = table.rows_of(names, pool._seqs)
             recs = batch.records
         st = table.state
-        _put_rows(st.lens, batch, ends)
-        _put_rows(st.version, batch, (version,) * len(ends))
+        batch.put(st.lens, ends)
+        batch.put(st.version, (version,) * len(ends))
         if rest:
             refs, refresh = pool.allocator._ref, pool._windows.refresh
             for i in slow:

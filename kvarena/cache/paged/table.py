@@ -54,6 +54,22 @@ def _zeros(n: int) -> array:
     return array("q", bytes(8 * n))
 
 
+class _RowField:
+    """A record's field kept in one of its table's :class:`RowState` arrays, at its row."""
+
+    def __init__(self, array_name: str, doc: str) -> None:
+        self.array_name = array_name
+        self.__doc__ = doc
+
+    def __get__(self, rec, owner=None):
+        if rec is None:
+            return self
+        return getattr(rec._state, self.array_name)[rec.row]
+
+    def __set__(self, rec, value: int) -> None:
+        getattr(rec._state, self.array_name)[rec.row] = value
+
+
 class SeqRecord:
     """One namespace: its block list per layer group, its table row, and (in the table's
     :class:`RowState`, at its row) its length, the version its metadata is stamped with
@@ -73,32 +89,11 @@ class SeqRecord:
         self.limit = 0
         self.bases = [0] * groups
 
-    @property
-    def seq_len(self) -> int:
-        return self._state.lens[self.row]
-
-    @seq_len.setter
-    def seq_len(self, n: int) -> None:
-        self._state.lens[self.row] = n
-
-    @property
-    def version(self) -> int:
-        return self._state.version[self.row]
-
-    @version.setter
-    def version(self, v: int) -> None:
-        self._state.version[self.row] = v
-
-    @property
-    def limit(self) -> int:
-        """A plan whose new tokens end at <= limit takes no block, copies none and releases
-        none (WindowRules.refresh); 0 = unknown, the plan decides in full. Whatever changes
-        the record's blocks outside a plan resets it."""
-        return self._state.limit[self.row]
-
-    @limit.setter
-    def limit(self, n: int) -> None:
-        self._state.limit[self.row] = n
+    seq_len = _RowField("lens", "Tokens of the namespace.")
+    version = _RowField("version", "The version the namespace's metadata is stamped with.")
+    limit = _RowField("limit", """A plan whose new tokens end at <= limit takes no block, copies none and
+        releases none (WindowRules.refresh); 0 = unknown, the plan decides in full. Whatever
+        changes the record's blocks outside a plan resets it.""")
 
     @property
     def bases(self) -> list[int]:
@@ -129,6 +124,20 @@ class BatchRows:
     @property
     def first(self) -> int:
         return self.rows[0]
+
+    def take(self, arr: array) -> list:
+        """``arr``'s entries (a :class:`RowState` array) at the batch's rows, in its order."""
+        if self.consecutive:
+            return arr[self.first : self.first + len(self.rows)].tolist()
+        return [arr[r] for r in self.rows]
+
+    def put(self, arr: array, values) -> None:
+        """``arr[rows[i]] = values[i]`` for the batch's rows."""
+        if self.consecutive:
+            arr[self.first : self.first + len(self.rows)] = array("q", values)
+        else:
+            for r, x in zip(self.rows, values):
+                arr[r] = x
 
 
 class BlockTable:
