@@ -83,7 +83,7 @@ def test_compiled_code_meets_the_speed_structure(perf_run):
     for r in data["rows"]:
         if r["kernel"] != "attention" or r["variant"] != "as launched":
             continue
-        name, _d, _g, dtype, q_len, _block, _split, det, _flags = _case(r)
+        name, d, _g, dtype, q_len, _block, _split, det, _flags = _case(r)
         if dtype == "fp32" or det:
             # fp32: IEEE FMA loops, no tensor cores (correctness configs, not speed targets).
             # Deterministic mode pins the prefill tile whatever the batch (correct, slower).
@@ -93,6 +93,11 @@ def test_compiled_code_meets_the_speed_structure(perf_run):
             # RoPE on read gathers partner rows and two fp32 table tiles per key tile: 2 stages
             # (1 K/V buffer) fit shared memory, and the loop carries the rotation (~2x the
             # SASS; docs/contract.md). Checked to compile without spills, not to this bar.
+            continue
+        if d == 256 and ("+own-k/v" in r["config"] or "+fp8-kv" in r["config"]):
+            # Head dim 256 with own keys or an fp8 cache: every tile that keeps the buffers and
+            # wgmma below spills there (paged_attention._d256_config's sweep): 64 x 32 at 2
+            # stages and 32 x 32 mma.sync tiles, checked to compile without spills.
             continue
         if q_len == 1 and r["kv_buffers"] < 2:
             problems.append(f"{where}: {r['kv_buffers']} K/V buffers in the decode loop, want >= 2")

@@ -33,17 +33,19 @@ ATTENTION_CASES = [
 ]
 _FLAG_NAMES = ("causal", "kv_start", "lse", "softcap")
 # Slab cases also compiled as a denoising step launches them: the cached history and the
-# step's own keys as two key sources of one launch (commit=False).
-OWN_CASES = ("chunk MAGI 24q/8kv", "chunk Wan split")
+# step's own keys as two key sources of one launch (commit=False). Head dim 256 takes its
+# own tiles for own keys, fp8 and RoPE (paged_attention._d256_config): compiled too.
+OWN_CASES = ("chunk MAGI 24q/8kv", "chunk Wan split", "chunk D256 GQA7 split")
 # Cases also compiled with a float8_e4m3fn cache (bytes decoded in registers, per-key fp32
 # scales on the score and probability columns): decode (paged, and over 64-token pages on
 # the block loop), prefill through the guarded page path, and a slab chunk on the
 # large-block path with the step's own keys (never fp8).
-FP8_CASES = ("decode 32q/8kv split", "decode page64 split", "prefill 32q/8kv page48", "chunk Wan split")
+FP8_CASES = ("decode 32q/8kv split", "decode page64 split", "prefill 32q/8kv page48", "chunk Wan split",
+             "chunk D256 GQA7 split")
 # Cases also compiled with RoPE on read (queries and keys rotated by table rows as loaded,
 # per-block position shifts): decode with half-split pairs, the slab chunk (own keys,
 # interleaved pairs as Wan's); with an fp8 cache too under --all-variants.
-ROPE_CASES = ("decode 32q/8kv split", "chunk Wan split")
+ROPE_CASES = ("decode 32q/8kv split", "chunk Wan split", "chunk D256 GQA7 split")
 # Cases also compiled with 64-bit key offsets on the page path: a cache whose layer view
 # spans more than 2**31 elements (over 4 GiB of bf16 per K or V view; the other launches
 # address keys with int32 offsets).

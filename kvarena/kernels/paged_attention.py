@@ -878,12 +878,17 @@ def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | No
     sm_90a's wgmma reads it from shared memory. Shared memory: K and V tiles per stage
     plus the q tile, <= 100 KiB everywhere here (163 KiB on sm_80, 227 KiB on sm_90a).
     """
-    if rope:
-        return _rope_config(_pick_config(head_dim, group, elem_bytes, q_len_max, capability, lean=lean,
-                                         kv_fp8=kv_fp8, own=own))
+    cfg = _base_config(head_dim, group, elem_bytes, q_len_max, capability, lean=lean, rope=rope, kv_fp8=kv_fp8,
+                       own=own)
     if (kv_fp8 or own) and _TRITON_VERSION < (3, 9):
-        return _older_triton_config(_pick_config(head_dim, group, elem_bytes, q_len_max, capability, lean=lean),
-                                    capability, lean=lean, kv_fp8=kv_fp8, own=own)
+        cfg = _older_triton_config(cfg, capability, lean=lean, kv_fp8=kv_fp8, own=own)
+    return _rope_config(cfg) if rope else cfg
+
+
+def _base_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | None, capability: int, *,
+                 lean: bool, rope: bool, kv_fp8: bool, own: bool) -> dict:
+    """:func:`_pick_config` before the older-Triton and RoPE adjustments. Only head dim 256
+    tells fp8, own-keys and RoPE launches apart here (:func:`_d256_config`)."""
     d_pad = head_dim_pad(head_dim)
     rows = None if q_len_max is None else max(1, q_len_max) * group
     decode = rows is not None and rows <= 16
@@ -913,11 +918,7 @@ def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | No
         # memdesc<2x...>): 71 KiB shared, 206-214 registers, still 2 programs per SM.
         return cfg(16, 64 if d_pad <= 128 else 32, 4, 5)
     if d_pad >= 256:
-        # sm_90a: 64 x 256 fp32 accumulator over 8 warps = 64 registers; ~210-230 in all
-        # for GQA groups up to 8. sm_80 (q in registers too) spills there: 32 x 32. Lean
-        # launches take a third stage (3 K/V buffers on sm_90a, 2 on sm_80; 128 / 82 KiB).
-        stages = 3 if lean else 2
-        return cfg(64, 32, 8, stages) if hopper else cfg(32, 32, 8, stages)
+        return _d256_config(cfg, rows, hopper, lean=lean, rope=rope, kv_fp8=kv_fp8, own=own)
     if hopper and (rows is None or rows > 64):
         # Chunk / prefill on sm_90a: 128 x 128 accumulator over 8 warps = 64 registers;
         # K+V 32 KiB per stage + the 32 KiB q tile. Lean launches (no guard, no softcap:
@@ -936,6 +937,47 @@ def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | No
     # Short chunks (<= 64 rows) and the deterministic pin on sm_80: 64 x 64, 8 warps,
     # ~175-235 registers (4 warps spill 16-24 bytes there).
     return cfg(64, 64, 8, 2)
+
+
+def _d256_config(cfg, rows: int | None, hopper: bool, *, lean: bool, rope: bool, kv_fp8: bool,
+                 own: bool) -> dict:
+    """Head dim 256 past decode (``cfg``: :func:`_base_config`'s constructor).
+
+    Swept with ``kvarena check`` under triton 3.6.0 and 3.9.0 over every flag variant (causal,
+    kv_start, lse, softcap) with and without own keys, fp8 and RoPE (bench/RESULTS.md, issue
+    25 item 3); each rule below is the fastest modelled tile without spills under both:
+
+    * sm_90a, lean chunks (the slab pool's) with a bf16/fp16 history, no own keys, no RoPE:
+      128 x 32 over 8 warps, 3 stages (3 K/V buffers, 160 KiB), 241-255 registers. Each
+      warpgroup owns 64 query rows; 64 x 32 split the score columns across the two
+      warpgroups, each re-reading q from shared memory per wgmma (smem-bound: the modelled
+      tile 2.17x its tensor cycles; 1.28x here). Guarded 128 x 32 spills 112-288 B.
+    * sm_90a, own keys (two more key loops): 128 x 32 spills 36-84 B under 3.9 and 64 x 32 at
+      3 stages 16 B: 64 x 32 at 2 stages.
+    * sm_90a, a float8 cache: every 64- and 128-row tile spills 32-600 B (the decoded K/V
+      tiles beside the accumulator); 32 x 32 over 4 warps (236-239 registers), over 8 warps
+      when guarded (4 warps spill 4 B there).
+    * sm_90a, RoPE on read: 64 x 32 spills 12-264 B; 32 x 32 over 8 warps (230-254).
+    * sm_80 (q in registers too): 32 x 32 over 8 warps, lean launches at 3 stages (2 K/V
+      buffers, 82 KiB).
+    * Guarded RoPE, or RoPE over an fp8 cache (both targets): 32 x 32 spills 4-460 B; 16 x 32
+      over 8 warps (160-254).
+    * Otherwise (short chunks of <= 64 rows, guarded or softcapped launches): 64 x 32.
+    """
+    stages = 3 if lean else 2
+    if rope and (kv_fp8 or not lean):
+        return cfg(16, 32, 8, 2)
+    if not hopper:
+        return cfg(32, 32, 8, stages)
+    if kv_fp8:
+        return cfg(32, 32, 4 if lean else 8, 2)
+    if rope:
+        return cfg(32, 32, 8, 2)
+    if own:
+        return cfg(64, 32, 8, 2)
+    if lean and (rows is None or rows > 64):
+        return cfg(128, 32, 8, 3)
+    return cfg(64, 32, 8, stages)
 
 
 def _path_config(cfg: dict, large: bool) -> dict:
