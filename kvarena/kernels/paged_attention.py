@@ -876,7 +876,7 @@ def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | No
     ``BLOCK_M * BLOCK_N / (32 * num_warps)``; on sm_80 the q tile (the MMA A operand) also
     lives in registers (``BLOCK_M * HEAD_DIM_PAD * 2 / (4 * 32 * num_warps)``), where
     sm_90a's wgmma reads it from shared memory. Shared memory: K and V tiles per stage
-    plus the q tile, <= 100 KiB everywhere here (163 KiB on sm_80, 227 KiB on sm_90a).
+    plus the q tile, <= 160 KiB everywhere here (163 KiB on sm_80, 227 KiB on sm_90a).
     """
     cfg = _base_config(head_dim, group, elem_bytes, q_len_max, capability, lean=lean, rope=rope, kv_fp8=kv_fp8,
                        own=own)
