@@ -29,6 +29,7 @@ def _pool(*, groups: bool, blocks: int = 400, rollback: int = 0, graph=None, ful
                         free_out_of_window=groups, rollback_tokens=rollback, graph_capacity=graph)
     if full:
         pool._windows.refresh = lambda seq, refs: None  # no row is ever a plain append
+        pool._steps._growing = lambda slow, *rows: ([], slow)  # nor a bulk page crossing
     return pool
 
 
@@ -120,6 +121,43 @@ def test_a_decode_step_where_only_some_rows_cross_a_block():
         for b, ns in enumerate(names):
             ids = pool.block_ids(ns)
             assert meta.block_table[b, : len(ids)].tolist() == ids
+
+
+@pytest.mark.parametrize("step_tokens", [1, 3, BS], ids=["decode", "3 tokens", "a whole block"])
+def test_page_crossings_in_every_layer_group(step_tokens):
+    """Layer groups that release nothing: rows crossing a block boundary take one new block
+    per group in bulk. Their blocks, slots, table rows and the per-group counts read as an
+    independent model says; a step that fills its new block leaves the next one to take
+    another."""
+    lay = KVLayout(num_layers=3, num_kv_heads=1, head_dim=8, dtype=torch.float32, groups=group_layers((5, None, 9)))
+    pool = PagedKVCache(CachePolicy("paged_kv", lay.block_bytes(BS) * 200), layout=lay, block_size=BS)
+    groups = len(pool.group_used_blocks)
+    names = [f"s{i}" for i in range(5)]
+    pool.plan({ns: 1 + i for i, ns in enumerate(names)})  # lengths 1..5: rows cross at different steps
+    model = {ns: [[] for _ in range(groups)] for ns in names}  # the block ids seen so far per group
+    for ns in names:
+        for g in range(groups):
+            model[ns][g] = pool.block_ids(ns, g)
+    for _ in range(7):
+        olds = [pool.seq_len(ns) for ns in names]
+        used = pool.allocator.num_used
+        meta = pool.plan(dict.fromkeys(names, step_tokens))
+        opened = 0
+        for b, (ns, o) in enumerate(zip(names, olds)):
+            n_new = -(-(o + step_tokens) // BS) - -(-o // BS)
+            opened += n_new
+            for g in range(groups):
+                ids = pool.block_ids(ns, g)
+                assert ids[: len(model[ns][g])] == model[ns][g] and len(ids) == len(model[ns][g]) + n_new, (ns, g)
+                model[ns][g] = ids
+                assert meta.block_tables[g][b, : len(ids)].tolist() == ids
+        assert pool.allocator.num_used == used + opened * groups
+        assert pool.group_used_blocks == tuple(sum(len(model[ns][g]) for ns in names) for g in range(groups))
+        for g in range(groups):
+            want = [model[ns][g][p // BS] * BS + p % BS for ns, o in zip(names, olds) for p in range(o, o + step_tokens)]
+            assert meta.slot_mappings[g].tolist() == want, g
+        assert meta.seq_lens.tolist() == [o + step_tokens for o in olds]
+        pool.check_metadata(meta)
 
 
 @pytest.mark.parametrize("order", ["creation order", "reversed", "a subset out of order"])

@@ -95,32 +95,37 @@ class LocalSteps:
             slow = list(compress(count(), map(gt, ends, batch.take(st.limit))))
         longest = max(ends)
         max_blocks = cdiv(longest, pool.block_size)
-        rest = [(names[i], news[i]) for i in slow]
+        grow, others = self._growing(slow, recs, olds, news)
+        rest = [(names[i], news[i]) for i in others]  # what count() and the general path of _take see
         needs = pool._windows.count(rest, pool._seqs, pool.allocator) if rest else None
         g_cap = pool._graph
         if graph and max_blocks > g_cap.max_blocks:
             raise ValueError(
                 f"batch: a sequence needs {max_blocks} blocks, over graph_capacity max_blocks {g_cap.max_blocks}"
             )
-        if needs is not None and needs.need > needs.available:
+        need = len(grow) * pool._ngroups + (needs.need if needs is not None else 0)
+        available = needs.available if needs is not None else pool.allocator.num_free
+        if need > available:
             raise CacheFullError(
-                f"plan needs {needs.need} blocks, only {needs.available} of {pool.total_blocks} are free "
+                f"plan needs {need} blocks, only {available} of {pool.total_blocks} are free "
                 f"(block_size {pool.block_size} tokens, {pool.block_bytes} bytes a block, "
                 f"budget {pool.policy.max_bytes} bytes)"
             )
         version = pool._stamp()  # one stamp for the step: every row's metadata is new
         if rest:
             self._release(needs, version)
-            self._take(rest, needs)
+        if slow:
+            grows = set(grow)
+            self._take([(names[i], news[i], recs[i] if i in grows else None) for i in slow], needs, need, max_blocks)
         if batch.generation < 0:  # records and rows made just now
             batch = table.rows_of(names, pool._seqs)
             recs = batch.records
         st = table.state
         batch.put(st.lens, ends)
         batch.put(st.version, (version,) * len(ends))
-        if rest:
+        if others:
             refs, refresh = pool.allocator._ref, pool._windows.refresh
-            for i in slow:
+            for i in others:
                 refresh(recs[i], refs)
         table.flush()
         return StepRows(batch, news, olds, ends, longest, max_blocks, version, slow)
@@ -140,8 +145,33 @@ class LocalSteps:
                 seq.version = version
             seq.released[g] = dead.end
 
-    def _take(self, items: list, needs: StepNeeds) -> None:
-        """New namespaces, copy-on-write copies and new blocks (the lengths stay).
+    def _growing(self, slow: list, recs: tuple, olds: list, news: tuple) -> tuple[list, list]:
+        """``slow``'s rows split into those that only open one new block in every group (a
+        decode step crossing a page boundary: the length at a block end, every block up to
+        it held, at most a block of new tokens, no window rules) and the others.
+
+        A growing row needs exactly one fresh block per group, no copy-on-write (its blocks
+        are all before the new tokens) and no release: what :meth:`WindowRules.count` and
+        the general path of :meth:`_take` would find for it, without them."""
+        pool = self.pool
+        if pool._windows.sliding:
+            return [], slow
+        bs = pool.block_size
+        grow, others = [], []
+        for i in slow:
+            r, old = recs[i], olds[i]
+            at = old // bs
+            if r is not None and old == at * bs and 0 < news[i] <= bs and all(len(b) == at for b in r.blocks):
+                grow.append(i)
+            else:
+                others.append(i)
+        return grow, others
+
+    def _take(self, items: list, needs: StepNeeds | None, need: int, max_blocks: int) -> None:
+        """New namespaces, copy-on-write copies and new blocks (the lengths stay), row by row
+        in the batch's order: ``items`` are ``(namespace, new tokens, grows)``, where
+        ``grows`` is the record of a row :meth:`_growing` found (one new block per group,
+        its limit and bases set here) and None for a row ``needs`` counted.
 
         Every block is taken in ONE allocator call before anything changes: the allocator
         may be shared with another pool on the same arena region (its own lock, not ours),
@@ -150,12 +180,27 @@ class LocalSteps:
         pool = self.pool
         alloc, bs, table = pool.allocator, pool.block_size, pool._table
         refs = alloc._ref
-        fresh = iter(alloc.alloc(needs.need))
-        table.ensure_cols(needs.max_blocks)
+        fresh = iter(alloc.alloc(need))
+        table.ensure_cols(max_blocks)
         copies_src: list[int] = []
         copies_dst: list[int] = []
         groups = range(pool._ngroups)
-        for ns, n in items:
+        pending = table.pending
+        grown = 0
+        for ns, n, grows in items:
+            if grows is not None:
+                # As WindowRules.refresh would set them after the step: the new block, held
+                # unshared, takes the next tokens up to its end (no window rules here).
+                col = len(grows.blocks[0])
+                new = [next(fresh) for _ in groups]
+                for g, b in zip(groups, new):
+                    grows.blocks[g].append(b)
+                    pending[(g, grows.row, col)] = b
+                grows.limit = (col + 1) * bs if n < bs else 0  # 0: the step fills the new block
+                if n < bs:
+                    grows.bases = [(b - col) * bs for b in new]
+                grown += 1
+                continue
             seq = pool._seqs.get(ns)
             if seq is None:
                 seq = pool._seqs[ns] = table.new_seq()
@@ -178,6 +223,8 @@ class LocalSteps:
                     blocks.extend(next(fresh) for _ in range(n_blocks - start))
                     pool._group_used[g] += n_blocks - start
                     table.set_entries(seq, g, start)
+        for g in groups if grown else ():
+            pool._group_used[g] += grown
         if copies_src and pool._region is not None:
             src = upload(copies_src, torch.int64, pool.device)
             dst = upload(copies_dst, torch.int64, pool.device)
