@@ -243,6 +243,45 @@ def paged_case_ref(case: dict, **opts) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+def poisoned_fp8_caches(nb: int, bs: int, h: int, d: int, device="cpu"):
+    """fp8 caches ``[nb, bs, h, d]`` full of NaN bytes and NaN scales ``[nb, bs, h]``: a
+    read of an unwritten slot shows. Returns ``k, v, k_scale, v_scale``."""
+    k = torch.full((nb, bs, h, d), 0x7F, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+    ks = torch.full((nb, bs, h), float("nan"), device=device)
+    return k, k.clone(), ks, ks.clone()
+
+
+def paged_fp8_case(lens, q_lens, *, dtype, group, h_kv=2, d=80, bs=48, static=False, seed=0, device="cpu") -> dict:
+    """fp8 caches written by store_kv (torch path) in scattered blocks; the rest poisoned.
+    Built on the CPU, then moved to ``device`` (the same bytes). Returns q, kc, vc, ks, vs,
+    table, lens, cu (the op's arguments) and full_k, full_v (the unquantized keys/values
+    per sequence)."""
+    from kvarena import store_kv
+
+    g = torch.Generator().manual_seed(seed)
+    per = [-(-n // bs) for n in lens]
+    nb = sum(per) + 3
+    kc, vc, ks, vs = poisoned_fp8_caches(nb, bs, h_kv, d)
+    if static:
+        ks, vs = torch.tensor(0.02), torch.tensor(0.01)
+    ids = torch.randperm(nb, generator=g)
+    table = torch.zeros(len(lens), max(per), dtype=torch.int32)
+    full_k, full_v, at = [], [], 0
+    for b, n in enumerate(lens):
+        table[b, : per[b]] = ids[at : at + per[b]].int()
+        at += per[b]
+        k = torch.randn(n, h_kv, d, generator=g).to(dtype)
+        v = torch.randn(n, h_kv, d, generator=g).to(dtype)
+        slots = (table[b, : per[b]].long()[:, None] * bs + torch.arange(bs)).flatten()[:n]
+        store_kv(k, v, kc, vc, slots, backend="torch", k_scale=ks, v_scale=vs)
+        full_k.append(k)
+        full_v.append(v)
+    q = torch.randn(sum(q_lens), h_kv * group, d, generator=g).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    c = dict(q=q, kc=kc, vc=vc, ks=ks, vs=vs, table=table, lens=torch.tensor(lens, dtype=torch.int32), cu=cu)
+    return {**{n: t.to(device) for n, t in c.items()}, "full_k": full_k, "full_v": full_v}
+
+
 # ------------------------------------------------------------------- threads
 
 

@@ -18,7 +18,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import GPU, TOL, TRITON, assert_close, device_for, interpreter_only, one_torch_thread  # noqa: F401
+from _helpers import (  # noqa: F401
+    GPU,
+    TOL,
+    TRITON,
+    assert_close,
+    device_for,
+    interpreter_only,
+    one_torch_thread,
+    paged_fp8_case,
+    poisoned_fp8_caches,
+)
 
 from kvarena import AttentionSpec, CachePolicy, KVLayout, PagedKVCache, paged_attention, store_kv
 from kvarena.attention.fp8 import dequantize_fp8
@@ -43,13 +53,6 @@ def _expected_scales(x: torch.Tensor) -> torch.Tensor:
 
 def _bytes(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8)
-
-
-def _poisoned(nb: int, bs: int, h: int, d: int, device="cpu"):
-    """fp8 caches full of NaN bytes and NaN scales: a read of an unwritten slot shows."""
-    k = torch.full((nb, bs, h, d), 0x7F, dtype=torch.uint8, device=device).view(FP8)
-    ks = torch.full((nb, bs, h), float("nan"), device=device)
-    return k, k.clone(), ks, ks.clone()
 
 
 # --------------------------------------------------------------------------- layout
@@ -119,7 +122,7 @@ def test_store_bytes_and_scales_equal_torch_cast(backend, dtype) -> None:
     k, v = _store_rows(7)
     dev = device_for(backend)
     k, v = k.to(dev, dtype), v.to(dev, dtype)
-    kc, vc, ks, vs = _poisoned(5, 3, 2, 24, dev)
+    kc, vc, ks, vs = poisoned_fp8_caches(5, 3, 2, 24, dev)
     slots = torch.tensor([14, 0, 7, 3, -1, 9, 11, 1, 5], device=dev)  # row 4 (with the NaN) skipped
     store_kv(k, v, kc, vc, slots, backend=backend, k_scale=ks, v_scale=vs)
     live = slots >= 0
@@ -158,7 +161,7 @@ def test_bf16_subnormals_store_bit_exact(backend, seed) -> None:
     k = ((torch.rand(8, 2, 16) * 2 - 1) * mag[:, None, None]).bfloat16()
     assert bool((k.float().abs() < 2.0**-126).reshape(8, -1)[[0, 1, 2, 3, 6, 7]].all()), "rows not subnormal"
     k = k.to(dev)
-    kc, vc, ks, vs = _poisoned(3, 4, 2, 16, dev)
+    kc, vc, ks, vs = poisoned_fp8_caches(3, 4, 2, 16, dev)
     slots = torch.tensor([3, 0, 11, 5, 7, 1, 9, 2], device=dev)
     store_kv(k, k.flip(0), kc, vc, slots, backend=backend, k_scale=ks, v_scale=vs)
     blk, row = slots // 4, slots % 4
@@ -175,7 +178,7 @@ def test_bf16_subnormals_store_bit_exact(backend, seed) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_static_scales_saturate_and_are_only_read(backend) -> None:
     dev = device_for(backend)
-    kc, vc, _, _ = _poisoned(2, 4, 1, 8, dev)
+    kc, vc, _, _ = poisoned_fp8_caches(2, 4, 1, 8, dev)
     ks, vs = torch.tensor(0.5, device=dev), torch.tensor(2.0, device=dev)
     k = torch.tensor([[[1.0, -1.0, 300.0, -500.0, 0.1, 1e-4, float("inf"), 0.0]]], device=dev)
     store_kv(k, k.clone(), kc, vc, torch.tensor([5], device=dev), backend=backend, k_scale=ks, v_scale=vs)
@@ -190,7 +193,7 @@ def test_static_scales_saturate_and_are_only_read(backend) -> None:
 def test_nan_inputs_store_signed_nan_bytes(backend) -> None:
     """A NaN keeps its sign (0x7F / 0xFF, torch's cast) on both backends, with static scales."""
     dev = device_for(backend)
-    kc, vc, _, _ = _poisoned(1, 4, 1, 8, dev)
+    kc, vc, _, _ = poisoned_fp8_caches(1, 4, 1, 8, dev)
     x = torch.tensor([[[float("nan"), -float("nan"), 1.0, -2.0, 0.0, -0.0, 3.0, 448.0]]], device=dev)
     store_kv(x, x, kc, vc, torch.tensor([2], device=dev), backend=backend, k_scale=torch.tensor(1.0, device=dev),
              v_scale=torch.tensor(1.0, device=dev))
@@ -207,7 +210,7 @@ def test_a_visible_nan_key_poisons_exactly_its_rows(backend, splits) -> None:
     torch.manual_seed(0)
     k, v = torch.randn(40, 3, 40), torch.randn(40, 3, 40)
     k[2, 2, 5] = float("inf")
-    kc, vc, ks, vs = _poisoned(4, 16, 3, 40, dev)
+    kc, vc, ks, vs = poisoned_fp8_caches(4, 16, 3, 40, dev)
     store_kv(k.to(dev), v.to(dev), kc, vc, torch.arange(40, device=dev), k_scale=ks, v_scale=vs)
     assert torch.isinf(ks[0, 2, 2])
     q = torch.randn(3, 6, 40).to(dev)
@@ -220,7 +223,7 @@ def test_a_visible_nan_key_poisons_exactly_its_rows(backend, splits) -> None:
 
 
 def test_grad_on_caches_or_scales_and_aliased_scales_are_refused() -> None:
-    c = _paged_fp8_case([5], [1], dtype=torch.bfloat16, group=1, d=16, bs=4)
+    c = paged_fp8_case([5], [1], dtype=torch.bfloat16, group=1, d=16, bs=4)
     args = (c["q"], c["kc"], c["vc"], c["table"], c["lens"])
     for name in ("kc", "ks"):
         d = dict(c)
@@ -235,33 +238,6 @@ def test_grad_on_caches_or_scales_and_aliased_scales_are_refused() -> None:
 
 
 # --------------------------------------------------------------------------- functional attention
-
-
-def _paged_fp8_case(lens, q_lens, *, dtype, group, h_kv=2, d=80, bs=48, static=False, seed=0, device="cpu"):
-    """fp8 caches written by store_kv (torch path) in scattered blocks; the rest poisoned.
-    Built on the CPU, then moved to ``device`` (the same bytes)."""
-    g = torch.Generator().manual_seed(seed)
-    per = [-(-n // bs) for n in lens]
-    nb = sum(per) + 3
-    kc, vc, ks, vs = _poisoned(nb, bs, h_kv, d)
-    if static:
-        ks, vs = torch.tensor(0.02), torch.tensor(0.01)
-    ids = torch.randperm(nb, generator=g)
-    table = torch.zeros(len(lens), max(per), dtype=torch.int32)
-    full_k, full_v, at = [], [], 0
-    for b, n in enumerate(lens):
-        table[b, : per[b]] = ids[at : at + per[b]].int()
-        at += per[b]
-        k = torch.randn(n, h_kv, d, generator=g).to(dtype)
-        v = torch.randn(n, h_kv, d, generator=g).to(dtype)
-        slots = (table[b, : per[b]].long()[:, None] * bs + torch.arange(bs)).flatten()[:n]
-        store_kv(k, v, kc, vc, slots, backend="torch", k_scale=ks, v_scale=vs)
-        full_k.append(k)
-        full_v.append(v)
-    q = torch.randn(sum(q_lens), h_kv * group, d, generator=g).to(dtype)
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    c = dict(q=q, kc=kc, vc=vc, ks=ks, vs=vs, table=table, lens=torch.tensor(lens, dtype=torch.int32), cu=cu)
-    return {**{n: t.to(device) for n, t in c.items()}, "full_k": full_k, "full_v": full_v}
 
 
 def _dense_full(c, spec: AttentionSpec) -> torch.Tensor:
@@ -296,7 +272,7 @@ def test_paged_attention_equals_attention_over_what_was_stored(backend, spec_id,
     spec = SPECS[spec_id]
     if backend == "triton" and (group == 5 or static) and spec_id != "causal":
         pytest.skip("interpreter time: the GQA-5 and static-scale cases run once (causal)")
-    c = _paged_fp8_case([1, 17, 100], [1, 5, 1], dtype=dtype, group=group, static=static, seed=3,
+    c = paged_fp8_case([1, 17, 100], [1, 5, 1], dtype=dtype, group=group, static=static, seed=3,
                         device=device_for(backend))
     kd, vd = (dequantize_fp8(c["kc"], c["ks"], torch.float64), dequantize_fp8(c["vc"], c["vs"], torch.float64))
     ref = paged_attention_ref(c["q"].double(), kd, vd, c["table"], c["lens"], c["cu"], spec=spec)
@@ -326,7 +302,7 @@ def test_both_decodes_in_the_interpreter(monkeypatch, decode, bs, q_len, spec_id
 
     monkeypatch.setattr(pa, "fp8_native", lambda cap: decode == "native")
     spec = SPECS[spec_id]
-    c = _paged_fp8_case([130, 71], [q_len, q_len], dtype=torch.bfloat16, group=2, d=32, bs=bs, seed=5)
+    c = paged_fp8_case([130, 71], [q_len, q_len], dtype=torch.bfloat16, group=2, d=32, bs=bs, seed=5)
     kd, vd = (dequantize_fp8(c["kc"], c["ks"], torch.float64), dequantize_fp8(c["vc"], c["vs"], torch.float64))
     ref = paged_attention_ref(c["q"].double(), kd, vd, c["table"], c["lens"], c["cu"], spec=spec)
     out = paged_attention(c["q"], c["kc"], c["vc"], c["table"], c["lens"], c["cu"], causal=spec.causal,
@@ -343,7 +319,7 @@ def test_bf16_queries_outside_fp16_range(gain_log2, bs, q_len) -> None:
     usual (past fp16's 65504) or 2**-20 times (among fp16's subnormals), with the softmax
     scale undoing it, must give the reference's result: without the range guard the first
     is inf (NaN rows) and the second loses about 4 of its 8 bits."""
-    c = _paged_fp8_case([130, 71], [q_len, q_len], dtype=torch.bfloat16, group=4, d=32, bs=bs, seed=7,
+    c = paged_fp8_case([130, 71], [q_len, q_len], dtype=torch.bfloat16, group=4, d=32, bs=bs, seed=7,
                         device=device_for(TRITON))
     q = (c["q"].float() * 2.0**gain_log2).to(torch.bfloat16)
     scale = 2.0**-gain_log2 * 32**-0.5
@@ -362,7 +338,7 @@ def test_one_extreme_query_row_leaves_the_others_exact(bad) -> None:
     past fp16 even at 2**-100) element of one query head must not move the other heads'
     rows, which share the tile (GQA 4: the four heads of a token); that row itself gives
     what the reference gives (non-finite for inf/NaN, finite for 2**120)."""
-    c = _paged_fp8_case([70], [1], dtype=torch.bfloat16, group=4, d=32, bs=16, seed=13, device=device_for(TRITON))
+    c = paged_fp8_case([70], [1], dtype=torch.bfloat16, group=4, d=32, bs=16, seed=13, device=device_for(TRITON))
     q = c["q"].clone()
     q[0, 1, 3] = {"inf": float("inf"), "2**120": 2.0**120, "nan": float("nan")}[bad]
     kd, vd = (dequantize_fp8(c["kc"], c["ks"], torch.float64), dequantize_fp8(c["vc"], c["vs"], torch.float64))
@@ -382,7 +358,7 @@ def test_one_extreme_query_row_leaves_the_others_exact(bad) -> None:
 def test_short_context_fp8_decode() -> None:
     """B=1 fp8 decode at 1100 keys (the 32-key short-context tile, split one per tile)
     equals attention over the stored values."""
-    c = _paged_fp8_case([1100], [1], dtype=torch.bfloat16, group=4, d=32, bs=16, seed=11, device=device_for(TRITON))
+    c = paged_fp8_case([1100], [1], dtype=torch.bfloat16, group=4, d=32, bs=16, seed=11, device=device_for(TRITON))
     kd, vd = (dequantize_fp8(c["kc"], c["ks"], torch.float64), dequantize_fp8(c["vc"], c["vs"], torch.float64))
     ref = paged_attention_ref(c["q"].cpu().double(), kd.cpu(), vd.cpu(), c["table"].cpu(), c["lens"].cpu(),
                               c["cu"].cpu(), spec=AttentionSpec())
@@ -392,7 +368,7 @@ def test_short_context_fp8_decode() -> None:
 
 
 def test_functional_errors() -> None:
-    c = _paged_fp8_case([5], [1], dtype=torch.bfloat16, group=1, d=16, bs=4)
+    c = paged_fp8_case([5], [1], dtype=torch.bfloat16, group=1, d=16, bs=4)
     args = (c["q"], c["kc"], c["vc"], c["table"], c["lens"])
     with pytest.raises(ValueError, match="k_scale: an fp8 cache"):
         paged_attention(*args)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import assert_close, interpreter_only, paged_case, paged_case_ref
+from _helpers import assert_close, interpreter_only, paged_case, paged_case_ref, paged_fp8_case
 
 import kvarena.kernels.paged_attention as pa
-from kvarena import paged_attention, store_kv
+from kvarena import paged_attention
 from kvarena.attention.fp8 import dequantize_fp8
 from kvarena.attention.reference import paged_attention_ref
 
@@ -48,37 +48,13 @@ BF16_CASES = [
 def test_d256_bf16_tiles_match_oracle(picked, seed, opts, block_size, tile):
     case = paged_case([75, 40], [13, 12], dtype=torch.bfloat16, group=7, h_kv=1, head_dim=256,
                       block_size=block_size, seed=seed, kv_start=[3, 0], cu=True)
+    ref, _ = paged_case_ref(case, **opts)
     for splits in (1, 2):
         out = paged_attention(case["q"], case["k_cache"], case["v_cache"], case["block_table"], case["seq_lens"],
                               case["cu_seqlens_q"], kv_start=case["kv_start"], backend="triton", num_splits=splits,
                               **opts)
         assert picked and picked[-1] == tile, f"ran {picked[-1:]}, expected {tile}"
-        ref, _ = paged_case_ref(case, **opts)
         assert_close(out, ref, torch.bfloat16, f"D256 {opts} pages {block_size} splits {splits}")
-
-
-def _fp8_case(lens, q_lens, *, group, seed, bs=16, d=256, h_kv=1):
-    """fp8 caches written by store_kv (torch path) in scattered blocks, unused bytes NaN."""
-    g = torch.Generator().manual_seed(seed)
-    per = [-(-n // bs) for n in lens]
-    nb = sum(per) + 2
-    kc = torch.full((nb, bs, h_kv, d), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)  # NaN bytes
-    vc = kc.clone()
-    ks = torch.full((nb, bs, h_kv), float("nan"))
-    vs = ks.clone()
-    ids = torch.randperm(nb, generator=g)
-    table = torch.zeros(len(lens), max(per), dtype=torch.int32)
-    at = 0
-    for b, n in enumerate(lens):
-        table[b, : per[b]] = ids[at : at + per[b]].int()
-        at += per[b]
-        k = torch.randn(n, h_kv, d, generator=g).to(torch.bfloat16)
-        v = torch.randn(n, h_kv, d, generator=g).to(torch.bfloat16)
-        slots = (table[b, : per[b]].long()[:, None] * bs + torch.arange(bs)).flatten()[:n]
-        store_kv(k, v, kc, vc, slots, backend="torch", k_scale=ks, v_scale=vs)
-    q = torch.randn(sum(q_lens), h_kv * group, d, generator=g).to(torch.bfloat16)
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return dict(q=q, kc=kc, vc=vc, ks=ks, vs=vs, table=table, lens=torch.tensor(lens, dtype=torch.int32), cu=cu)
 
 
 FP8_CASES = [
@@ -89,7 +65,7 @@ FP8_CASES = [
 
 @pytest.mark.parametrize(("opts", "tile"), FP8_CASES)
 def test_d256_fp8_tiles_match_oracle(picked, seed, opts, tile):
-    c = _fp8_case([70, 33], [12, 13], group=7, seed=seed)
+    c = paged_fp8_case([70, 33], [12, 13], dtype=torch.bfloat16, group=7, h_kv=1, d=256, bs=16, seed=seed)
     kd, vd = dequantize_fp8(c["kc"], c["ks"], torch.float64), dequantize_fp8(c["vc"], c["vs"], torch.float64)
     ref = paged_attention_ref(c["q"].double(), kd, vd, c["table"], c["lens"], c["cu"], **opts)
     out = paged_attention(c["q"], c["kc"], c["vc"], c["table"], c["lens"], c["cu"], k_scale=c["ks"],
