@@ -29,7 +29,7 @@ def _pool(*, groups: bool, blocks: int = 400, rollback: int = 0, graph=None, ful
                         free_out_of_window=groups, rollback_tokens=rollback, graph_capacity=graph)
     if full:
         pool._windows.refresh = lambda seq, refs: None  # no row is ever a plain append
-        pool._steps._growing = lambda slow, *rows: ([], slow)  # nor a bulk page crossing
+        pool._windows.growing = lambda slow, *rows: (frozenset(), slow)  # nor a bulk page crossing
     return pool
 
 

@@ -95,7 +95,7 @@ class LocalSteps:
             slow = list(compress(count(), map(gt, ends, batch.take(st.limit))))
         longest = max(ends)
         max_blocks = cdiv(longest, pool.block_size)
-        grow, others = self._growing(slow, recs, olds, news)
+        grow, others = pool._windows.growing(slow, recs, olds, news)
         rest = [(names[i], news[i]) for i in others]  # what count() and the general path of _take see
         needs = pool._windows.count(rest, pool._seqs, pool.allocator) if rest else None
         g_cap = pool._graph
@@ -115,8 +115,7 @@ class LocalSteps:
         if rest:
             self._release(needs, version)
         if slow:
-            grows = set(grow)
-            self._take([(names[i], news[i], recs[i] if i in grows else None) for i in slow], needs, need, max_blocks)
+            self._take([(names[i], news[i], recs[i] if i in grow else None) for i in slow], needs, need, max_blocks)
         if batch.generation < 0:  # records and rows made just now
             batch = table.rows_of(names, pool._seqs)
             recs = batch.records
@@ -145,33 +144,11 @@ class LocalSteps:
                 seq.version = version
             seq.released[g] = dead.end
 
-    def _growing(self, slow: list, recs: tuple, olds: list, news: tuple) -> tuple[list, list]:
-        """``slow``'s rows split into those that only open one new block in every group (a
-        decode step crossing a page boundary: the length at a block end, every block up to
-        it held, at most a block of new tokens, no window rules) and the others.
-
-        A growing row needs exactly one fresh block per group, no copy-on-write (its blocks
-        are all before the new tokens) and no release: what :meth:`WindowRules.count` and
-        the general path of :meth:`_take` would find for it, without them."""
-        pool = self.pool
-        if pool._windows.sliding:
-            return [], slow
-        bs = pool.block_size
-        grow, others = [], []
-        for i in slow:
-            r, old = recs[i], olds[i]
-            at = old // bs
-            if r is not None and old == at * bs and 0 < news[i] <= bs and all(len(b) == at for b in r.blocks):
-                grow.append(i)
-            else:
-                others.append(i)
-        return grow, others
-
     def _take(self, items: list, needs: StepNeeds | None, need: int, max_blocks: int) -> None:
         """New namespaces, copy-on-write copies and new blocks (the lengths stay), row by row
         in the batch's order: ``items`` are ``(namespace, new tokens, grows)``, where
-        ``grows`` is the record of a row :meth:`_growing` found (one new block per group,
-        its limit and bases set here) and None for a row ``needs`` counted.
+        ``grows`` is the record of a row :meth:`WindowRules.growing` found (one new block
+        per group) and None for a row ``needs`` counted.
 
         Every block is taken in ONE allocator call before anything changes: the allocator
         may be shared with another pool on the same arena region (its own lock, not ours),
@@ -185,20 +162,16 @@ class LocalSteps:
         copies_src: list[int] = []
         copies_dst: list[int] = []
         groups = range(pool._ngroups)
-        pending = table.pending
+        pending, opened = table.pending, pool._windows.opened
         grown = 0
         for ns, n, grows in items:
             if grows is not None:
-                # As WindowRules.refresh would set them after the step: the new block, held
-                # unshared, takes the next tokens up to its end (no window rules here).
                 col = len(grows.blocks[0])
                 new = [next(fresh) for _ in groups]
                 for g, b in zip(groups, new):
                     grows.blocks[g].append(b)
                     pending[(g, grows.row, col)] = b
-                grows.limit = (col + 1) * bs if n < bs else 0  # 0: the step fills the new block
-                if n < bs:
-                    grows.bases = [(b - col) * bs for b in new]
+                opened(grows, n, new)
                 grown += 1
                 continue
             seq = pool._seqs.get(ns)

@@ -223,6 +223,40 @@ class WindowRules:
         seq.limit = out
         seq.bases = [(blocks[j] - j) * bs for blocks in seq.blocks]
 
+    def growing(self, slow: list, recs: tuple, olds: list, news: tuple) -> tuple[frozenset, list]:
+        """``slow``'s rows (indices into ``recs``, ``olds`` and ``news``) split into those that
+        only open one new block in every group and the others: a decode step crossing a page
+        boundary (the length at a block end, every block up to it held, 1 to ``block_size``
+        new tokens) in a pool without window rules.
+
+        A growing row needs exactly one fresh block per group, no copy-on-write (its blocks
+        all lie before the new tokens) and no release: what :meth:`count` would find for it,
+        without counting it. Its record is then set by :meth:`opened`, not :meth:`refresh`."""
+        if self.sliding:
+            return frozenset(), slow
+        bs = self.block_size
+        grow, others = [], []
+        for i in slow:
+            r, old = recs[i], olds[i]
+            at = old // bs
+            if r is not None and old == at * bs and 0 < news[i] <= bs and all(len(b) == at for b in r.blocks):
+                grow.append(i)
+            else:
+                others.append(i)
+        return frozenset(grow), others
+
+    def opened(self, seq: SeqRecord, n: int, new: list) -> None:
+        """:meth:`refresh` for a :meth:`growing` row whose step of ``n`` tokens appended the
+        fresh blocks ``new`` (one per group): the new block, held unshared, takes the next
+        tokens up to its end; a step that fills it leaves ``limit`` 0."""
+        bs = self.block_size
+        if n < bs:
+            col = len(seq.blocks[0]) - 1
+            seq.limit = (col + 1) * bs
+            seq.bases = [(b - col) * bs for b in new]
+        else:
+            seq.limit = 0
+
     def check_truncate(self, seq: SeqRecord, n_tokens: int) -> None:
         """Raise unless every group of ``seq`` still holds what a truncate to ``n_tokens`` needs."""
         bs = self.block_size
