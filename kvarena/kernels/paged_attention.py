@@ -939,9 +939,10 @@ def _base_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | No
     return cfg(64, 64, 8, 2)
 
 
-def _d256_config(cfg, rows: int | None, hopper: bool, *, lean: bool, rope: bool, kv_fp8: bool,
+def _d256_config(make, rows: int | None, hopper: bool, *, lean: bool, rope: bool, kv_fp8: bool,
                  own: bool) -> dict:
-    """Head dim 256 past decode (``cfg``: :func:`_base_config`'s constructor).
+    """Head dim 256 past decode; ``make(BLOCK_M, BLOCK_N, warps, stages)`` is
+    :func:`_base_config`'s config constructor.
 
     Swept with ``kvarena check`` under triton 3.6.0 and 3.9.0 over every flag variant (causal,
     kv_start, lse, softcap) with and without own keys, fp8 and RoPE (bench/RESULTS.md, issue
@@ -966,18 +967,18 @@ def _d256_config(cfg, rows: int | None, hopper: bool, *, lean: bool, rope: bool,
     """
     stages = 3 if lean else 2
     if rope and (kv_fp8 or not lean):
-        return cfg(16, 32, 8, 2)
+        return make(16, 32, 8, 2)
     if not hopper:
-        return cfg(32, 32, 8, stages)
+        return make(32, 32, 8, stages)
     if kv_fp8:
-        return cfg(32, 32, 4 if lean else 8, 2)
+        return make(32, 32, 4 if lean else 8, 2)
     if rope:
-        return cfg(32, 32, 8, 2)
+        return make(32, 32, 8, 2)
     if own:
-        return cfg(64, 32, 8, 2)
+        return make(64, 32, 8, 2)
     if lean and (rows is None or rows > 64):
-        return cfg(128, 32, 8, 3)
-    return cfg(64, 32, 8, stages)
+        return make(128, 32, 8, 3)
+    return make(64, 32, 8, stages)
 
 
 def _path_config(cfg: dict, large: bool) -> dict:
