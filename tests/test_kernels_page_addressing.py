@@ -42,11 +42,13 @@ def run(c, *, num_splits, **opts):
 
 
 # (id, block size, dtype, the PAGE_SIZE constexpr it must launch with): pages of one token,
-# the pool's 16, 48 (not a power of two: tiles straddle pages and divide at run time) and
-# 64 at fp32 (a page as long as two of fp32's 32-key decode tiles).
+# the pool's 16, 32 at fp16 (two pages per 64-key tile, each page's id broadcast to its
+# keys), 48 (not a power of two: tiles straddle pages and divide at run time) and 64 at
+# fp32 (a page as long as two of fp32's 32-key decode tiles).
 PAGES = [
     pytest.param(1, torch.float32, 1, id="page1-fp32"),
     pytest.param(16, torch.bfloat16, 16, id="page16-bf16"),
+    pytest.param(32, torch.float16, 32, id="page32-fp16"),
     pytest.param(48, torch.float32, 0, id="page48-straddling-fp32"),
     pytest.param(64, torch.float32, 64, id="page64-fp32"),
 ]
@@ -128,14 +130,31 @@ for splits in (1, 2):
     assert seen[-1]["WIDE_OFFSETS"] and seen[-1]["PAGE_SIZE"] == P, seen[-1]
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < 2e-3, f"splits={splits}: relative error {err:.3e}"
+# Tokens outermost, K and V interleaved as in the arena: one block's rows lie 2**28 elements
+# apart, so a row offset within a block passes int32 (15 * 2**28). Such blocks take the
+# run-time divide with 64-bit rows.
+X = 2**23  # blocks
+kv_t = torch.empty(P, X, H, 2, D, dtype=torch.float16)  # lazily backed, ~8 GiB
+k_t, v_t = kv_t[..., 0, :].transpose(0, 1), kv_t[..., 1, :].transpose(0, 1)
+ids_t = [X - 1, 3, X - 2]
+for j, b in enumerate(ids_t):
+    k_t[b], v_t[b] = k_small[j], v_small[j]
+assert (P - 1) * k_t.stride(1) > 2**31, k_t.stride()
+out = torch.full_like(q, float("nan"))
+pa.paged_attention_fwd(q, k_t, v_t, torch.tensor([ids_t + [10**8]], dtype=torch.int32), lens, cu, None, out, None,
+                       spec=AttentionSpec(num_splits=2), max_seqlen_q=1, max_seqlen_k=n)
+assert seen[-1]["WIDE_OFFSETS"] and seen[-1]["PAGE_SIZE"] == 0, seen[-1]
+err = ((out.double() - ref).norm() / ref.norm()).item()
+assert err < 2e-3, f"tokens outermost: relative error {err:.3e}"
 print("OK")
 """
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="a lazily backed 4 GiB buffer is a CPU-lane trick")
 def test_offsets_beyond_int32(seed):
-    """Blocks whose keys lie past 2**31 elements of their cache view take 64-bit offsets
-    (in a subprocess: a wrapped int32 offset would read outside the buffer and crash)."""
+    """Blocks whose keys lie past 2**31 elements of their cache view take 64-bit offsets,
+    and blocks whose own rows span 2**31 elements 64-bit rows (in a subprocess: a wrapped
+    int32 offset would read outside the buffer and crash)."""
     env = dict(os.environ, TRITON_INTERPRET="1", SEED=str(seed))
     res = subprocess.run([sys.executable, "-c", _WIDE], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "OK" in res.stdout, f"rc {res.returncode}: {res.stdout}{res.stderr[-2000:]}"
@@ -150,6 +169,9 @@ def test_addressing_is_read_from_shapes_and_strides():
     assert pa._cache_addressing(big, big).wide_offsets, "(2**20 - 1) * (2**11 + 16) > 2**31"
     other = torch.empty(4, 17, 2, 8)[:, :16]
     assert not pa._cache_addressing(small, other).same_kv_strides
+    assert not pa._cache_addressing(big, big).wide_rows, "16 * 16 elements per block's rows"
+    tall = torch.empty(0, device="meta").as_strided((4, 16, 2, 8), (16, 2**27, 8, 1))
+    assert pa._cache_addressing(tall, tall).wide_rows, "16 * 2**27 >= 2**31"
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])

@@ -10,10 +10,12 @@ Key addressing
   inner loops from the block's base pointers: one block-table read per block.
 * Smaller pages (the page loop): a power-of-two page size is a constexpr, so a key's page
   and row are a shift and a mask. The tile's pages' block ids are loaded once per page
-  and each key picks its own (``tl.gather``); K is loaded in V's ``[keys, dims]`` layout
+  and broadcast to the page's keys; K is loaded in V's ``[keys, dims]`` layout
   and transposed for the dot, so when K and V share strides (``SAME_KV_STRIDES``, the
   arena's views) one offset per key serves both. Offsets are int32 unless the cache view
-  spans more than ``2**31`` elements (``WIDE_OFFSETS``). Keys of a tile outside its key
+  spans more than ``2**31`` elements (``WIDE_OFFSETS``, e.g. any arena region past 4 GiB of
+  bf16, since a layer's view spans the region): then each key gets its page's 64-bit block
+  pointer (an unsigned 32 x 32 -> 64-bit multiply) and keeps an int32 row offset. Keys of a tile outside its key
   range read the range's nearest key (a written slot) instead of taking masked loads, and
   their scores are masked.
 
@@ -223,6 +225,41 @@ def _dot_operand(x, dot_dtype: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.const
     elif UPCAST:
         x = x.to(tl.float32)
     return x
+
+
+@triton.jit
+def _per_key(x, PAGES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A per-page tensor ``[PAGES]`` broadcast to the tile's keys ``[BLOCK_N]`` (each page's
+    ``BLOCK_N // PAGES`` keys are consecutive)."""
+    return tl.reshape(tl.broadcast_to(x[:, None], [PAGES, BLOCK_N // PAGES]), [BLOCK_N])
+
+
+@triton.jit
+def _page_bases(head, blk, stride_b, PAGES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Per key, the 64-bit pointer to its page's block, from the tile's page ids ``[PAGES]``.
+    Ids are non-negative, so each is zero-extended (a 32 x 32 -> 64-bit multiply, no sign
+    words); the key's int32 row offset joins its dims before the one 64-bit add (:func:`_rows`).
+    Building the pointer once per page instead (a ``[PAGES]`` pointer broadcast to the keys)
+    compiles to the same loop under Triton 3.9 and loses the K/V pipelining under 3.6."""
+    return head + _per_key(blk, PAGES, BLOCK_N).to(tl.uint32).to(tl.int64) * stride_b
+
+
+@triton.jit
+def _rows(base, off, d, KEYS_LAST: tl.constexpr, PAGE_BASES: tl.constexpr):
+    """Pointers to a key tile's rows: ``[keys, dims]`` or, with ``KEYS_LAST``, ``[dims, keys]``.
+    ``base`` is the head's pointer, or with ``PAGE_BASES`` each key's page pointer (then the
+    key's 32-bit row offset and the dim are summed before the one 64-bit add)."""
+    if PAGE_BASES:
+        if KEYS_LAST:
+            ptrs = base[None, :] + (off[None, :] + d[:, None])
+        else:
+            ptrs = base[:, None] + (off[:, None] + d[None, :])
+    else:
+        if KEYS_LAST:
+            ptrs = base + off[None, :] + d[:, None]
+        else:
+            ptrs = base + off[:, None] + d[None, :]
+    return ptrs
 
 
 @triton.jit
@@ -594,6 +631,8 @@ def _paged_attn_kernel(
     K_AS_KT: tl.constexpr = k_ptr.dtype.element_ty == tl.float32 or KV_FP8
     # Power-of-two pages a key tile spans (tile starts are multiples of BLOCK_N).
     PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE if PAGE_SIZE > 0 and PAGE_SIZE < BLOCK_N else 1
+    # 64-bit addresses on the page loop: a block pointer per key, 32-bit row offsets.
+    PAGE_BASES: tl.constexpr = WIDE_OFFSETS and PAGE_SIZE > 0
 
     if LARGE_BLOCKS:
         # block_size >= BLOCK_N (slabs: 2640-12150 rows): walk the block table in an outer
@@ -686,52 +725,79 @@ def _paged_attn_kernel(
             # garbage ids) is never followed; its score is masked below.
             tc = tl.minimum(tl.maximum(t, key_lo), key_hi - 1)
             if PAGE_SIZE > 0:  # tc >= 0: as unsigned, // and % are a shift and a mask
-                blk_idx = (tc.to(tl.uint32) // PAGE_SIZE).to(tl.int32)
                 row_in_blk = (tc.to(tl.uint32) % PAGE_SIZE).to(tl.int32)
-                # The tile's pages' block ids: one load per page (clamped into the range's
-                # pages like the keys), then each key picks its page's.
+                # The tile's pages' block ids: one load per page, the page clamped into the
+                # range's pages (tile starts are multiples of BLOCK_N, so the tile's keys fill
+                # its PAGES pages in order; clamping commutes with page division).
                 pg0 = t0 // PAGE_SIZE
                 pg = tl.minimum(tl.maximum(pg0 + tl.arange(0, PAGES), key_lo // PAGE_SIZE), (key_hi - 1) // PAGE_SIZE)
-                blk = tl.gather(tl.load(bt_row + pg), blk_idx - pg0, 0)
+                ids = tl.load(bt_row + pg)  # [PAGES]
+                blk = _per_key(ids, PAGES, BLOCK_N)
             else:
                 blk_idx = tc // block_size
                 row_in_blk = tc % block_size
-                blk = tl.load(bt_row + blk_idx)
-            if WIDE_OFFSETS:  # the cache spans more than 2**31 elements
-                blk = blk.to(tl.int64)
-            # One offset per key for K and V alike (SAME_KV_STRIDES), K loaded in V's
-            # [keys, dims] layout and transposed for the dot: one address per 16-byte vector.
-            k_off = blk * stride_kb + row_in_blk * stride_kt  # [BLOCK_N]
-            if SAME_KV_STRIDES:
-                v_off = k_off
+                blk = tl.load(bt_row + blk_idx)  # [BLOCK_N]
+            # K is loaded in V's [keys, dims] layout and transposed for the dot: one address per
+            # 16-byte vector. When K and V share block and token strides (SAME_KV_STRIDES, the
+            # arena's views) one offset per key serves both.
+            if PAGE_BASES:  # 64-bit block pointers, 32-bit rows
+                k_base = _page_bases(k_head, ids, stride_kb, PAGES, BLOCK_N)
+                k_off = row_in_blk * stride_kt
+                if SAME_KV_STRIDES:
+                    v_base = _page_bases(v_head, ids, stride_kb, PAGES, BLOCK_N)
+                    v_off = k_off
+                else:
+                    v_base = _page_bases(v_head, ids, stride_vb, PAGES, BLOCK_N)
+                    v_off = row_in_blk * stride_vt
             else:
-                v_off = blk * stride_vb + row_in_blk * stride_vt
+                k_base = k_head
+                v_base = v_head
+                if WIDE_OFFSETS:  # the cache spans more than 2**31 elements (and maybe a block)
+                    blk = blk.to(tl.int64)
+                    row_in_blk = row_in_blk.to(tl.int64)
+                k_off = blk * stride_kb + row_in_blk * stride_kt  # [BLOCK_N]
+                if SAME_KV_STRIDES:
+                    v_off = k_off
+                else:
+                    v_off = blk * stride_vb + row_in_blk * stride_vt
             if K_AS_KT:
-                kt = tl.load(k_head + k_off[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
+                kt = tl.load(_rows(k_base, k_off, d, True, PAGE_BASES), mask=d_ok[:, None], other=0.0)
             elif HEAD_DIM == HEAD_DIM_PAD:
-                kt = tl.trans(tl.load(k_head + k_off[:, None] + d[None, :]))  # [HEAD_DIM_PAD, BLOCK_N]
+                kt = tl.trans(tl.load(_rows(k_base, k_off, d, False, PAGE_BASES)))  # [HEAD_DIM_PAD, BLOCK_N]
             else:
-                kt = tl.trans(tl.load(k_head + k_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0))
+                kt = tl.trans(tl.load(_rows(k_base, k_off, d, False, PAGE_BASES), mask=d_ok[None, :], other=0.0))
             kp = None
             kpos = tc
             if ROPE != 0:
                 if K_AS_KT:
-                    kp = tl.load(k_head + k_off[None, :] + pd[:, None], mask=d_ok[:, None], other=0.0)
+                    kp = tl.load(_rows(k_base, k_off, pd, True, PAGE_BASES), mask=d_ok[:, None], other=0.0)
                 else:
-                    kp = tl.trans(tl.load(k_head + k_off[:, None] + pd[None, :], mask=d_ok[None, :], other=0.0))
+                    kp = tl.trans(tl.load(_rows(k_base, k_off, pd, False, PAGE_BASES), mask=d_ok[None, :], other=0.0))
                 if ROPE_K_SHIFT:
-                    kpos = tc + tl.load(kshift_row + blk_idx)
+                    if PAGE_SIZE > 0:
+                        kpos = tc + tl.load(kshift_row + (tc.to(tl.uint32) // PAGE_SIZE).to(tl.int32))
+                    else:
+                        kpos = tc + tl.load(kshift_row + blk_idx)
             kt = _key_operand(kt, kp, kpos, fi, sg, d_ok[:, None], q.dtype, cos_ptr, sin_ptr, stride_rp, n_pos,
                               UPCAST, KV_FP8, FP8_NATIVE, ROPE)
             kcol = None  # the fp8 column scales (KV_FP8 only)
             vcol = None
             if KV_FP8:
-                ks_off = blk * stride_ksb + row_in_blk * stride_kst
-                if SAME_KV_STRIDES:  # the scales' strides agree too
-                    vs_off = ks_off
+                if PAGE_BASES:
+                    ks_keys = _page_bases(ks_head, ids, stride_ksb, PAGES, BLOCK_N) + row_in_blk * stride_kst
+                    if SAME_KV_STRIDES:  # the scales' strides agree too
+                        vs_keys = _page_bases(vs_head, ids, stride_ksb, PAGES, BLOCK_N) + row_in_blk * stride_kst
+                    else:
+                        vs_keys = _page_bases(vs_head, ids, stride_vsb, PAGES, BLOCK_N) + row_in_blk * stride_vst
                 else:
-                    vs_off = blk * stride_vsb + row_in_blk * stride_vst
-                kcol, vcol = _fp8_column_scales(ks_head + ks_off, vs_head + vs_off, None, False, FP8_NATIVE)
+                    ks_off = blk * stride_ksb + row_in_blk * stride_kst
+                    if SAME_KV_STRIDES:  # the scales' strides agree too
+                        vs_off = ks_off
+                    else:
+                        vs_off = blk * stride_vsb + row_in_blk * stride_vst
+                    ks_keys = ks_head + ks_off
+                    vs_keys = vs_head + vs_off
+                kcol, vcol = _fp8_column_scales(ks_keys, vs_keys, None, False, FP8_NATIVE)
             s = _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, KV_FP8, True, F16_DOTS)
             # Interior tiles (every key visible to every row) skip the per-element mask: at
             # 128 x 64 it is ~8 integer ops per score, as many issue slots as the exp2/max/sum.
@@ -741,9 +807,9 @@ def _paged_attn_kernel(
             if not interior:
                 s = tl.where(key_ok[None, :] & sees(t, row_hi, row_lo, sink_tokens), s, float("-inf"))
             if HEAD_DIM == HEAD_DIM_PAD:
-                v = tl.load(v_head + v_off[:, None] + d[None, :])  # [BLOCK_N, HEAD_DIM_PAD]
+                v = tl.load(_rows(v_base, v_off, d, False, PAGE_BASES))  # [BLOCK_N, HEAD_DIM_PAD]
             else:
-                v = tl.load(v_head + v_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+                v = tl.load(_rows(v_base, v_off, d, False, PAGE_BASES), mask=d_ok[None, :], other=0.0)
             v = _dot_operand(v, q.dtype, UPCAST, KV_FP8, FP8_NATIVE)
             m_i, l_i, acc, bad_w = _softmax_step(s, v, vcol, m_i, l_i, acc, bad_w, GUARD_NONFINITE, not interior, KV_FP8)
 
@@ -1112,18 +1178,22 @@ def _attn_constexprs(cfg: dict, group: int, head_dim: int, *, causal: bool, has_
                      block_size: int, elem_bytes: int, large_ok: bool = True, own: bool = False,
                      sink_logits: bool = False, kv_fp8: bool = False, capability: int = 90, rope: int = 0,
                      rope_q_pos: bool = False, rope_k_shift: bool = False, wide_offsets: bool = False,
-                     same_kv_strides: bool = True) -> dict:
+                     same_kv_strides: bool = True, wide_rows: bool = False) -> dict:
     """The constexpr arguments of ``_paged_attn_kernel`` (shared with ``kvarena check``).
 
     The block layout is specialized three ways: blocks of at least ``BLOCK_N`` rows
     (slabs) take the two-block contiguous path; smaller power-of-two pages pass their size
     as ``PAGE_SIZE`` (shifts, not divides); other page sizes divide at run time. The page
     path addresses keys with int32 offsets unless ``wide_offsets`` (a cache spanning more
-    than 2**31 elements, :func:`_cache_addressing`), and computes one offset per key for
-    K and V when ``same_kv_strides``.
+    than 2**31 elements, :func:`_cache_addressing`: then a 64-bit block pointer per key and int32
+    row offsets), and computes one offset per key for K and V when ``same_kv_strides``.
+    Blocks whose own rows span 2**31 elements (``wide_rows``) take the run-time divide with
+    64-bit rows.
     """
     large = _use_large_blocks(block_size, cfg["BLOCK_N"], large_ok, guard, elem_bytes)
-    page = block_size if not large and block_size & (block_size - 1) == 0 else 0
+    # The constexpr page path keeps a key's row offset in its block int32: blocks whose rows
+    # span 2**31 elements (``wide_rows``) divide at run time, with 64-bit rows.
+    page = block_size if not large and not wide_rows and block_size & (block_size - 1) == 0 else 0
     return dict(
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, HAS_KV_START=has_kv_start, WRITE_LSE=write_lse,
@@ -1141,6 +1211,7 @@ class CacheAddressing:
 
     wide_offsets: bool  # some key's offset from its head's base passes int32
     same_kv_strides: bool  # K and V (and their fp8 scales) share block and token strides: one offset per key
+    wide_rows: bool = False  # a block's rows alone span 2**31 elements (its row offsets pass int32)
 
 
 def _span(shape: tuple, stride: tuple) -> int:
@@ -1163,6 +1234,7 @@ def _addressing(k_shape: tuple, k_stride: tuple, v_shape: tuple, v_stride: tuple
     return CacheAddressing(
         wide_offsets=max(_span(k_shape, k_stride), _span(v_shape, v_stride)) > I32_MAX,
         same_kv_strides=k_stride[:2] == v_stride[:2] and same_scale_strides,
+        wide_rows=k_shape[1] * max(k_stride[1], v_stride[1]) >= I32_MAX,
     )
 
 
@@ -1367,18 +1439,18 @@ def _plan_forward(q, k_cache, v_cache, *, num_seqs: int, spec, max_seqlen_q: int
         # end (p // C + 1) * C could pass int32 for a huge C).
         causal = False
     dev = _device_index(q)
+    addressing = _cache_addressing(k_cache, v_cache, kv_scales)
     plan = plan_launch(
         head_dim=head_dim, group=group, elem_bytes=q.element_size(), num_seqs=num_seqs, num_kv_heads=h_kv,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_size=block_size,
         causal=causal, window_left=window_left, sink_tokens=spec.sink_tokens, softcap=bool(softcap),
         num_splits=spec.num_splits, deterministic=spec.deterministic, capability=_capability(dev),
-        sm_count=_sm_count(dev), large_ok=block_size * max(k_cache.stride(1), v_cache.stride(1)) < I32_MAX,
+        sm_count=_sm_count(dev), large_ok=not addressing.wide_rows,
         own_len=own_len or 0, rope=bool(spec.rope_mode), kv_fp8=kv_fp8,
     )
     if own_len is not None and not plan.own:
         return None
     split = plan.num_splits > 1
-    addressing = _cache_addressing(k_cache, v_cache, kv_scales)
     meta = _attn_constexprs(plan.cfg, group, head_dim, causal=causal, has_kv_start=has_kv_start,
                             write_lse=write_lse or split, split=split, upcast=interpreting(),
                             guard=plan.guard, softcap=bool(softcap), block_size=block_size,
@@ -1386,7 +1458,7 @@ def _plan_forward(q, k_cache, v_cache, *, num_seqs: int, spec, max_seqlen_q: int
                             sink_logits=spec.sink_logits is not None, kv_fp8=kv_fp8,
                             capability=_capability(dev), rope=spec.rope_mode, rope_q_pos=rope_q_pos,
                             rope_k_shift=rope_k_shift, wide_offsets=addressing.wide_offsets,
-                            same_kv_strides=addressing.same_kv_strides)
+                            same_kv_strides=addressing.same_kv_strides, wide_rows=addressing.wide_rows)
     return _ForwardLaunch(
         plan, meta, scale * LOG2E,
         softcap_inv=scale / softcap if softcap else 0.0, softcap_log2=softcap * LOG2E if softcap else 0.0,
