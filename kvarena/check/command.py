@@ -37,8 +37,8 @@ def add_arguments(parser) -> None:
                              "(causal x kv_start x lse x softcap; ~280 compiles, ~10 min)")
     parser.add_argument("--perf", action="store_true",
                         help="also report the metrics that decide speed: CTAs per SM, MMA kind, K/V "
-                             "buffers in flight, SASS instructions per main-loop iteration next to a "
-                             "contiguous flash loop at the same tile, the main loop's tile cycle model "
+                             "buffers in flight, SASS instructions per main-loop iteration and the interior "
+                             "tile's path through it next to a contiguous flash loop at the same tile, the main loop's tile cycle model "
                              "(docs/perf-model.md), and the workloads' grids and waves")
     parser.add_argument("--wide", action="store_true",
                         help=f"print the full table, one line per compile (the default fits {TABLE_COLUMNS} columns)")

@@ -31,13 +31,15 @@ class Row:
     variant: str = ""
     cached: bool = False  # read from the compile cache (same values as compiling)
     # --perf metrics (attention rows): CTAs per SM, MMA kind, K/V shared-memory buffers in
-    # the main loop, SASS instructions per main-loop iteration and the same for the
+    # the main loop, SASS instructions per main-loop iteration, the interior tile's path
+    # through it (the loop minus a forward-skipped edge block) and the SASS of the
     # contiguous reference loop at the same tile; the main loop's SASS counts
     # (cycles.LoopCounts) and its tile cycle model (cycles.TileModel) as dicts.
     ctas_per_sm: int = 0
     mma: str = ""
     kv_buffers: int = -1
     loop_sass: int = -1
+    path_sass: int = -1
     ref_loop_sass: int = -1
     occupancy_key: list | None = None
     loop_counts: dict | None = None
@@ -46,7 +48,7 @@ class Row:
 
 # The fields of a row that come from the compile (the rest come from the launch table).
 _COMPILED = ("registers", "spill_stores", "spill_loads", "shared_bytes", "fits", "error", "mma", "kv_buffers",
-             "loop_sass", "loop_counts")
+             "loop_sass", "path_sass", "loop_counts")
 
 
 def _launch_key(launch: _Launch, capability: int, perf: bool) -> str:
@@ -72,7 +74,8 @@ def _compile_cached(launch: _Launch, capability: int, perf: bool = False) -> Row
         from kvarena.kernels.occupancy import occupancy
 
         row.ctas_per_sm = occupancy(capability, row.registers, row.shared_bytes, launch.num_warps)
-        row.mma, row.kv_buffers, row.loop_sass = hit["mma"], hit["kv_buffers"], hit["loop_sass"]
+        row.mma, row.kv_buffers = hit["mma"], hit["kv_buffers"]
+        row.loop_sass, row.path_sass = hit["loop_sass"], hit["path_sass"]
         row.occupancy_key = list(launch.occupancy_key)
         _set_model(row, hit.get("loop_counts"), launch, capability)
     return row
@@ -125,7 +128,7 @@ def _compile(launch: _Launch, capability: int, perf: bool = False) -> Row:
         row.mma = _mma_kind(compiled.asm["ptx"])
         row.kv_buffers = _kv_buffers(compiled.asm["ttgir"], launch.constexprs["BLOCK_N"],
                                      launch.constexprs["HEAD_DIM_PAD"])
-        row.loop_sass, counts = _main_loop_counts(compiled.asm["cubin"])
+        row.loop_sass, row.path_sass, counts = _main_loop_counts(compiled.asm["cubin"])
         row.occupancy_key = list(launch.occupancy_key)
         _set_model(row, counts, launch, capability)
     return row

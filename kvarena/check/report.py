@@ -25,14 +25,15 @@ def _print_table(rows: list[Row], wide: bool = False) -> None:
     else:
         head = ("config", "target", "regs", "spills", "smem KiB", "fits")
     if perf:
-        head += ("CTAs/SM", "MMA", "K/V bufs", "loop SASS", "ref SASS", "ratio") if wide else \
-            ("CTA/SM", "MMA", "K/V", "loop", "ref", "ratio")
+        head += ("CTAs/SM", "MMA", "K/V bufs", "loop SASS", "path SASS", "ref SASS", "ratio") if wide else \
+            ("CTA/SM", "MMA", "K/V", "loop", "path", "ref", "ratio")
 
     def perf_cols(r: Row) -> tuple:
         if not r.mma:
-            return ("",) * 6
-        ratio = f"{r.loop_sass / r.ref_loop_sass:.2f}" if r.loop_sass > 0 and r.ref_loop_sass > 0 else "-"
-        return (str(r.ctas_per_sm), r.mma, str(r.kv_buffers), str(r.loop_sass), str(r.ref_loop_sass), ratio)
+            return ("",) * 7
+        ratio = f"{r.path_sass / r.ref_loop_sass:.2f}" if r.path_sass > 0 and r.ref_loop_sass > 0 else "-"
+        return (str(r.ctas_per_sm), r.mma, str(r.kv_buffers), str(r.loop_sass), str(r.path_sass),
+                str(r.ref_loop_sass), ratio)
 
     def fits(r: Row) -> str:
         if r.fits:

@@ -54,13 +54,8 @@ def _disassemble(cubin: bytes) -> str | None:
         return subprocess.run([tool, "-c", f.name], capture_output=True, text=True, timeout=120).stdout
 
 
-def _main_loop(text: str) -> list[str] | None:
-    """The SASS lines of the main loop: the smallest innermost loop that runs the dots.
-
-    Loops are found from backward branches in ``nvdisasm`` output; innermost ones contain
-    no other loop. On the large-block path the smallest such loop is the interior loop
-    (no mask code), elsewhere there is one. None when there is none.
-    """
+def _parse(text: str) -> tuple[dict[str, int], list[tuple[int, str]]]:
+    """``nvdisasm`` text as (label -> address, [(address, instruction)] in address order)."""
     labels, instrs, pending = {}, [], []
     for line in text.splitlines():
         m = re.match(r"^(\.L_x_\d+):", line)
@@ -74,18 +69,60 @@ def _main_loop(text: str) -> list[str] | None:
                 labels[name] = addr
             pending = []
             instrs.append((addr, m.group(2)))
+    return labels, instrs
+
+
+#: A branch and its target label; a predicated branch may carry a second predicate
+#: (``@P1 BRA P5, `(.L_x_1)``, Triton 3.6's decode loop).
+_BRANCH = re.compile(r"BRA (?:!?U?P\w+, )?`\((\.L_x_\d+)\)")
+
+
+def _main_loop_span(text: str) -> tuple[dict[str, int], list[tuple[int, str]]] | None:
+    """The main loop as (labels, [(address, instruction)]): the smallest innermost loop that
+    runs the dots.
+
+    Loops are found from backward branches in ``nvdisasm`` output; innermost ones contain
+    no other loop. On the large-block path the smallest such loop is the interior loop
+    (no mask code), elsewhere there is one. None when there is none.
+    """
+    labels, instrs = _parse(text)
     loops = []
     for addr, ins in instrs:
-        m = re.search(r"BRA `\((\.L_x_\d+)\)", ins)
+        m = _BRANCH.search(ins)
         if m and labels.get(m.group(1), addr + 1) < addr:
             loops.append((labels[m.group(1)], addr))
     inner = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
     bodies = []
     for lo, hi in inner:
-        body = [ins for a, ins in instrs if lo <= a <= hi]
-        if any("MMA" in ins or "FFMA" in ins for ins in body):
+        body = [(a, ins) for a, ins in instrs if lo <= a <= hi]
+        if any("MMA" in ins or "FFMA" in ins for _, ins in body):
             bodies.append(body)
-    return min(bodies, key=len, default=None)
+    body = min(bodies, key=len, default=None)
+    return (labels, body) if body else None
+
+
+def _main_loop(text: str) -> list[str] | None:
+    """The SASS lines of the main loop (:func:`_main_loop_span`); None when there is none."""
+    span = _main_loop_span(text)
+    return [ins for _, ins in span[1]] if span else None
+
+
+def _interior_path(labels: dict[str, int], body: list[tuple[int, str]]) -> int:
+    """SASS instructions of the loop minus its largest forward-skipped block.
+
+    A loop whose tiles differ at the edges (the page loop's mask block, run by a
+    boundary tile and jumped over by an interior one) has one block that a forward
+    branch inside the loop skips; the interior tile runs the rest. The loop length
+    when no branch skips anything.
+    """
+    hi = body[-1][0]
+    skipped = 0
+    for addr, ins in body:
+        m = _BRANCH.search(ins)
+        target = labels.get(m.group(1), -1) if m else -1
+        if addr < target <= hi:
+            skipped = max(skipped, sum(1 for a, _ in body if addr < a < target))
+    return len(body) - skipped
 
 
 def _main_loop_sass(cubin: bytes) -> int:
@@ -96,15 +133,20 @@ def _main_loop_sass(cubin: bytes) -> int:
     return len(body) if body else -1
 
 
-def _main_loop_counts(cubin: bytes) -> tuple[int, dict | None]:
-    """(main-loop SASS or -1, its :class:`~kvarena.check.cycles.LoopCounts` as a dict or None)."""
+def _main_loop_counts(cubin: bytes) -> tuple[int, int, dict | None]:
+    """(main-loop SASS, its interior path (:func:`_interior_path`), its
+    :class:`~kvarena.check.cycles.LoopCounts` as a dict); (-1, -1, None) when nvdisasm is
+    missing or finds no loop."""
     from dataclasses import asdict
 
     from kvarena.check.cycles import count_loop
 
     text = _disassemble(cubin)
-    body = _main_loop(text) if text is not None else None
-    return (len(body), asdict(count_loop(body))) if body else (-1, None)
+    span = _main_loop_span(text) if text is not None else None
+    if span is None:
+        return -1, -1, None
+    labels, body = span
+    return len(body), _interior_path(labels, body), asdict(count_loop([ins for _, ins in body]))
 
 
 def _reference_loop_sass_cached(tile: tuple, capability: int) -> int:
