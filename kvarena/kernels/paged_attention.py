@@ -466,6 +466,158 @@ def _range_tiles(a, b, block_size, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _page_tiles(
+    q, i_lo, n_tiles, gap_at, gap_len, n_sink, sink_base, main_base, kv_lo, sink_hi, lo, hi, hi_min, lo_max,
+    sink_tokens, row_hi, row_lo, m_i, l_i, acc, bad_w, bt_row, kshift_row, k_head, v_head, ks_head, vs_head,
+    stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst, block_size,
+    scale_log2, softcap_inv, softcap_log2, cos_ptr, sin_ptr, stride_rp, n_pos,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, MASKED: tl.constexpr, GUARD: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr,
+    ROPE: tl.constexpr, ROPE_K_SHIFT: tl.constexpr, F16_DOTS: tl.constexpr,
+):
+    """``n_tiles`` virtual key tiles from ``i_lo`` through the block table (the page loop).
+
+    Virtual tiles run over the sink range ``[kv_lo, sink_hi)`` (the first ``n_sink``), then
+    the main range ``[lo, hi)``; tile starts are multiples of ``BLOCK_N``. ``MASKED``: a key
+    outside its tile's range reads the range's nearest key (a written slot of a real block,
+    so the loads need no mask and table padding is never followed) and its score is
+    masked, as are the keys a row does not see; tiles from ``gap_at`` on skip ahead by
+    ``gap_len`` (over the interior run). ``MASKED=False``: main-range tiles that every row
+    sees whole, with no clamp and no mask code.
+    """
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    n_off = tl.arange(0, BLOCK_N)
+    pd, fi, sg = None, None, None  # RoPE's index tiles
+    if ROPE != 0:
+        pd, fi, sg = _rope_index(d, HEAD_DIM, ROPE)
+    # fp32 (FMA dots) loads K^T as such (the transposed tile spills at D = 256), and fp8 too
+    # (its bytes widen in registers either way; the transposed load costs 9 SASS more per
+    # tile under Triton 3.6, 2 fewer under 3.9); 16-bit K loads in V's [keys, dims] layout
+    # and is transposed.
+    K_AS_KT: tl.constexpr = k_head.dtype.element_ty == tl.float32 or KV_FP8
+    # Power-of-two pages a key tile spans (tile starts are multiples of BLOCK_N).
+    PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE if PAGE_SIZE > 0 and PAGE_SIZE < BLOCK_N else 1
+    # 64-bit addresses: a block pointer per key, 32-bit rows.
+    PAGE_BASES: tl.constexpr = WIDE_OFFSETS and PAGE_SIZE > 0
+    for ii in range(0, n_tiles):
+        i = i_lo + ii
+        if MASKED:
+            i = tl.where(i >= gap_at, i + gap_len, i)
+            in_sink = i < n_sink
+            t0 = tl.where(in_sink, sink_base + i * BLOCK_N, main_base + (i - n_sink) * BLOCK_N)
+            key_lo = tl.where(in_sink, kv_lo, lo)
+            key_hi = tl.where(in_sink, sink_hi, hi)
+            t = t0 + n_off  # [BLOCK_N]
+            key_ok = (t >= key_lo) & (t < key_hi)
+            tc = tl.minimum(tl.maximum(t, key_lo), key_hi - 1)
+        else:
+            t0 = main_base + (i - n_sink) * BLOCK_N
+            tc = t0 + n_off
+        if PAGE_SIZE > 0:  # tc >= 0: as unsigned, // and % are a shift and a mask
+            if MASKED:
+                row_in_blk = (tc.to(tl.uint32) % PAGE_SIZE).to(tl.int32)
+                # The tile's pages' block ids: one load per page, the page clamped into the
+                # range's pages (the tile's keys fill its PAGES pages in order; clamping
+                # commutes with page division). A tile exists only in a non-empty range:
+                # key_hi - 1 >= key_lo >= 0, unsigned.
+                pg_hi = ((key_hi - 1).to(tl.uint32) // PAGE_SIZE).to(tl.int32)
+                pg = tl.minimum(tl.maximum(t0 // PAGE_SIZE + tl.arange(0, PAGES), key_lo // PAGE_SIZE), pg_hi)
+            else:
+                if PAGE_SIZE < BLOCK_N:  # whole pages: a key's row is its place in its page
+                    row_in_blk = n_off % PAGE_SIZE
+                else:
+                    row_in_blk = (t0.to(tl.uint32) % PAGE_SIZE).to(tl.int32) + n_off
+                pg = t0 // PAGE_SIZE + tl.arange(0, PAGES)
+            ids = tl.load(bt_row + pg)  # [PAGES]
+            blk = _per_key(ids, PAGES, BLOCK_N)
+        else:
+            blk_idx = tc // block_size
+            row_in_blk = tc % block_size
+            blk = tl.load(bt_row + blk_idx)  # [BLOCK_N]
+        # K is loaded in V's [keys, dims] layout and transposed for the dot: one address per
+        # 16-byte vector. When K and V share block and token strides (SAME_KV_STRIDES, the
+        # arena's views) one offset per key serves both.
+        if PAGE_BASES:
+            k_base = _page_bases(k_head, ids, stride_kb, PAGES, BLOCK_N)
+            k_off = row_in_blk * stride_kt
+            if SAME_KV_STRIDES:
+                v_base = _page_bases(v_head, ids, stride_kb, PAGES, BLOCK_N)
+                v_off = k_off
+            else:
+                v_base = _page_bases(v_head, ids, stride_vb, PAGES, BLOCK_N)
+                v_off = row_in_blk * stride_vt
+        else:
+            k_base = k_head
+            v_base = v_head
+            if WIDE_OFFSETS:  # the cache spans more than 2**31 elements (and maybe a block)
+                blk = blk.to(tl.int64)
+                row_in_blk = row_in_blk.to(tl.int64)
+            k_off = blk * stride_kb + row_in_blk * stride_kt  # [BLOCK_N]
+            if SAME_KV_STRIDES:
+                v_off = k_off
+            else:
+                v_off = blk * stride_vb + row_in_blk * stride_vt
+        if K_AS_KT:
+            kt = tl.load(_rows(k_base, k_off, d, True, PAGE_BASES), mask=d_ok[:, None], other=0.0)
+        elif HEAD_DIM == HEAD_DIM_PAD:
+            kt = tl.trans(tl.load(_rows(k_base, k_off, d, False, PAGE_BASES)))  # [HEAD_DIM_PAD, BLOCK_N]
+        else:
+            kt = tl.trans(tl.load(_rows(k_base, k_off, d, False, PAGE_BASES), mask=d_ok[None, :], other=0.0))
+        kp = None
+        kpos = tc
+        if ROPE != 0:
+            if K_AS_KT:
+                kp = tl.load(_rows(k_base, k_off, pd, True, PAGE_BASES), mask=d_ok[:, None], other=0.0)
+            else:
+                kp = tl.trans(tl.load(_rows(k_base, k_off, pd, False, PAGE_BASES), mask=d_ok[None, :], other=0.0))
+            if ROPE_K_SHIFT:
+                if PAGE_SIZE > 0:
+                    kpos = tc + tl.load(kshift_row + (tc.to(tl.uint32) // PAGE_SIZE).to(tl.int32))
+                else:
+                    kpos = tc + tl.load(kshift_row + blk_idx)
+        kt = _key_operand(kt, kp, kpos, fi, sg, d_ok[:, None], q.dtype, cos_ptr, sin_ptr, stride_rp, n_pos,
+                          UPCAST, KV_FP8, FP8_NATIVE, ROPE)
+        kcol = None  # the fp8 column scales (KV_FP8 only)
+        vcol = None
+        if KV_FP8:
+            if PAGE_BASES:
+                ks_keys = _page_bases(ks_head, ids, stride_ksb, PAGES, BLOCK_N) + row_in_blk * stride_kst
+                if SAME_KV_STRIDES:  # the scales' strides agree too
+                    vs_keys = _page_bases(vs_head, ids, stride_ksb, PAGES, BLOCK_N) + row_in_blk * stride_kst
+                else:
+                    vs_keys = _page_bases(vs_head, ids, stride_vsb, PAGES, BLOCK_N) + row_in_blk * stride_vst
+            else:
+                ks_off = blk * stride_ksb + row_in_blk * stride_kst
+                if SAME_KV_STRIDES:  # the scales' strides agree too
+                    vs_off = ks_off
+                else:
+                    vs_off = blk * stride_vsb + row_in_blk * stride_vst
+                ks_keys = ks_head + ks_off
+                vs_keys = vs_head + vs_off
+            kcol, vcol = _fp8_column_scales(ks_keys, vs_keys, None, False, FP8_NATIVE)
+        s = _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, KV_FP8, True, F16_DOTS)
+        guard_now = False
+        if MASKED:
+            # A masked-loop tile that every row sees whole (a sink tile) skips the per-element
+            # mask: ~8 integer ops per score, as many issue slots as the exp2/max/sum.
+            t_end = t0 + BLOCK_N
+            interior = (t0 >= key_lo) & (t_end <= key_hi) & (t_end <= hi_min)
+            interior = interior & ((t0 >= lo_max) | (t_end <= sink_tokens))
+            if not interior:
+                s = tl.where(key_ok[None, :] & sees(t, row_hi, row_lo, sink_tokens), s, float("-inf"))
+            guard_now = not interior
+        if HEAD_DIM == HEAD_DIM_PAD:
+            v = tl.load(_rows(v_base, v_off, d, False, PAGE_BASES))  # [BLOCK_N, HEAD_DIM_PAD]
+        else:
+            v = tl.load(_rows(v_base, v_off, d, False, PAGE_BASES), mask=d_ok[None, :], other=0.0)
+        v = _dot_operand(v, q.dtype, UPCAST, KV_FP8, FP8_NATIVE)
+        m_i, l_i, acc, bad_w = _softmax_step(s, v, vcol, m_i, l_i, acc, bad_w, GUARD, guard_now, KV_FP8)
+    return m_i, l_i, acc, bad_w
+
+
+@triton.jit
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     block_table_ptr, seq_lens_ptr, cu_q_ptr, kv_start_ptr,
@@ -506,6 +658,7 @@ def _paged_attn_kernel(
     ROPE: tl.constexpr,
     ROPE_Q_POS: tl.constexpr,
     ROPE_K_SHIFT: tl.constexpr,
+    PAGE_INTERIOR: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split_id = tl.program_id(1)
@@ -623,16 +776,6 @@ def _paged_attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     bad_w = tl.zeros([BLOCK_M], tl.float32)  # weight on visible non-finite values (GUARD_NONFINITE)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    n_off = tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    # The page loop's K tiles (and RoPE partners): fp32 (FMA dots) loads K^T as such (the
-    # transposed tile spills at D = 256), and fp8 too (its bytes widen in registers either
-    # way; the transposed load costs 9 SASS more per tile under Triton 3.6, 2 fewer under
-    # 3.9); 16-bit K loads in V's [keys, dims] layout and is transposed.
-    K_AS_KT: tl.constexpr = k_ptr.dtype.element_ty == tl.float32 or KV_FP8
-    # Power-of-two pages a key tile spans (tile starts are multiples of BLOCK_N).
-    PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE if PAGE_SIZE > 0 and PAGE_SIZE < BLOCK_N else 1
-    # 64-bit addresses on the page loop: a block pointer per key, 32-bit row offsets.
-    PAGE_BASES: tl.constexpr = WIDE_OFFSETS and PAGE_SIZE > 0
 
     if LARGE_BLOCKS:
         # block_size >= BLOCK_N (slabs: 2640-12150 rows): walk the block table in an outer
@@ -713,105 +856,37 @@ def _paged_attn_kernel(
                     HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, False, False,
                     cos_ptr, sin_ptr, stride_rp, n_pos, rope_q0, ROPE, False)
     else:
-        for i in range(i_begin, i_end):
-            in_sink = i < n_sink
-            t0 = tl.where(in_sink, sink_base + i * BLOCK_N, main_base + (i - n_sink) * BLOCK_N)
-            key_lo = tl.where(in_sink, kv_lo, lo)
-            key_hi = tl.where(in_sink, sink_hi, hi)
-            t = t0 + n_off  # [BLOCK_N]
-            key_ok = (t >= key_lo) & (t < key_hi)
-            # A key outside the tile's range reads the range's nearest key instead: a written
-            # slot of a real block, so the loads need no mask and table padding (possibly
-            # garbage ids) is never followed; its score is masked below.
-            tc = tl.minimum(tl.maximum(t, key_lo), key_hi - 1)
-            if PAGE_SIZE > 0:  # tc >= 0: as unsigned, // and % are a shift and a mask
-                row_in_blk = (tc.to(tl.uint32) % PAGE_SIZE).to(tl.int32)
-                # The tile's pages' block ids: one load per page, the page clamped into the
-                # range's pages (tile starts are multiples of BLOCK_N, so the tile's keys fill
-                # its PAGES pages in order; clamping commutes with page division).
-                pg0 = t0 // PAGE_SIZE
-                pg = tl.minimum(tl.maximum(pg0 + tl.arange(0, PAGES), key_lo // PAGE_SIZE), (key_hi - 1) // PAGE_SIZE)
-                ids = tl.load(bt_row + pg)  # [PAGES]
-                blk = _per_key(ids, PAGES, BLOCK_N)
-            else:
-                blk_idx = tc // block_size
-                row_in_blk = tc % block_size
-                blk = tl.load(bt_row + blk_idx)  # [BLOCK_N]
-            # K is loaded in V's [keys, dims] layout and transposed for the dot: one address per
-            # 16-byte vector. When K and V share block and token strides (SAME_KV_STRIDES, the
-            # arena's views) one offset per key serves both.
-            if PAGE_BASES:  # 64-bit block pointers, 32-bit rows
-                k_base = _page_bases(k_head, ids, stride_kb, PAGES, BLOCK_N)
-                k_off = row_in_blk * stride_kt
-                if SAME_KV_STRIDES:
-                    v_base = _page_bases(v_head, ids, stride_kb, PAGES, BLOCK_N)
-                    v_off = k_off
-                else:
-                    v_base = _page_bases(v_head, ids, stride_vb, PAGES, BLOCK_N)
-                    v_off = row_in_blk * stride_vt
-            else:
-                k_base = k_head
-                v_base = v_head
-                if WIDE_OFFSETS:  # the cache spans more than 2**31 elements (and maybe a block)
-                    blk = blk.to(tl.int64)
-                    row_in_blk = row_in_blk.to(tl.int64)
-                k_off = blk * stride_kb + row_in_blk * stride_kt  # [BLOCK_N]
-                if SAME_KV_STRIDES:
-                    v_off = k_off
-                else:
-                    v_off = blk * stride_vb + row_in_blk * stride_vt
-            if K_AS_KT:
-                kt = tl.load(_rows(k_base, k_off, d, True, PAGE_BASES), mask=d_ok[:, None], other=0.0)
-            elif HEAD_DIM == HEAD_DIM_PAD:
-                kt = tl.trans(tl.load(_rows(k_base, k_off, d, False, PAGE_BASES)))  # [HEAD_DIM_PAD, BLOCK_N]
-            else:
-                kt = tl.trans(tl.load(_rows(k_base, k_off, d, False, PAGE_BASES), mask=d_ok[None, :], other=0.0))
-            kp = None
-            kpos = tc
-            if ROPE != 0:
-                if K_AS_KT:
-                    kp = tl.load(_rows(k_base, k_off, pd, True, PAGE_BASES), mask=d_ok[:, None], other=0.0)
-                else:
-                    kp = tl.trans(tl.load(_rows(k_base, k_off, pd, False, PAGE_BASES), mask=d_ok[None, :], other=0.0))
-                if ROPE_K_SHIFT:
-                    if PAGE_SIZE > 0:
-                        kpos = tc + tl.load(kshift_row + (tc.to(tl.uint32) // PAGE_SIZE).to(tl.int32))
-                    else:
-                        kpos = tc + tl.load(kshift_row + blk_idx)
-            kt = _key_operand(kt, kp, kpos, fi, sg, d_ok[:, None], q.dtype, cos_ptr, sin_ptr, stride_rp, n_pos,
-                              UPCAST, KV_FP8, FP8_NATIVE, ROPE)
-            kcol = None  # the fp8 column scales (KV_FP8 only)
-            vcol = None
-            if KV_FP8:
-                if PAGE_BASES:
-                    ks_keys = _page_bases(ks_head, ids, stride_ksb, PAGES, BLOCK_N) + row_in_blk * stride_kst
-                    if SAME_KV_STRIDES:  # the scales' strides agree too
-                        vs_keys = _page_bases(vs_head, ids, stride_ksb, PAGES, BLOCK_N) + row_in_blk * stride_kst
-                    else:
-                        vs_keys = _page_bases(vs_head, ids, stride_vsb, PAGES, BLOCK_N) + row_in_blk * stride_vst
-                else:
-                    ks_off = blk * stride_ksb + row_in_blk * stride_kst
-                    if SAME_KV_STRIDES:  # the scales' strides agree too
-                        vs_off = ks_off
-                    else:
-                        vs_off = blk * stride_vsb + row_in_blk * stride_vst
-                    ks_keys = ks_head + ks_off
-                    vs_keys = vs_head + vs_off
-                kcol, vcol = _fp8_column_scales(ks_keys, vs_keys, None, False, FP8_NATIVE)
-            s = _scores(q, kt, kcol, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP, KV_FP8, True, F16_DOTS)
-            # Interior tiles (every key visible to every row) skip the per-element mask: at
-            # 128 x 64 it is ~8 integer ops per score, as many issue slots as the exp2/max/sum.
-            t_end = t0 + BLOCK_N
-            interior = (t0 >= key_lo) & (t_end <= key_hi) & (t_end <= hi_min)
-            interior = interior & ((t0 >= lo_max) | (t_end <= sink_tokens))
-            if not interior:
-                s = tl.where(key_ok[None, :] & sees(t, row_hi, row_lo, sink_tokens), s, float("-inf"))
-            if HEAD_DIM == HEAD_DIM_PAD:
-                v = tl.load(_rows(v_base, v_off, d, False, PAGE_BASES))  # [BLOCK_N, HEAD_DIM_PAD]
-            else:
-                v = tl.load(_rows(v_base, v_off, d, False, PAGE_BASES), mask=d_ok[None, :], other=0.0)
-            v = _dot_operand(v, q.dtype, UPCAST, KV_FP8, FP8_NATIVE)
-            m_i, l_i, acc, bad_w = _softmax_step(s, v, vcol, m_i, l_i, acc, bad_w, GUARD_NONFINITE, not interior, KV_FP8)
+        # Pages (block_size < BLOCK_N, or a guarded or fp32 launch): the main range's tiles
+        # inside [fast_lo, fast_hi) see every key from every row and read no clamped slot;
+        # they run in a loop of their own with no clamp and no mask (as the block loop's
+        # interior). The rest (the sink range, both ends of the main range) run masked, in
+        # one loop that skips over the interior run. Where a second loop spills
+        # (PAGE_INTERIOR off, _attn_constexprs) every tile runs masked.
+        ia = i_end
+        ib = i_end
+        if PAGE_INTERIOR:
+            fast_lo = tl.maximum(lo, lo_max)
+            fast_hi = tl.minimum(hi, hi_min)
+            j_a = tl.cdiv(tl.maximum(fast_lo - main_base, 0), BLOCK_N)
+            j_b = tl.maximum(tl.minimum(fast_hi - main_base, n_main * BLOCK_N), 0) // BLOCK_N
+            ia = tl.minimum(tl.maximum(n_sink + j_a, i_begin), i_end)
+            ib = tl.minimum(tl.maximum(n_sink + j_b, ia), i_end)
+        m_i, l_i, acc, bad_w = _page_tiles(
+            q, i_begin, (ia - i_begin) + (i_end - ib), ia, ib - ia, n_sink, sink_base, main_base, kv_lo, sink_hi,
+            lo, hi, hi_min, lo_max, sink_tokens, row_hi, row_lo, m_i, l_i, acc, bad_w, bt_row, kshift_row,
+            k_head, v_head, ks_head, vs_head, stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst,
+            stride_vsb, stride_vst, block_size, scale_log2, softcap_inv, softcap_log2, cos_ptr, sin_ptr,
+            stride_rp, n_pos, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, WIDE_OFFSETS, SAME_KV_STRIDES, True,
+            GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, KV_FP8, FP8_NATIVE, ROPE, ROPE_K_SHIFT, F16_DOTS)
+        if PAGE_INTERIOR:
+            m_i, l_i, acc, bad_w = _page_tiles(
+                q, ia, ib - ia, ib, 0, n_sink, sink_base, main_base, kv_lo, sink_hi,
+                lo, hi, hi_min, lo_max, sink_tokens, row_hi, row_lo, m_i, l_i, acc, bad_w, bt_row, kshift_row,
+                k_head, v_head, ks_head, vs_head, stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb,
+                stride_kst, stride_vsb, stride_vst, block_size, scale_log2, softcap_inv, softcap_log2, cos_ptr,
+                sin_ptr, stride_rp, n_pos, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, WIDE_OFFSETS,
+                SAME_KV_STRIDES, False, GUARD_NONFINITE, HAS_SOFTCAP, UPCAST, KV_FP8, FP8_NATIVE, ROPE,
+                ROPE_K_SHIFT, F16_DOTS)
 
     # ---- epilogue: rows that saw no key give 0 and lse = -inf
     if HAS_SINK_LOGITS and not SPLIT:
@@ -1188,12 +1263,19 @@ def _attn_constexprs(cfg: dict, group: int, head_dim: int, *, causal: bool, has_
     than 2**31 elements, :func:`_cache_addressing`: then a 64-bit block pointer per key and int32
     row offsets), and computes one offset per key for K and V when ``same_kv_strides``.
     Blocks whose own rows span 2**31 elements (``wide_rows``) take the run-time divide with
-    64-bit rows.
+    64-bit rows. ``PAGE_INTERIOR``: the page path runs the tiles every row sees whole in an
+    unmasked loop of their own.
     """
     large = _use_large_blocks(block_size, cfg["BLOCK_N"], large_ok, guard, elem_bytes)
     # The constexpr page path keeps a key's row offset in its block int32: blocks whose rows
     # span 2**31 elements (``wide_rows``) divide at run time, with 64-bit rows.
     page = block_size if not large and not wide_rows and block_size & (block_size - 1) == 0 else 0
+    # The page loop's unmasked interior loop is a second copy of the loop body. It spills
+    # with RoPE on read (96 B, decode on sm_80) and past the decode tile at head dim 256
+    # (8 B for a guarded 64 x 32 chunk on sm_90a; 40 B for fp32 under Triton 3.6): those
+    # launches run every tile through the masked loop.
+    d256_ok = cfg["BLOCK_M"] <= 16 and elem_bytes < 4
+    interior = not large and rope == 0 and (cfg["HEAD_DIM_PAD"] <= 128 or d256_ok)
     return dict(
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, HAS_KV_START=has_kv_start, WRITE_LSE=write_lse,
@@ -1201,7 +1283,7 @@ def _attn_constexprs(cfg: dict, group: int, head_dim: int, *, causal: bool, has_
         WIDE_OFFSETS=wide_offsets, SAME_KV_STRIDES=same_kv_strides,
         LARGE_BLOCKS=large, HAS_OWN=own and large, HAS_SINK_LOGITS=sink_logits, KV_FP8=kv_fp8,
         FP8_NATIVE=kv_fp8 and fp8_native(capability), ROPE=rope, ROPE_Q_POS=rope_q_pos and rope != 0,
-        ROPE_K_SHIFT=rope_k_shift and rope != 0,
+        ROPE_K_SHIFT=rope_k_shift and rope != 0, PAGE_INTERIOR=interior,
     )
 
 
