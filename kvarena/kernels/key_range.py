@@ -44,3 +44,16 @@ def tile_key_range(q_pos_min, q_pos_max, seq_len, kv_lo, chunk_size, window_left
     lo = tl.maximum(kv_lo, q_pos_min - window_left)
     sink_hi = tl.minimum(tl.minimum(sink_tokens, lo), hi)
     return lo, hi, sink_hi, hi_min, q_pos_max - window_left
+
+
+@triton.jit
+def virtual_tile(i, n_sink, sink_base, main_base, kv_lo, sink_hi, lo, hi, BLOCK_N: tl.constexpr):
+    """Key tile ``i`` of a query tile's two key ranges: the first ``n_sink`` tiles cover the
+    sink range ``[kv_lo, sink_hi)`` from ``sink_base``, the rest the main range ``[lo, hi)``
+    from ``main_base`` (both multiples of ``BLOCK_N``). Returns the tile's first key and its
+    range's bounds ``(t0, key_lo, key_hi)``."""
+    in_sink = i < n_sink
+    t0 = tl.where(in_sink, sink_base + i * BLOCK_N, main_base + (i - n_sink) * BLOCK_N)
+    key_lo = tl.where(in_sink, kv_lo, lo)
+    key_hi = tl.where(in_sink, sink_hi, hi)
+    return t0, key_lo, key_hi

@@ -59,7 +59,7 @@ from kvarena.kernels._common import (
     interpreting,
 )
 from kvarena.kernels.fp8 import _f16_queries, _fp8e4m3_decode
-from kvarena.kernels.key_range import row_bounds, sees, tile_key_range
+from kvarena.kernels.key_range import row_bounds, sees, tile_key_range, virtual_tile
 from kvarena.kernels.occupancy import ctas_per_sm
 
 # ----------------------------------------------------------------------------- constants
@@ -505,10 +505,7 @@ def _page_tiles(
         i = i_lo + ii
         if MASKED:
             i = tl.where(i >= gap_at, i + gap_len, i)
-            in_sink = i < n_sink
-            t0 = tl.where(in_sink, sink_base + i * BLOCK_N, main_base + (i - n_sink) * BLOCK_N)
-            key_lo = tl.where(in_sink, kv_lo, lo)
-            key_hi = tl.where(in_sink, sink_hi, hi)
+            t0, key_lo, key_hi = virtual_tile(i, n_sink, sink_base, main_base, kv_lo, sink_hi, lo, hi, BLOCK_N)
             t = t0 + n_off  # [BLOCK_N]
             key_ok = (t >= key_lo) & (t < key_hi)
             tc = tl.minimum(tl.maximum(t, key_lo), key_hi - 1)

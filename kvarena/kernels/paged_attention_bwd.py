@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from kvarena.kernels._common import LOG2E, head_dim_pad, interpreting
-from kvarena.kernels.key_range import row_bounds, sees, tile_key_range
+from kvarena.kernels.key_range import row_bounds, sees, tile_key_range, virtual_tile
 from kvarena.kernels.paged_attention import _NO_WINDOW, _tanh
 from kvarena.kernels.placement import OWN_AFTER_HISTORY, OWN_AT_QUERIES
 
@@ -150,10 +150,7 @@ def _attn_bwd_dq_kernel(
     n_off = tl.arange(0, BLOCK_N)
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     for i in range(0, n_sink + n_main):
-        in_sink = i < n_sink
-        t0 = tl.where(in_sink, sink_base + i * BLOCK_N, main_base + (i - n_sink) * BLOCK_N)
-        key_lo = tl.where(in_sink, kv_lo, lo)
-        key_hi = tl.where(in_sink, sink_hi, hi)
+        t0, key_lo, key_hi = virtual_tile(i, n_sink, sink_base, main_base, kv_lo, sink_hi, lo, hi, BLOCK_N)
         t = t0 + n_off  # [BLOCK_N]
         key_ok = (t >= key_lo) & (t < key_hi)
         blk = tl.load(bt_row + t // block_size, mask=key_ok, other=0).to(tl.int64)
