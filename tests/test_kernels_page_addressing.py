@@ -52,13 +52,13 @@ PAGES = [
     pytest.param(48, torch.float32, 0, id="page48-straddling-fp32"),
     pytest.param(64, torch.float32, 64, id="page64-fp32"),
 ]
-# (id, query lengths, mask options, split counts): decode (unsplit, 3 splits, 64: more splits
-# than key tiles) and a 6-query chunked-prefill step; sinks and a window whose edges fall
-# inside pages; kv_start inside a page. (fp16 and the other combinations run in
+# (id, query lengths, mask options, split counts): decode (unsplit, 3 splits, 9: more splits
+# than the 4-7 key tiles of a 200-key row) and a 6-query chunked-prefill step; sinks and a
+# window whose edges fall inside pages; kv_start inside a page. (fp16 and the other combinations run in
 # test_kernels_attention's grid over 16- and 48-token pages.)
 STEPS = [
-    ("decode", [1, 1, 1], {}, (1, 3, 64)),
-    ("decode-window-sinks", [1, 1, 1], dict(window_left=45, sink_tokens=3), (64,)),
+    ("decode", [1, 1, 1], {}, (1, 3, 9)),
+    ("decode-window-sinks", [1, 1, 1], dict(window_left=45, sink_tokens=3), (9,)),
     ("prefill-chunk", [6, 1, 6], {}, (3,)),
 ]
 # The 6-query chunk (the slowest in the interpreter) on the pool's pages and the straddling 48 only.
