@@ -1,4 +1,5 @@
-"""``kvarena check``: ahead-of-time compiles for sm_80/sm_90a with no spills and shared memory in bounds.
+"""``kvarena check``: ahead-of-time compiles for every target of kvarena.kernels.arch with no spills and
+shared memory in bounds.
 
 The compile needs the real Triton compiler, so it runs in a subprocess whose environment
 has no TRITON_INTERPRET (this test session sets it on CPU machines).
@@ -52,24 +53,25 @@ def test_check_compiles_every_config_without_spills(perf_run):
     n_attention += sum(2 if name in check.FP8_CASES else 1 for name in check.SHORT_CASES)
     n_cases = n_attention + len(check.REDUCE_CASES) + len(check.STORE_CASES) + len(check.MERGE_CASES)
     n_cases += 2 * len(check.BWD_CASES)  # the backward's dQ and dK/dV kernels
-    assert len(rows) == 2 * n_cases, f"expected one row per config and target, got {len(rows)}"
-    assert {r["target"] for r in rows} == {"sm_80", "sm_90a"}
+    assert len(rows) == len(check.TARGETS) * n_cases, f"expected one row per config and target, got {len(rows)}"
+    assert {r["target"] for r in rows} == set(check.TARGETS)
     assert {r["kernel"] for r in rows} == {"attention", "attention_bwd", "split_reduce", "store_kv", "merge"}
     problems = [
         f"{r['kernel']} [{r['config']}] {r['target']}: regs {r['registers']}, spills "
         f"{r['spill_stores']}/{r['spill_loads']} B, shared {r['shared_bytes']} B {r['error']}"
         for r in rows
         if r["error"] or r["spill_stores"] or r["spill_loads"] or r["registers"] <= 0
-        or r["shared_bytes"] > check.SHARED_LIMIT[80 if r["target"] == "sm_80" else 90]
+        or r["shared_bytes"] > check.SHARED_LIMIT[r["target"]]
     ]
     assert not problems, "\n".join(problems)
     assert all(r["fits"] for r in rows)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     # One printed table row per kernel/config/target, one per tensor-core main loop (the
     # tile cycle model), then one per workload and target.
-    table_rows = [line for line in res.stdout.splitlines() if " sm_80 " in line or " sm_90a " in line]
+    table_rows = [line for line in res.stdout.splitlines() if any(f" {t} " in line for t in check.TARGETS)]
     n_models = sum(1 for r in rows if r["tile_model"])
-    assert n_models == sum(1 for r in rows if r["mma"] in ("wgmma", "mma.sync")), "a tensor-core loop without a model"
+    assert n_models == sum(1 for r in rows if r["mma"] in ("wgmma", "mma.sync") and r["target"] in ("sm_80", "sm_90a")), \
+        "a tensor-core loop without a model"
     assert len(table_rows) == len(rows) + n_models + len(data["workloads"])
 
 
@@ -89,6 +91,18 @@ def test_compiled_code_meets_the_speed_structure(perf_run):
             # Deterministic mode pins the prefill tile whatever the batch (correct, slower).
             continue
         where = f"{r['config']} {r['target']}"
+        amd = r["target"].startswith("gfx")
+        # Tensor cores on every bf16/fp16 tile: MFMA on AMD, wgmma in sm_90a's chunks, the
+        # target's warp MMA (or wgmma / tcgen05 on sm_100a where Triton emits them) elsewhere.
+        want_mma = ("mfma",) if amd else ("mma.sync", "wgmma", "tcgen05")
+        if r["target"] == "sm_90a" and name.startswith("chunk"):
+            want_mma = ("wgmma",)
+        if r["mma"] not in want_mma:
+            problems.append(f"{where}: {r['mma'] or 'no'} MMA, want {' or '.join(want_mma)}")
+        if amd:
+            # LDS (64 KiB on gfx942) holds one K/V stage of the decode and chunk tiles; the
+            # AMD pipeliner prefetches the next tile into registers (attn_configs._amd).
+            continue
         if "+rope-on-read" in r["config"]:
             # RoPE on read gathers partner rows and two fp32 table tiles per key tile: 2 stages
             # (1 K/V buffer) fit shared memory, and the loop carries the rotation (~2x the
@@ -107,8 +121,6 @@ def test_compiled_code_meets_the_speed_structure(perf_run):
             want = 3 if r["target"] == "sm_90a" and "+fp8-kv" not in r["config"] else 2
             if r["kv_buffers"] < want:
                 problems.append(f"{where}: {r['kv_buffers']} K/V buffers in the chunk loop, want >= {want}")
-            if r["target"] == "sm_90a" and r["mma"] != "wgmma":
-                problems.append(f"{where}: {r['mma']} instead of wgmma")
             if not 0 < r["loop_sass"] <= 1.25 * r["ref_loop_sass"]:
                 problems.append(f"{where}: main loop {r['loop_sass']} SASS vs {r['ref_loop_sass']} for the "
                                 "contiguous reference, want <= 1.25x")
@@ -153,9 +165,9 @@ def test_workload_plans_fill_a_wave_at_batch_one():
     its split reduce runs at least one program per SM; an unsplit launch has no reduce."""
     from kvarena.check.report import _workload_rows
 
-    rows = _workload_rows((80, 90))
+    rows = _workload_rows(check.TARGETS)
     b1 = [r for r in rows if r["workload"].startswith("decode B=1 ")]
-    assert len(b1) == 8
+    assert len(b1) == 4 * len(check.TARGETS)
     for r in b1:
         assert r["efficiency"] >= 0.9 and r["splits"] > 1, r
         assert r["reduce_grid"] and r["reduce_waves"] >= 1.0, r
@@ -205,7 +217,7 @@ def test_all_variants_of_one_config():
     """``--all`` (``--all-variants``) adds every causal/kv_start/lse/softcap combination of an
     attention config (a split always writes lse: 8 for a split config, 16 otherwise). Read
     from the launch table itself: the compiles of these variants are what --all runs."""
-    split = check._launches("decode 32q/8kv split", 90, all_variants=True)
+    split = check._launches("decode 32q/8kv split", "sm_90a", all_variants=True)
     # + as launched with an fp8 cache, with RoPE on read, with 64-bit key offsets, over the
     # short-context tile (bf16 and fp8), and (--all only) with fp8 and RoPE at once
     assert len(split) == 14 and len({launch.config for launch in split}) == 14
@@ -213,11 +225,11 @@ def test_all_variants_of_one_config():
     assert sum("+short-context tile" in launch.config and "BN32" in launch.config for launch in split) == 2
     assert sum("+fp8-kv" in launch.config for launch in split) == 3
     assert sum("+rope-on-read" in launch.config for launch in split) == 2
-    assert sum("+rope-on-read" in launch.config for launch in check._launches("decode 32q/8kv split", 90)) == 1
-    plain = check._launches("decode 32q/8kv:", 90, all_variants=True)
+    assert sum("+rope-on-read" in launch.config for launch in check._launches("decode 32q/8kv split", "sm_90a")) == 1
+    plain = check._launches("decode 32q/8kv:", "sm_90a", all_variants=True)
     assert len(plain) == 16 and len({launch.config for launch in plain}) == 16
     assert {launch.variant for launch in plain} == {"as launched", "all flags", "variant"}
-    assert len(check._launches("decode 32q/8kv:", 90)) == 2  # the default: as launched + all flags
+    assert len(check._launches("decode 32q/8kv:", "sm_90a")) == 2  # the default: as launched + all flags
 
 
 def _table_rows(perf: bool) -> list:
@@ -316,7 +328,7 @@ def test_cycle_model_reads_the_loop_from_sass(body, under, overlap):
     assert (c.ex2, c.mufu_other, c.shared_bytes, c.tma_copies) == (34, 0, 8 * 32 * 16, 0)
     assert (c.cta_barriers, c.named_barriers, c.wg_arrives) == ((1, 0, 2) if body is _PIPELINED else (2, 0, 2))
     assert (c.ex2_under_mma, c.ex2_mma_fma) == (under, 0 if under == 0 else 8 * 64 * 64 * 16)
-    m = tile_model(c, 90, num_warps=8, ctas_per_sm=1)
+    m = tile_model(c, "sm_90a", num_warps=8, ctas_per_sm=1)
     # 2 warpgroups x 1M FMA at 2048 FMA/clk; 8 warps x 34 x 32 lanes / 16; 8 warps x SASS / 4;
     # (8 warps x 4 KiB + 2 warpgroups x 48 KiB) / 128 B.
     assert (m.tc, m.sfu, m.issue, m.smem) == (1024, 544, 2 * c.instructions, 1024)
@@ -360,27 +372,27 @@ def test_cycle_model_rates_and_other_warps():
     from kvarena.check.cycles import GPUS, count_loop, tile_model
     from kvarena.check.sass import _main_loop
 
-    assert GPUS[90].fma_per_clk("f16") == 2048 and GPUS[90].fma_per_clk("f8") == 4096
-    assert GPUS[90].fma_per_clk("tf32") == 1024 and GPUS[80].fma_per_clk("f16") == 1024
-    assert GPUS[80].fma_per_clk("tf32") == 512
+    assert GPUS["sm_90a"].fma_per_clk("f16") == 2048 and GPUS["sm_90a"].fma_per_clk("f8") == 4096
+    assert GPUS["sm_90a"].fma_per_clk("tf32") == 1024 and GPUS["sm_80"].fma_per_clk("f16") == 1024
+    assert GPUS["sm_80"].fma_per_clk("tf32") == 512
     c = count_loop(_main_loop(_sass(_SERIAL)))
-    two = tile_model(c, 90, num_warps=8, ctas_per_sm=2)
+    two = tile_model(c, "sm_90a", num_warps=8, ctas_per_sm=2)
     assert two.overlap == "other warps" and two.tc == 2048 and two.tile == max(two.tc, two.sfu, two.issue, two.smem)
-    free = tile_model(replace(c, cta_barriers=0), 90, num_warps=8, ctas_per_sm=1)  # warpgroups not in step
+    free = tile_model(replace(c, cta_barriers=0), "sm_90a", num_warps=8, ctas_per_sm=1)  # warpgroups not in step
     assert free.overlap == "other warps" and free.bound in ("tc", "smem")
-    one_wg = tile_model(replace(c, cta_barriers=0), 90, num_warps=4, ctas_per_sm=1)
+    one_wg = tile_model(replace(c, cta_barriers=0), "sm_90a", num_warps=4, ctas_per_sm=1)
     assert one_wg.overlap == "none" and one_wg.tile == one_wg.tc + one_wg.sfu
     # An own MMA group bigger than the SFU time hides all of it.
-    assert tile_model(replace(c, ex2_under_mma=1.0, ex2_mma_fma=10**7), 90, 8, 1).bound == "tc"
+    assert tile_model(replace(c, ex2_under_mma=1.0, ex2_mma_fma=10**7), "sm_90a", 8, 1).bound == "tc"
     # sm_80: per-warp mma.sync (16x8x16), register operands loaded by LDSM (4 matrices = 512 B).
     hmma = count_loop(_main_loop(_sass(["LDSM.16.M88.4 R4, [R2] ;"] * 2 + ["HMMA.16816.F32.BF16 R8, R4, R6, R8 ;"] * 4
                                        + ["MUFU.EX2 R9, R9 ;"] * 2 + ["BAR.SYNC.DEFER_BLOCKING 0x0 ;"])))
     assert (hmma.warp_mma_fma, hmma.group_mma_fma, hmma.shared_bytes, hmma.ex2) == (4 * 16 * 8 * 16, 0, 1024, 2)
-    m = tile_model(hmma, 80, num_warps=8, ctas_per_sm=1)
+    m = tile_model(hmma, "sm_80", num_warps=8, ctas_per_sm=1)
     assert (m.tc, m.sfu, m.smem, m.overlap) == (64, 32, 64, "none") and m.tile == 96
-    assert tile_model(count_loop(["FFMA R1, R2, R3, R1 ;"]), 90, 8, 1) is None  # no tensor cores: no model
+    assert tile_model(count_loop(["FFMA R1, R2, R3, R1 ;"]), "sm_90a", 8, 1) is None  # no tensor cores: no model
     # The tile's own math (2 x 128 x 64 x 128 FMAs) against a loop that computes the scores twice.
-    twice = tile_model(replace(c, group_mma_fma=2 * c.group_mma_fma), 90, 8, 1, tile_fma=2 * 128 * 64 * 128)
+    twice = tile_model(replace(c, group_mma_fma=2 * c.group_mma_fma), "sm_90a", 8, 1, tile_fma=2 * 128 * 64 * 128)
     assert (twice.tc, twice.useful) == (2048, 1024) and twice.peak == round(1024 / twice.tile, 3)
 
 
@@ -392,7 +404,7 @@ def test_cycle_model_table_fits_its_width(capsys):
     rows = _table_rows(True)
     c = count_loop(_main_loop(_sass(_SERIAL)))
     for r in rows[:4]:
-        r.loop_counts, r.tile_model = asdict(c), asdict(tile_model(c, 90, 8, 1))
+        r.loop_counts, r.tile_model = asdict(c), asdict(tile_model(c, "sm_90a", 8, 1))
     for wide in (False, True):
         _print_model(rows, wide=wide)
         lines = capsys.readouterr().out.splitlines()

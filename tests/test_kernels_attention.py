@@ -401,20 +401,19 @@ def test_split_heuristic_numbers():
     (1024, {}, 32), (1536, {}, 32), (2048, {}, 64), (131072, {}, 64), (1000, {}, 64),
     (1024, {"num_splits": 4}, 64), (1024, {"deterministic": True}, 64), (1024, {"rope": True}, 64),
 ], ids=["1K", "1.5K", "2K", "128K", "under-1K", "explicit-splits", "deterministic", "rope"])
-@pytest.mark.parametrize("capability", [80, 90])
-def test_short_context_decode_tile(keys, opts, block_n, capability):
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a", "sm_100a", "sm_120a", "gfx942"])
+def test_short_context_decode_tile(keys, opts, block_n, arch):
     """B=1 decode (8 kv heads) from 1K keys on fills >= 90% of a wave: where 64-key tiles
     cannot (1K-2K keys), the launch takes 32-key tiles; an explicit split count, the
     deterministic pin and RoPE on read keep 64."""
     kw = dict(num_splits=None, deterministic=False, rope=False)
     kw.update(opts)
-    sms = {80: 108, 90: 132}[capability]
     plan = pa.plan_launch(head_dim=128, group=4, elem_bytes=2, num_seqs=1, num_kv_heads=8, max_seqlen_q=1,
                           max_seqlen_k=keys, block_size=16, causal=True, window_left=None, sink_tokens=0,
-                          softcap=False, capability=capability, sm_count=sms, **kw)
+                          softcap=False, arch=arch, **kw)
     assert plan.cfg["BLOCK_N"] == block_n, plan
     if keys >= 1024 and not opts:
-        assert plan.wave_efficiency(sms) >= 0.9, plan
+        assert plan.wave_efficiency() >= 0.9, plan
 
 
 def test_reduce_tile_fills_the_grid_within_its_budget():
@@ -464,8 +463,8 @@ SM80_CASES = [
 def test_sm80_chunk_tile_matches_oracle(monkeypatch, seed, opts, block_size):
     """The H100 config is what the interpreter runs by default; pin the A100 one (128 x 16
     tiles, warps along M) so the tile sm_80 launches is proven on CPU too."""
-    monkeypatch.setattr(pa, "_capability", lambda device_index: 80)
-    cfg = pa._pick_config(80, 2, 2, 100, 80, lean=not opts.get("window_left"))
+    monkeypatch.setenv("KVARENA_ARCH", "sm_80")
+    cfg = pa._pick_config(80, 2, 2, 100, "sm_80", lean=not opts.get("window_left"))
     assert (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (128, 16), cfg
     case = paged_case([200, 3], [100, 2], dtype=torch.bfloat16, group=2, h_kv=2, head_dim=80,
                       block_size=block_size, seed=seed, kv_start=[7, 0], cu=True)

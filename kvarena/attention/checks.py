@@ -238,6 +238,16 @@ def check_rope_values(spec: AttentionSpec, rope_q_pos, rope_k_shift, seq_lens, c
                                  f"{n_pos}-row rotary table")
 
 
+def check_fp8_format(name: str, t: torch.Tensor) -> None:
+    """A float8 cache must be OCP ``float8_e4m3fn``: that is what the store quantizes to on
+    every target (decoded in registers where the hardware's own fp8 differs, as gfx942's
+    e4m3fnuz does). Another float8 format (``float8_e4m3fnuz``, ``float8_e5m2``) is refused
+    by name rather than read with the wrong bias or NaN encoding."""
+    if t.dtype.is_floating_point and t.element_size() == 1 and t.dtype not in FP8_CACHE_DTYPES:
+        raise TypeError(f"{name}: float8 caches must be torch.float8_e4m3fn (OCP e4m3, served on every target), "
+                        f"got {t.dtype}")
+
+
 def check_out(out, q: torch.Tensor) -> None:
     if out is None:
         return
@@ -260,6 +270,7 @@ def validate_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_
         raise TypeError(f"q: expected dtype float16, bfloat16, float32 or float64, got {q.dtype}")
     fp8 = k_cache.dtype in FP8_CACHE_DTYPES
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_fp8_format(name, t)
         if t.dtype != (k_cache.dtype if fp8 else q.dtype):
             want = f"k_cache's dtype {k_cache.dtype}" if fp8 else f"q's dtype {q.dtype}"
             raise TypeError(f"{name}: expected {want}, got {t.dtype}")

@@ -39,7 +39,7 @@ from kvarena.check.cases import (
     SHORT_CASES,
     SM_COUNT,
     STORE_CASES,
-    TARGET_NAMES,
+    TARGETS,
     WIDE_CASES,
     WORKLOADS,
 )
@@ -61,7 +61,7 @@ __all__ = [
     "SM_COUNT",
     "STORE_CASES",
     "TABLE_COLUMNS",
-    "TARGET_NAMES",
+    "TARGETS",
     "WIDE_CASES",
     "WORKLOADS",
     "Row",

@@ -1,11 +1,14 @@
 """What ``kvarena check`` compiles: the heaviest realistic launch of every kernel, the
 targets' limits, and the contract's workloads for ``--perf``."""
 
+from kvarena.kernels.arch import ARCHS
 from kvarena.kernels.placement import OWN_AFTER_HISTORY, OWN_AT_QUERIES
 
-# Opt-in shared memory per block: 163 KiB on A100 (sm_80), 227 KiB on H100/H200 (sm_90a).
-SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
-TARGET_NAMES = {80: "sm_80", 90: "sm_90a"}
+#: The targets, by the names KVARENA_ARCH and `--target` take (kvarena.kernels.arch).
+TARGETS = tuple(ARCHS)
+# Shared memory (LDS) one block may use, per target: 163 KiB on A100, 99 KiB on the GeForce
+# and L40S/L4 parts, 227 KiB on H100/H200/B200, 64 KiB on MI300X, 160 KiB on MI355X.
+SHARED_LIMIT = {name: arch.smem_per_block for name, arch in ARCHS.items()}
 
 # Realistic heaviest launches: (name, head_dim, group, dtype, q_len_max, block_size, split,
 # deterministic, flags as launched). q_len_max is what the pool passes as max_seqlen_q: 1 for
@@ -40,12 +43,12 @@ OWN_CASES = ("chunk MAGI 24q/8kv", "chunk Wan split", "chunk D256 GQA7 split")
 # scales on the score and probability columns): decode (paged, and over 64-token pages on
 # the block loop), prefill through the guarded page path, and a slab chunk on the
 # large-block path with the step's own keys (never fp8).
-FP8_CASES = ("decode 32q/8kv split", "decode page64 split", "prefill 32q/8kv page48", "chunk Wan split",
-             "chunk D256 GQA7 split")
+FP8_CASES = ("decode 32q/8kv split", "decode D256 GQA8 split", "decode page64 split", "prefill 32q/8kv page48",
+             "chunk Wan split", "chunk D256 GQA7 split")
 # Cases also compiled with RoPE on read (queries and keys rotated by table rows as loaded,
 # per-block position shifts): decode with half-split pairs, the slab chunk (own keys,
 # interleaved pairs as Wan's); with an fp8 cache too under --all-variants.
-ROPE_CASES = ("decode 32q/8kv split", "chunk Wan split", "chunk D256 GQA7 split")
+ROPE_CASES = ("decode 32q/8kv split", "decode D256 GQA8 split", "chunk Wan split", "chunk D256 GQA7 split")
 # Cases also compiled with 64-bit key offsets on the page path: a cache whose layer view
 # spans more than 2**31 elements (over 4 GiB of bf16 per K or V view; the other launches
 # address keys with int32 offsets).
@@ -74,11 +77,12 @@ WORKLOADS = [
     ("MAGI-1 chunk, commit=True", 128, 3, 8, 1, 12150, 4 * 12150, 12150, False, 0),
     ("MAGI-1 chunk, commit=False", 128, 3, 8, 1, 12150, 3 * 12150, 12150, False, 12150),
 ]
-SM_COUNT = {80: 108, 90: 132}
+SM_COUNT = {name: arch.sm_count for name, arch in ARCHS.items()}
 # The split reduce: (name, head_dim, dtype, rows (tokens x query heads), splits), each
 # compiled at the tile :func:`kvarena.kernels.paged_attention._reduce_tile` gives it on
 # 132 SMs: B=1 decode (32 rows; 33 splits = 64 at once, D split across programs), B=16, a
-# split count past 64 (chunks), D = 256, and the deterministic pin.
+# split count past 64 (chunks), D = 256, and the deterministic pin (its tile is the same on every
+# target: the reduce is bandwidth-bound and its tile holds 4096 fp32 partial elements).
 REDUCE_CASES = [("reduce D128 B=1", 128, "bf16", 32, 33, False), ("reduce D128 B=16", 128, "bf16", 512, 2, False),
                 ("reduce D128 B=1 100 splits", 128, "bf16", 32, 100, False),
                 ("reduce D256", 256, "fp16", 64, 16, False), ("reduce D256 rows", 256, "fp16", 8192, 8, False),

@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from kvarena.check.cases import SHARED_LIMIT
+from kvarena.check.cases import TARGETS
 from kvarena.check.compile import Row, _compile_cached
 from kvarena.check.launches import _launches
 from kvarena.check.report import (
@@ -25,8 +25,8 @@ from kvarena.cli import UsageError, nonempty, output_file
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--target", type=int, action="append", choices=sorted(SHARED_LIMIT),
-                        help="compute capability to compile for (repeatable; default: 80 and 90)")
+    parser.add_argument("--target", action="append", choices=TARGETS, metavar="NAME",
+                        help=f"GPU architecture to compile for (repeatable; default: all of {', '.join(TARGETS)})")
     parser.add_argument("--only", type=nonempty, default=None,
                         help="only configurations whose name contains this text")
     # Checked when parsed (a writable file in an existing directory): the compiles take minutes.
@@ -80,7 +80,7 @@ class _Job:
     """The compiles of one target (one worker process each)."""
 
     only: str | None
-    capability: int
+    target: str
     all_variants: bool
     perf: bool
 
@@ -88,14 +88,14 @@ class _Job:
 def _compile_target(job: _Job) -> list[Row]:
     """Every launch of one target, in ``_launches`` order (with ``--perf``: its metrics and
     the reference loop of each tile)."""
-    only, cap, all_variants, perf = job.only, job.capability, job.all_variants, job.perf
+    only, target, all_variants, perf = job.only, job.target, job.all_variants, job.perf
     rows = []
     ref: dict[tuple, int] = {}
-    for launch in _launches(only, cap, all_variants):
-        row = _compile_cached(launch, cap, perf)
-        if perf and launch.ref_tile is not None and row.mma:
+    for launch in _launches(only, target, all_variants):
+        row = _compile_cached(launch, target, perf)
+        if perf and launch.ref_tile is not None and row.mma and row.mma != "mfma":
             if launch.ref_tile not in ref:
-                ref[launch.ref_tile] = _reference_loop_sass_cached(launch.ref_tile, cap)
+                ref[launch.ref_tile] = _reference_loop_sass_cached(launch.ref_tile, target)
             row.ref_loop_sass = ref[launch.ref_tile]
         rows.append(row)
         if _DONE is not None:
@@ -120,8 +120,8 @@ def run(args) -> int:
     try:
         import triton
 
-        targets = args.target or sorted(SHARED_LIMIT)
-        per_target = {cap: _launches(args.only, cap, args.all_variants) for cap in targets}
+        targets = list(dict.fromkeys(args.target or TARGETS))
+        per_target = {t: _launches(args.only, t, args.all_variants) for t in targets}
         n = len(per_target[targets[0]])
         if n == 0:  # nothing to compile must not read as "all fit"
             raise UsageError("--only", f"{args.only!r} matches no kernel configuration")
@@ -129,7 +129,7 @@ def run(args) -> int:
         t0 = time.perf_counter()
         # One process per target: compiles are CPU-bound (MLIR passes, ptxas), so two
         # targets on a 2-core machine take about half the wall time.
-        jobs = [_Job(args.only, cap, args.all_variants, args.perf) for cap in targets]
+        jobs = [_Job(args.only, t, args.all_variants, args.perf) for t in targets]
         workers = min(len(targets), os.cpu_count() or 1)
         import concurrent.futures
         import multiprocessing

@@ -39,8 +39,8 @@ class Gpu:
 
 #: A100 SXM (sm_80) and H100 SXM / H200 (sm_90a; same SMs, clock and tensor rates).
 GPUS = {
-    80: Gpu("A100", 108, 1.41, {"f16": 312.0, "tf32": 156.0, "i8": 624.0}),
-    90: Gpu("H100/H200", 132, 1.83, {"f16": 989.4, "tf32": 494.7, "f8": 1978.9, "i8": 1978.9}),
+    "sm_80": Gpu("A100", 108, 1.41, {"f16": 312.0, "tf32": 156.0, "i8": 624.0}),
+    "sm_90a": Gpu("H100/H200", 132, 1.83, {"f16": 989.4, "tf32": 494.7, "f8": 1978.9, "i8": 1978.9}),
 }
 _ELEM_BYTES = {"f16": 2, "tf32": 4, "f8": 1, "i8": 1}
 
@@ -221,7 +221,7 @@ def count_loop(body: list[str]) -> LoopCounts:
                       named_bar, arrives, waits, *_ex2_under_mma(body))
 
 
-def tile_model(c: LoopCounts, capability: int, num_warps: int, ctas_per_sm: int,
+def tile_model(c: LoopCounts, target: str, num_warps: int, ctas_per_sm: int,
                tile_fma: int | None = None) -> TileModel | None:
     """The modelled SM time of one iteration with ``ctas_per_sm`` CTAs of ``num_warps`` warps.
 
@@ -235,9 +235,9 @@ def tile_model(c: LoopCounts, capability: int, num_warps: int, ctas_per_sm: int,
     the FMAs of one tile's Q.K^T and P.V (for ``useful``). None when the loop has no
     tensor-core MMA.
     """
-    if not c.mma_dtype or capability not in GPUS:
+    if not c.mma_dtype or target not in GPUS:
         return None
-    gpu = GPUS[capability]
+    gpu = GPUS[target]
     ctas = max(1, ctas_per_sm)
     groups = max(1, num_warps // 4)
     tc = round(ctas * (groups * c.group_mma_fma + num_warps * c.warp_mma_fma) / gpu.fma_per_clk(c.mma_dtype))

@@ -19,6 +19,7 @@ from kvarena.check.cases import (
     STORE_CASES,
     WIDE_CASES,
 )
+from kvarena.kernels.arch import ARCHS, Arch
 from kvarena.kernels.placement import OWN_AFTER_HISTORY
 
 
@@ -49,8 +50,8 @@ def _elem_bytes(dtype: str) -> int:
     return 4 if dtype == "fp32" else 2
 
 
-def _launches(only: str | None, capability: int, all_variants: bool = False) -> list[_Launch]:
-    """What the launchers would launch on a GPU of this capability, one per case.
+def _launches(only: str | None, target: str, all_variants: bool = False) -> list[_Launch]:
+    """What the launchers would launch on ``target`` (a kvarena.kernels.arch name), one per case.
 
     By default each attention config is compiled with every flag on (causal, kv_start,
     lse): the most code. ``all_variants`` adds the other flag combinations, since
@@ -60,8 +61,8 @@ def _launches(only: str | None, capability: int, all_variants: bool = False) -> 
     for case in ATTENTION_CASES:
         name, split, launched = case[0], case[6], case[8]
         for (flags, own, kv), label in _attention_variants(name, launched, split, all_variants).items():
-            out.append(_attention_launch(case, flags, own, kv, label, capability))
-    out += _bwd_launches() + _reduce_launches() + _store_launches() + _merge_launches()
+            out.append(_attention_launch(case, flags, own, kv, label, ARCHS[target]))
+    out += _bwd_launches(ARCHS[target]) + _reduce_launches() + _store_launches() + _merge_launches()
     if only:
         out = [x for x in out if only in x.config or only in x.kernel_name]
     return out
@@ -95,32 +96,24 @@ def _attention_variants(name: str, launched: tuple, split: bool, all_variants: b
     return variants
 
 
-def _attention_launch(case: tuple, flags: tuple, own: bool, kv, label: str, capability: int) -> _Launch:
-    """One attention compile: ``case`` (an ``ATTENTION_CASES`` entry) with these flags."""
+def _attention_launch(case: tuple, flags: tuple, own: bool, kv, label: str, arch: Arch) -> _Launch:
+    """One attention compile: ``case`` (an ``ATTENTION_CASES`` entry) with these flags, as
+    :func:`kvarena.kernels.paged_attention.plan_attention` plans it on ``arch``."""
     from kvarena.kernels import paged_attention as pa
-    from kvarena.kernels.occupancy import config_key
+    from kvarena.kernels.occupancy import config_key, launch_kind
 
     name, d, group, dt, q_len, block, split, det, _launched = case
     fp8 = kv in (True, "rope+fp8", "short+fp8")
     short = kv in ("short", "short+fp8")
     rope = (2 if own else 1) if kv in ("rope", "rope+fp8") else 0
-    causal, has_kv_start, write_lse, softcap = flags
-    guard = pa._needs_guard(q_len, causal, None)
     eb = _elem_bytes(dt)
-    cfg = pa._pick_config(d, group, eb, None if det else q_len, capability,
-                          lean=not det and not guard and not softcap, rope=bool(rope), kv_fp8=fp8,
-                          own=own)
-    if short:
-        cfg = pa._short_context_config(cfg)
-    cfg = pa._path_config(cfg, pa._use_large_blocks(block, cfg["BLOCK_N"], True, guard, eb))
-    meta = pa._attn_constexprs(cfg, group, d, causal=causal, has_kv_start=has_kv_start,
-                               write_lse=write_lse, split=split, upcast=False, guard=guard,
-                               softcap=softcap, block_size=block, elem_bytes=eb, own=own,
-                               sink_logits=label == "all flags", kv_fp8=fp8,  # the most code: with sinks
-                               capability=capability, rope=rope, rope_q_pos=True, rope_k_shift=True,
-                               wide_offsets=kv == "wide", same_kv_strides=True)
+    shape, spec = _attention_call(case, flags, own, fp8, short, rope, kv == "wide", label == "all flags")
+    launch = pa.plan_attention(shape, spec, arch, upcast=False)
+    if launch is None or launch.split != split or launch.plan.own != own:
+        raise AssertionError(f"{name} ({label}, {kv}): the plan on {arch.name} is not the case's launch: {launch}")
+    cfg, meta = launch.plan.cfg, dict(launch.meta)
     meta.update(stride_qd=1, stride_od=1)  # unit strides: the JIT specializes them too
-    meta.update(dict.fromkeys(pa.unused_pointers(meta)))  # passed as None: constexprs
+    meta.update(dict.fromkeys(launch.unused))  # passed as None: constexprs
     kv_dt = ("fp8e4nv" if meta["FP8_NATIVE"] else "u8") if fp8 else dt
     ptrs = {"q_ptr": dt, "k_ptr": kv_dt, "v_ptr": kv_dt, "o_ptr": "fp32" if split else dt, "lse_ptr": "fp32",
             "block_table_ptr": "i32", "seq_lens_ptr": "i32", "cu_q_ptr": "i32", "kv_start_ptr": "i32",
@@ -128,6 +121,7 @@ def _attention_launch(case: tuple, flags: tuple, own: bool, kv, label: str, capa
             "cos_ptr": "fp32", "sin_ptr": "fp32", "qpos_ptr": "i32", "kshift_ptr": "i32"}
     if fp8:  # per-token scales [blocks, block_size, H_kv]: unit head stride, token stride H_kv
         meta.update(stride_ksh=1, stride_vsh=1)
+    flags = (meta["CAUSAL"], meta["HAS_KV_START"], meta["WRITE_LSE"], meta["HAS_SOFTCAP"])
     return _Launch("attention", _attention_desc(name, dt, d, group, cfg, flags, meta, fp8, rope, short),
                    pa._paged_attn_kernel, ptrs, meta, cfg["num_warps"],
                    # Block strides are one block's elements (< 2**31): int32, as the JIT sees them.
@@ -135,11 +129,44 @@ def _attention_launch(case: tuple, flags: tuple, own: bool, kv, label: str, capa
                    floats=("scale_log2", "softcap_inv", "softcap_log2"), maxnreg=cfg.get("maxnreg"),
                    div16=("block_size",) if block % 16 == 0 else (), variant=label,
                    nodiv=("stride_kst", "stride_vst"),
-                   occupancy_key=config_key(capability, cfg, eb),
+                   occupancy_key=config_key(arch, cfg, eb, launch_kind(kv_fp8=fp8, rope=bool(rope),
+                                                                        own=launch.plan.own)),
                    # fp8 rows against the yardstick's fp8 form, but with own keys: the loop the
                    # row counts is then the own keys' (the smallest with the dots), in q's dtype.
                    ref_tile=(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["HEAD_DIM_PAD"], cfg["num_warps"],
                              cfg["num_stages"], dt, dt if meta["HAS_OWN"] else kv_dt))
+
+
+#: The kv heads and the softcap of the calls the check plans (any value: they set no tile).
+_KV_HEADS, _SOFTCAP = 8, 30.0
+
+
+def _attention_call(case: tuple, flags: tuple, own: bool, fp8: bool, short: bool, rope: int, wide: bool,
+                    sinks: bool):
+    """A call of ``case``: its :class:`LaunchShape` and ``AttentionSpec``. A split case asks
+    for 2 splits over 8K keys (the deterministic pin: 4096 keys per split); the short-context
+    form is B = 1 over 1K keys with the split count left to the plan, where it takes the
+    32-key tile on every target."""
+    import torch
+
+    from kvarena.attention.spec import AttentionSpec
+    from kvarena.kernels import paged_attention as pa
+
+    name, d, group, dt, q_len, block, split, det, _launched = case
+    causal, has_kv_start, write_lse, softcap = flags
+    keys = 1024 if short else 8192
+    shape = pa.LaunchShape(
+        head_dim=d, group=group, elem_bytes=_elem_bytes(dt), num_seqs=1 if short else 2, num_kv_heads=_KV_HEADS,
+        max_seqlen_q=q_len, max_seqlen_k=keys, block_size=block, own_len=q_len if own else None,
+        has_kv_start=has_kv_start, write_lse=write_lse, kv_fp8=fp8, rope_q_pos=bool(rope), rope_k_shift=bool(rope),
+        addressing=pa.CacheAddressing(wide_offsets=wide, same_kv_strides=True))
+    table = torch.zeros(16, d // 2) if rope else None
+    spec = AttentionSpec(
+        causal=causal, softcap=_SOFTCAP if softcap else None, deterministic=det,
+        num_splits=None if short or det else (2 if split else 1),
+        sink_logits=torch.zeros(group * _KV_HEADS) if sinks else None,
+        rope_cos=table, rope_sin=table, rope_interleaved=rope == 2)
+    return shape, spec
 
 
 def _attention_desc(name: str, dt: str, d: int, group: int, cfg: dict, flags: tuple, meta: dict, fp8: bool,
@@ -165,14 +192,14 @@ def _attention_desc(name: str, dt: str, d: int, group: int, cfg: dict, flags: tu
     return desc
 
 
-def _bwd_launches() -> list[_Launch]:
+def _bwd_launches(arch: Arch) -> list[_Launch]:
     """The backward's dQ and dK/dV kernels of every ``BWD_CASES`` entry."""
     from kvarena.kernels import paged_attention_bwd as bwd
 
     out = []
     for name, d, group, dt, placement in BWD_CASES:
         after = placement == OWN_AFTER_HISTORY
-        cfg = bwd.pick_bwd_config(d, _elem_bytes(dt))
+        cfg = bwd.pick_bwd_config(d, _elem_bytes(dt), arch)
         flags = dict(GROUP=group, HEAD_DIM=d, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_M=cfg["BLOCK_M"],
                      BLOCK_N=cfg["BLOCK_N"], CAUSAL=not after, HAS_KV_START=True, HAS_SOFTCAP=True, UPCAST=False)
         tile = f"{dt} D{d} G{group} BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
@@ -202,7 +229,7 @@ def _reduce_launches() -> list[_Launch]:
 
     out = []
     for name, d, dt, rows, splits, det in REDUCE_CASES:
-        t = pa._reduce_tile(rows, d, splits, SM_COUNT[90], deterministic=det)
+        t = pa._reduce_tile(rows, d, splits, SM_COUNT["sm_90a"], deterministic=det)
         meta = dict(HEAD_DIM=d, BLOCK_D=t.BLOCK_D, BLOCK_R=t.BLOCK_R, BLOCK_S=t.BLOCK_S, WRITE_LSE=True,
                     HAS_SINK_LOGITS=True, stride_od=1)
         ptrs = {"part_ptr": "fp32", "part_lse_ptr": "fp32", "o_ptr": dt, "lse_ptr": "fp32", "sink_ptr": "fp32"}

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from kvarena.check.cases import SM_COUNT, TARGET_NAMES, WORKLOADS
+from kvarena.check.cases import WORKLOADS
 from kvarena.check.compile import Row
 
 #: The default table's width: wider configs wrap onto continuation lines (``--wide``: one line each).
@@ -115,26 +115,28 @@ def _print_workloads(rows: list[dict]) -> None:
 def _workload_rows(targets) -> list[dict]:
     """The launch plans of the contract's workloads (pure host math, no compile): the
     attention grid and, for a split launch, the reduce's grid and its programs per SM."""
+    from kvarena.kernels.arch import arch_named
     from kvarena.kernels.paged_attention import _reduce_tile, plan_launch
 
     rows = []
-    for cap in targets:
+    for target in targets:
+        arch = arch_named(target)
+        sms = arch.sm_count
         for name, d, group, h_kv, b, q_len, k_len, block, causal, own in WORKLOADS:
             plan = plan_launch(head_dim=d, group=group, elem_bytes=2, num_seqs=b, num_kv_heads=h_kv,
                                max_seqlen_q=q_len, max_seqlen_k=k_len, block_size=block, causal=causal,
                                window_left=None, sink_tokens=0, softcap=False, num_splits=None,
-                               deterministic=False, capability=cap, sm_count=SM_COUNT[cap], own_len=own)
+                               deterministic=False, arch=arch, own_len=own)
             if own and not plan.own:
                 name += " (NOT one launch)"
             ctas = plan.programs * plan.num_splits
-            slots = SM_COUNT[cap] * max(1, plan.ctas_per_sm)
-            reduce = _reduce_tile(b * q_len * group * h_kv, d, plan.num_splits, SM_COUNT[cap]) \
-                if plan.num_splits > 1 else None
-            rows.append(dict(workload=name, target=TARGET_NAMES[cap], tile=f"{plan.cfg['BLOCK_M']}x{plan.cfg['BLOCK_N']}",
+            slots = sms * max(1, plan.ctas_per_sm)
+            reduce = _reduce_tile(b * q_len * group * h_kv, d, plan.num_splits, sms) if plan.num_splits > 1 else None
+            rows.append(dict(workload=name, target=target, tile=f"{plan.cfg['BLOCK_M']}x{plan.cfg['BLOCK_N']}",
                              programs=plan.programs, splits=plan.num_splits, ctas_per_sm=plan.ctas_per_sm,
-                             waves=round(ctas / slots, 2), efficiency=round(plan.wave_efficiency(SM_COUNT[cap]), 3),
+                             waves=round(ctas / slots, 2), efficiency=round(plan.wave_efficiency(), 3),
                              reduce_grid=list(reduce.grid) if reduce else None,
-                             reduce_waves=round(reduce.programs / SM_COUNT[cap], 2) if reduce else None))
+                             reduce_waves=round(reduce.programs / sms, 2) if reduce else None))
     return rows
 
 

@@ -14,7 +14,10 @@ from kvarena.check.cache import _cache_get, _cache_key, _cache_put
 
 
 def _mma_kind(ptx: str) -> str:
-    """The tensor-core instruction family of a kernel: wgmma (sm_90a), mma.sync, or none."""
+    """The tensor-core instruction family of a kernel: tcgen05 (sm_100a), wgmma (sm_90a),
+    mma.sync, or none (fma)."""
+    if "tcgen05.mma" in ptx:
+        return "tcgen05"
     if "wgmma.mma_async" in ptx:
         return "wgmma"
     return "mma.sync" if "mma.sync" in ptx else "fma"
@@ -149,25 +152,25 @@ def _main_loop_counts(cubin: bytes) -> tuple[int, int, dict | None]:
     return len(body), _interior_path(labels, body), asdict(count_loop([ins for _, ins in body]))
 
 
-def _reference_loop_sass_cached(tile: tuple, capability: int) -> int:
+def _reference_loop_sass_cached(tile: tuple, target: str) -> int:
     """:func:`_reference_loop_sass`, from the compile cache when it holds it."""
     from kvarena.kernels.flash_reference import _flash_reference_kernel as fn
 
-    key = _cache_key(["reference", fn.cache_key, list(tile), capability])
+    key = _cache_key(["reference", fn.cache_key, list(tile), target])
     hit = _cache_get(key)
     if hit is not None:
         return hit["loop_sass"]
-    sass = _reference_loop_sass(tile, capability)
+    sass = _reference_loop_sass(tile, target)
     _cache_put(key, {"loop_sass": sass})
     return sass
 
 
-def _reference_loop_sass(tile: tuple, capability: int) -> int:
+def _reference_loop_sass(tile: tuple, target: str) -> int:
     """Main-loop SASS of the contiguous flash reference compiled at ``tile``."""
     import triton
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from kvarena.kernels.arch import ARCHS
     from kvarena.kernels.flash_reference import _flash_reference_kernel as fn
 
     block_m, block_n, d_pad, warps, stages, dt, kv_dt = tile
@@ -189,6 +192,6 @@ def _reference_loop_sass(tile: tuple, capability: int) -> int:
             sig[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     with contextlib.redirect_stdout(io.StringIO()):
-        compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32),
+        compiled = triton.compile(src, target=ARCHS[target].gpu_target(),
                                   options={"num_warps": warps, "num_stages": stages})
     return _main_loop_sass(compiled.asm["cubin"])

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from dataclasses import dataclass
 
 import torch
@@ -58,13 +57,17 @@ from kvarena.kernels._common import (
     head_dim_pad,
     interpreting,
 )
+from kvarena.kernels.arch import DEFAULT_ARCH, Arch, arch_for_device, arch_named, interpreter_arch
+from kvarena.kernels.attn_configs import path_config as _path_config
+from kvarena.kernels.attn_configs import pick_config
+from kvarena.kernels.attn_configs import short_context_config as _short_context_config
 from kvarena.kernels.fp8 import _f16_queries, _fp8e4m3_decode
 from kvarena.kernels.key_range import row_bounds, sees, tile_key_range, virtual_tile
-from kvarena.kernels.occupancy import ctas_per_sm
+from kvarena.kernels.occupancy import ctas_per_sm, launch_kind
 
 # ----------------------------------------------------------------------------- constants
 
-# H100/H200 have 132 SMs; read from the device on CUDA, assumed on CPU (interpreter).
+# H100/H200 have 132 SMs: the reduce's default when no device or record says otherwise.
 _DEFAULT_SM_COUNT = 132
 # Split-KV: from 1K keys on each split covers at least 32 keys (and one key tile), so that
 # B = 1 fills a wave; the per-split fixed cost (q tile load, epilogue, 2 * D * 4 bytes of
@@ -83,10 +86,6 @@ _TARGET_WAVE_EFFICIENCY = 0.9
 # result never depends on which other sequences share the launch. 4096 keys keep the
 # scratch at 1/16 of K/V bytes per query row at D = 128 ... and 32 splits at 128K keys.
 _DET_SPLIT_KEYS = 4096
-_MAXNREG = 255
-# The installed Triton as (major, minor): older compilers get a few other configs
-# (_older_triton_config).
-_TRITON_VERSION = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2])
 # The window passed for "no sliding window", and the cap of any window: row_lo = p - 2**30
 # stays in int32 for every position p of a row, negative ones included (a row with more
 # queries than keys, e.g. seq_len-0 padding), where p - (2**31 - 1) would wrap. A window of
@@ -995,144 +994,13 @@ def _split_reduce_kernel(
 # ----------------------------------------------------------------------------- launcher
 
 
-def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | None,
-                 capability: int = 90, *, lean: bool = False, rope: bool = False, kv_fp8: bool = False,
-                 own: bool = False) -> dict:
-    """Tile sizes, warps and stages of one attention launch: a pure function of its args.
-
-    ``q_len_max=None`` means "any": the deterministic mode pins one config per
-    (head_dim, group, dtype, GPU) so a sequence's rounding never depends on its batch.
-    ``capability`` is 10 * major + minor (80 = A100, 90 = H100/H200; 90 on CPU).
-    ``kvarena check`` compiles exactly the configs this returns, per target. ``lean``: the
-    launch compiles neither the non-finite guard nor softcap (the slab pool's chunks), which
-    leaves room for a third K/V buffer on sm_90a. ``kv_fp8`` (a float8 cache) and ``own``
-    (a denoising step's own keys as a second key source) take the same config, except under
-    Triton < 3.9 (:func:`_older_triton_config`).
-
-    Register budget (255 per thread, no spills): the fp32 accumulator alone takes
-    ``BLOCK_M * HEAD_DIM_PAD / (32 * num_warps)`` registers, the score tile
-    ``BLOCK_M * BLOCK_N / (32 * num_warps)``; on sm_80 the q tile (the MMA A operand) also
-    lives in registers (``BLOCK_M * HEAD_DIM_PAD * 2 / (4 * 32 * num_warps)``), where
-    sm_90a's wgmma reads it from shared memory. Shared memory: K and V tiles per stage
-    plus the q tile, <= 160 KiB everywhere here (163 KiB on sm_80, 227 KiB on sm_90a).
-    """
-    cfg = _base_config(head_dim, group, elem_bytes, q_len_max, capability, lean=lean, rope=rope, kv_fp8=kv_fp8,
-                       own=own)
-    if (kv_fp8 or own) and _TRITON_VERSION < (3, 9):
-        cfg = _older_triton_config(cfg, capability, lean=lean, kv_fp8=kv_fp8, own=own)
-    return _rope_config(cfg) if rope else cfg
-
-
-def _base_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | None, capability: int, *,
-                 lean: bool, rope: bool, kv_fp8: bool, own: bool) -> dict:
-    """:func:`_pick_config` before the older-Triton and RoPE adjustments. Only head dim 256
-    tells fp8, own-keys and RoPE launches apart here (:func:`_d256_config`)."""
-    d_pad = head_dim_pad(head_dim)
-    rows = None if q_len_max is None else max(1, q_len_max) * group
-    decode = rows is not None and rows <= 16
-    hopper = capability >= 90
-
-    def cfg(bm, bn, warps, stages, maxnreg=_MAXNREG):
-        # maxnreg = 255 (the hardware ceiling) stated explicitly for the tensor-core
-        # configs: without it ptxas may cap a 256-thread program at 128 registers to fit a
-        # second one per SM and spill 8-12 bytes (BLOCK_M = 32/64, GQA 5-7, sm_80).
-        return dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM_PAD=d_pad, num_warps=warps, num_stages=stages,
-                    maxnreg=maxnreg)
-
-    if elem_bytes >= 4:
-        # fp32 dots are IEEE FMA loops with both operands in registers (no tensor cores).
-        # ptxas is erratic here: left alone it capped 256 threads at 64 registers and spilt
-        # 8 bytes in two sm_80 flag variants (causal + lse without kv_start), and a 255 cap
-        # makes it fill the cap and spill. Found by sweeping every flag variant on both
-        # targets and both Tritons: 16 x 32 over 8 warps, capped at 128 at D <= 128 (84-100
-        # registers), uncapped at D = 256 (76-153; 32 x 16 spilt 4-32 bytes there once the
-        # page loop's loads lost their key masks, whatever the cap); no spills.
-        return cfg(16, 32, 8, 2, maxnreg=128 if d_pad <= 128 else None)
-    if decode:
-        # Decode: 16 rows is the smallest MMA tile (a 32q/8kv step fills 4 of them).
-        # Memory-bound, so what matters is bytes in flight: the block-id gather takes a
-        # pipeline stage of its own, and 3 stages left ONE shared K/V buffer (the copy of
-        # tile i+1 issued after tile i's P.V). 5 stages give two K/V buffers (ttgir
-        # memdesc<2x...>): 71 KiB shared, 206-214 registers, still 2 programs per SM.
-        return cfg(16, 64 if d_pad <= 128 else 32, 4, 5)
-    if d_pad >= 256:
-        return _d256_config(cfg, rows, hopper, lean=lean, rope=rope, kv_fp8=kv_fp8, own=own)
-    if hopper and (rows is None or rows > 64):
-        # Chunk / prefill on sm_90a: 128 x 128 accumulator over 8 warps = 64 registers;
-        # K+V 32 KiB per stage + the 32 KiB q tile. Lean launches (no guard, no softcap:
-        # the slab pool) take 3 stages = 3 K/V buffers in flight (128 KiB); the others
-        # keep 2 (96 KiB), where a third spills.
-        return cfg(128, 64, 8, 3 if lean else 2)
-    if rows is not None and rows > 64 and d_pad <= 128:
-        # Chunks and prefill on sm_80: 128 x 16 over 8 warps. Triton 3.9 lays mma.sync warps
-        # along M only when a chained dot's M >= N, i.e. BLOCK_M >= HEAD_DIM_PAD for P.V:
-        # 64-row tiles get warpsPerCTA [1, 8] (every row max / sum crosses warps through
-        # shared memory, the tutorial kernel too), 128 rows get [8, 1]. 128 x 64 and 128 x 32
-        # spill with GQA 3-5 (q lives in registers here); 16-key tiles leave 186-255
-        # registers, no spills, and lean launches a third stage = 2 K/V buffers (49-64 KiB).
-        # Main loop 230-236 SASS per warp per 16-key tile, 1.04x the contiguous flash loop.
-        return cfg(128, 16, 8, 3 if lean else 2)
-    # Short chunks (<= 64 rows) and the deterministic pin on sm_80: 64 x 64, 8 warps,
-    # ~175-235 registers (4 warps spill 16-24 bytes there).
-    return cfg(64, 64, 8, 2)
-
-
-def _d256_config(make, rows: int | None, hopper: bool, *, lean: bool, rope: bool, kv_fp8: bool,
-                 own: bool) -> dict:
-    """Head dim 256 past decode; ``make(BLOCK_M, BLOCK_N, warps, stages)`` is
-    :func:`_base_config`'s config constructor.
-
-    Swept with ``kvarena check`` under triton 3.6.0 and 3.9.0 over every flag variant (causal,
-    kv_start, lse, softcap) with and without own keys, fp8 and RoPE (bench/RESULTS.md, issue
-    25 item 3); each rule below is the fastest modelled tile without spills under both:
-
-    * sm_90a, lean chunks (the slab pool's) with a bf16/fp16 history, no own keys, no RoPE:
-      128 x 32 over 8 warps, 3 stages (3 K/V buffers, 160 KiB), 241-255 registers. Each
-      warpgroup owns 64 query rows; 64 x 32 split the score columns across the two
-      warpgroups, each re-reading q from shared memory per wgmma (smem-bound: the modelled
-      tile 2.17x its tensor cycles; 1.28x here). Guarded 128 x 32 spills 112-288 B.
-    * sm_90a, own keys (two more key loops): 128 x 32 spills 36-84 B under 3.9 and 64 x 32 at
-      3 stages 16 B: 64 x 32 at 2 stages.
-    * sm_90a, a float8 cache: every 64- and 128-row tile spills 32-600 B (the decoded K/V
-      tiles beside the accumulator); 32 x 32 over 4 warps (236-239 registers), over 8 warps
-      when guarded (4 warps spill 4 B there).
-    * sm_90a, RoPE on read: 64 x 32 spills 12-264 B; 32 x 32 over 8 warps (230-254).
-    * sm_80 (q in registers too): 32 x 32 over 8 warps, lean launches at 3 stages (2 K/V
-      buffers, 82 KiB).
-    * Guarded RoPE, or RoPE over an fp8 cache (both targets): 32 x 32 spills 4-460 B; 16 x 32
-      over 8 warps (160-254).
-    * Otherwise (short chunks of <= 64 rows, guarded or softcapped launches): 64 x 32.
-    """
-    stages = 3 if lean else 2
-    if rope and (kv_fp8 or not lean):
-        return make(16, 32, 8, 2)
-    if not hopper:
-        return make(32, 32, 8, stages)
-    if kv_fp8:
-        return make(32, 32, 4 if lean else 8, 2)
-    if rope:
-        return make(32, 32, 8, 2)
-    if own:
-        return make(64, 32, 8, 2)
-    if lean and (rows is None or rows > 64):
-        return make(128, 32, 8, 3)
-    return make(64, 32, 8, stages)
-
-
-def _path_config(cfg: dict, large: bool) -> dict:
-    """``cfg`` as the block path it runs on needs it: a decode tile (16 rows, 5 stages: the
-    page loop's block-id gather takes a stage of its own) over large blocks takes 3 stages,
-    which keep the two K/V buffers in flight (4 spilt 8-12 bytes at 255 registers)."""
-    if large and cfg["BLOCK_M"] == 16 and cfg["num_stages"] == 5:
-        return dict(cfg, num_stages=3)
-    return cfg
-
-
-def _short_context_config(cfg: dict) -> dict:
-    """The decode tile over 32-key tiles (item 2 of issue 25): at B = 1 and 1K-2K keys a
-    64-key tile leaves too few tiles to fill a wave with one split per tile (1K keys, 8 kv
-    heads: 8 x 16 programs = 0.49 of 264 slots); 32-key tiles double them."""
-    return dict(cfg, BLOCK_N=32)
+def _pick_config(head_dim: int, group: int, elem_bytes: int, q_len_max: int | None, arch: Arch | str = DEFAULT_ARCH,
+                 *, lean: bool = False, rope: bool = False, kv_fp8: bool = False, own: bool = False) -> dict:
+    """:func:`kvarena.kernels.attn_configs.pick_config` on ``arch`` (a record or its name).
+    The launch plan calls it through this module's global, so a test can pin a tile."""
+    if isinstance(arch, str):
+        arch = arch_named(arch)
+    return pick_config(arch, head_dim, group, elem_bytes, q_len_max, lean=lean, rope=rope, kv_fp8=kv_fp8, own=own)
 
 
 def _key_tiles(max_seqlen_k: int, block_n: int, has_sinks: bool) -> int:
@@ -1142,59 +1010,21 @@ def _key_tiles(max_seqlen_k: int, block_n: int, has_sinks: bool) -> int:
 
 
 def _wants_short_tiles(cfg: dict, programs: int, max_seqlen_k: int, has_sinks: bool, sm_count: int,
-                       capability: int, elem_bytes: int) -> bool:
+                       ctas: int) -> bool:
     """Whether a decode launch (16-row tile over 64-key tiles) from 1K keys on cannot reach
     the target wave efficiency even at one split per key tile, so that 32-key tiles would."""
     if cfg["BLOCK_M"] != 16 or cfg["BLOCK_N"] != 64 or max_seqlen_k < _FULL_WAVE_MIN_KEYS:
         return False
-    wave = sm_count * max(1, ctas_per_sm(capability, cfg, elem_bytes))
+    wave = sm_count * max(1, ctas)
     return programs * _key_tiles(max_seqlen_k, cfg["BLOCK_N"], has_sinks) < _TARGET_WAVE_EFFICIENCY * wave
 
 
-def _older_triton_config(cfg: dict, capability: int, *, lean: bool, kv_fp8: bool, own: bool) -> dict:
-    """The config of an fp8-cache or own-keys launch under Triton < 3.9, where two of them spill.
-
-    Measured with ``kvarena check`` under triton 3.6.0 (ptxas 12.8) and 3.9.0 (ptxas 12.9), D =
-    128; every other config fits under both, and 3.9 keeps :func:`_pick_config`'s (the K/V
-    buffers and loops tests/test_check.py asserts):
-
-    * guarded fp8 prefill on sm_90a (128 x 64, 2 stages, page path): 255 registers and 160 B
-      spilled (3.9: 251, none); 32-key tiles: 240 (244 with softcap, sinks and kv_start).
-    * own keys (two more pipelined loops after the history's) at 3 stages: MAGI 24q/8kv spills
-      16 B on sm_90a and 8 B on sm_80 (groups 2-7 spill 16-20 B on sm_90a), Wan with an fp8
-      history 4 B on each. 2 stages: MAGI 240 / 255 registers (sm_90a / sm_80), Wan fp8 248 /
-      255, groups 4 and 7 239-255; one K/V buffer fewer.
-
-    The CTAs per SM of these configs (one) are in the occupancy table by hand.
-    """
-    if kv_fp8 and capability >= 90 and cfg["BLOCK_M"] == 128 and not lean:
-        cfg = dict(cfg, BLOCK_N=32)
-    if own:
-        cfg = dict(cfg, num_stages=min(cfg["num_stages"], 2))
-    return cfg
-
-
-def _rope_config(cfg: dict) -> dict:
-    """RoPE on read: each key tile also gathers its partner rows and two fp32 table tiles
-    ``[D, BLOCK_N]``; pipelined over the plain config's stages those fill shared memory
-    (245 KiB for decode at 5 stages, 256 KiB for chunks at 3). Two stages keep one tile's
-    gathers in flight while the previous one computes."""
-    return dict(cfg, num_stages=2)
-
-
-@functools.lru_cache(maxsize=16)
-def _capability(device_index: int | None) -> int:
+def _arch(device_index: int | None) -> Arch:
+    """The architecture record a launch on ``device_index`` plans for (None: the
+    interpreter's, ``KVARENA_ARCH``)."""
     if device_index is None or not torch.cuda.is_available():
-        return 90  # the interpreter: any config runs; use the one H100/H200 get
-    major, minor = torch.cuda.get_device_capability(device_index)
-    return 10 * major + minor
-
-
-@functools.lru_cache(maxsize=16)
-def _sm_count(device_index: int | None) -> int:
-    if device_index is None or not torch.cuda.is_available():
-        return _DEFAULT_SM_COUNT
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+        return interpreter_arch()
+    return arch_for_device(device_index)
 
 
 def _device_index(t: torch.Tensor) -> int | None:
@@ -1248,7 +1078,7 @@ def _pick_num_splits(programs: int, max_seqlen_k: int, sm_count: int, ctas: int 
 def _attn_constexprs(cfg: dict, group: int, head_dim: int, *, causal: bool, has_kv_start: bool,
                      write_lse: bool, split: bool, upcast: bool, guard: bool, softcap: bool,
                      block_size: int, elem_bytes: int, large_ok: bool = True, own: bool = False,
-                     sink_logits: bool = False, kv_fp8: bool = False, capability: int = 90, rope: int = 0,
+                     sink_logits: bool = False, kv_fp8: bool = False, arch: Arch | None = None, rope: int = 0,
                      rope_q_pos: bool = False, rope_k_shift: bool = False, wide_offsets: bool = False,
                      same_kv_strides: bool = True, wide_rows: bool = False) -> dict:
     """The constexpr arguments of ``_paged_attn_kernel`` (shared with ``kvarena check``).
@@ -1279,7 +1109,7 @@ def _attn_constexprs(cfg: dict, group: int, head_dim: int, *, causal: bool, has_
         SPLIT=split, UPCAST=upcast, GUARD_NONFINITE=guard, HAS_SOFTCAP=softcap, PAGE_SIZE=page,
         WIDE_OFFSETS=wide_offsets, SAME_KV_STRIDES=same_kv_strides,
         LARGE_BLOCKS=large, HAS_OWN=own and large, HAS_SINK_LOGITS=sink_logits, KV_FP8=kv_fp8,
-        FP8_NATIVE=kv_fp8 and fp8_native(capability), ROPE=rope, ROPE_Q_POS=rope_q_pos and rope != 0,
+        FP8_NATIVE=kv_fp8 and fp8_native(arch or arch_named(DEFAULT_ARCH)), ROPE=rope, ROPE_Q_POS=rope_q_pos and rope != 0,
         ROPE_K_SHIFT=rope_k_shift and rope != 0, PAGE_INTERIOR=interior,
     )
 
@@ -1317,12 +1147,13 @@ def _addressing(k_shape: tuple, k_stride: tuple, v_shape: tuple, v_stride: tuple
     )
 
 
-def fp8_native(capability: int) -> bool:
-    """Whether fp8 K/V are loaded as Triton's float8e4nv and widened by the hardware (sm_89+)
-    rather than decoded from uint8 (sm_80). The interpreter takes the decode too: its own
+def fp8_native(arch: Arch) -> bool:
+    """Whether float8_e4m3fn K/V are loaded as Triton's float8e4nv and widened by the hardware
+    (targets with OCP fp8: sm_89+, gfx950) rather than decoded from uint8 (sm_80, sm_86,
+    gfx942, whose native fp8 is e4m3fnuz: the decode serves OCP e4m3fn caches there). The interpreter takes the decode too: its own
     widening reads the NaN byte 0x7F as 480, where the GPU's conversion and the decode give
     NaN (the native path runs there in tests that monkeypatch this, on finite data)."""
-    return capability >= 89 and not interpreting()
+    return arch.fp8_native("float8_e4m3fn") and not interpreting()
 
 
 def _use_large_blocks(block_size: int, block_n: int, large_ok: bool, guard: bool, elem_bytes: int) -> bool:
@@ -1418,30 +1249,34 @@ class LaunchPlan:
     guard: bool
     large_ok: bool
     own: bool  # the step's own keys are a second key source of this launch
+    arch: Arch  # the target it was planned for (its SM count sizes the waves)
 
-    def wave_efficiency(self, sm_count: int = _DEFAULT_SM_COUNT) -> float:
+    def wave_efficiency(self) -> float:
         """CTAs / (ceil(waves) x SMs x CTAs per SM) of the split grid."""
         ctas = self.programs * self.num_splits
-        slots = sm_count * max(1, self.ctas_per_sm)
+        slots = self.arch.sm_count * max(1, self.ctas_per_sm)
         return ctas / (math.ceil(ctas / slots) * slots)
 
 
 def plan_launch(*, head_dim: int, group: int, elem_bytes: int, num_seqs: int, num_kv_heads: int,
                 max_seqlen_q: int, max_seqlen_k: int, block_size: int, causal: bool, window_left, sink_tokens: int,
-                softcap: bool, num_splits, deterministic: bool, capability: int = 90,
-                sm_count: int = _DEFAULT_SM_COUNT, large_ok: bool = True, own_len: int = 0,
-                rope: bool = False, kv_fp8: bool = False) -> LaunchPlan:
+                softcap: bool, num_splits, deterministic: bool, arch: Arch | str = DEFAULT_ARCH,
+                large_ok: bool = True, own_len: int = 0, rope: bool = False, kv_fp8: bool = False) -> LaunchPlan:
     """The launch a call gets, from host values only (no tensor, no compile, no device read).
 
     The launcher runs it for every call; ``kvarena check --perf`` runs it for the
-    contract's workloads to report grids and waves. Under the interpreter the capability
-    is 90 and the SM count 132, so CPU tests get the grid an H100/H200 would run.
+    contract's workloads to report grids and waves, per target. ``arch`` is the target's
+    record (or its name): on a GPU the device's, under the interpreter ``KVARENA_ARCH``'s
+    (default sm_90a), so CPU tests get the grid that GPU would run.
 
     ``own_len > 0`` asks for a second key source of ``own_len`` rows per sequence (a
     denoising step's own keys, every query sees them): ``plan.own`` says whether this
     launch can take it (the large-block path, no causal mask, no window); else the caller
     attends to it in a launch of its own and merges.
     """
+    if isinstance(arch, str):
+        arch = arch_named(arch)
+    sm_count = arch.sm_count
     guard = _needs_guard(max_seqlen_q, causal, window_left)
     # The deterministic pin ignores the batch: its config must not depend on max_seqlen_q,
     # and neither may its path (the guard, which depends on the batch's query lengths, keeps
@@ -1449,26 +1284,28 @@ def plan_launch(*, head_dim: int, group: int, elem_bytes: int, num_seqs: int, nu
     lean = not deterministic and not guard and not softcap
     large_ok = large_ok and not deterministic
     # own: the config of a launch that may take the own keys (the tile decides the path).
-    cfg = _pick_config(head_dim, group, elem_bytes, None if deterministic else max_seqlen_q, capability, lean=lean,
-                       rope=rope, kv_fp8=kv_fp8, own=own_len > 0 and not causal and window_left is None)
+    own_ok = own_len > 0 and not causal and window_left is None
+    cfg = _pick_config(head_dim, group, elem_bytes, None if deterministic else max_seqlen_q, arch, lean=lean,
+                       rope=rope, kv_fp8=kv_fp8, own=own_ok)
     num_q_tiles = triton.cdiv(max_seqlen_q * group, cfg["BLOCK_M"])
     programs = num_q_tiles * num_seqs * num_kv_heads
     has_sinks = window_left is not None and sink_tokens > 0
     if num_splits is None and not deterministic and not rope and _wants_short_tiles(
-            cfg, programs, max_seqlen_k, has_sinks, sm_count, capability, elem_bytes):
+            cfg, programs, max_seqlen_k, has_sinks, sm_count,
+            ctas_per_sm(arch, cfg, elem_bytes, launch_kind(kv_fp8=kv_fp8, rope=rope, own=False))):
         cfg = _short_context_config(cfg)
     block_n = cfg["BLOCK_N"]
     # On the large-block path tiles restart at every block start (below).
     max_tiles = _key_tiles(max_seqlen_k, block_n, has_sinks)
     large = _use_large_blocks(block_size, block_n, large_ok, guard, elem_bytes)
-    cfg = _path_config(cfg, large)
+    cfg = _path_config(cfg, large, arch, kv_fp8)
     if large:
         max_tiles = (triton.cdiv(max(max_seqlen_k, 1), block_size) + 1) * triton.cdiv(block_size, block_n)
     own = own_len > 0 and large and not causal and window_left is None
     if own:
         max_tiles += triton.cdiv(own_len, block_n)
         max_seqlen_k += own_len
-    ctas = ctas_per_sm(capability, cfg, elem_bytes)
+    ctas = ctas_per_sm(arch, cfg, elem_bytes, launch_kind(kv_fp8=kv_fp8, rope=rope, own=own))
     tiles_per_split = 0  # 0: each program divides its own key tiles evenly over the splits
     if deterministic and num_splits != 1:
         # Fixed 4096 keys per split whatever the batch (an explicit count other than 1,
@@ -1479,16 +1316,41 @@ def plan_launch(*, head_dim: int, group: int, elem_bytes: int, num_seqs: int, nu
         num_splits = _pick_num_splits(programs, max_seqlen_k, sm_count, ctas, max_tiles)
     # More splits than key tiles would only add empty partials; 65535 is grid axis 1's cap.
     num_splits = max(1, min(num_splits, max_tiles, 65535))
-    return LaunchPlan(cfg, num_q_tiles, programs, num_splits, tiles_per_split, ctas, guard, large_ok, own)
+    return LaunchPlan(cfg, num_q_tiles, programs, num_splits, tiles_per_split, ctas, guard, large_ok, own, arch)
 
 
 @dataclass(frozen=True)
-class _ForwardLaunch:
-    """The host half of one attention launch, planned before any tensor is touched: the
-    :class:`LaunchPlan`, the kernel's constexprs and its scalar mask arguments."""
+class LaunchShape:
+    """The host values an attention launch is planned from: shapes and which optional
+    operands it reads (no tensor; :func:`launch_shape` reads them off the call's tensors)."""
+
+    head_dim: int
+    group: int  # query heads per kv head
+    elem_bytes: int  # of q (the dots' dtype)
+    num_seqs: int
+    num_kv_heads: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_size: int
+    own_len: int | None = None  # the step's own keys per sequence (None: none)
+    has_kv_start: bool = False
+    write_lse: bool = False
+    kv_fp8: bool = False
+    rope_q_pos: bool = False
+    rope_k_shift: bool = False
+    addressing: CacheAddressing = CacheAddressing(wide_offsets=False, same_kv_strides=True)
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """One ``_paged_attn_kernel`` launch, planned before any tensor is touched: the
+    :class:`LaunchPlan` (target, tile, grid, splits), the kernel's constexprs, the pointer
+    arguments they leave unread (passed as None) and the scalar mask arguments. The
+    launcher, ``kvarena check`` and the tests read this object; nothing re-derives it."""
 
     plan: LaunchPlan
     meta: dict  # the constexprs of _paged_attn_kernel (_attn_constexprs)
+    unused: frozenset[str]  # pointer arguments the constexprs leave unread: passed as None
     scale_log2: float
     softcap_inv: float
     softcap_log2: float
@@ -1497,49 +1359,67 @@ class _ForwardLaunch:
     sinks: int  # sink_tokens when there is a window, else 0
 
     @property
+    def arch(self) -> Arch:
+        return self.plan.arch
+
+    @property
     def split(self) -> bool:
         return self.plan.num_splits > 1
 
+    @property
+    def grid(self) -> tuple[int, int]:
+        return (self.plan.programs, self.plan.num_splits)
 
-def _plan_forward(q, k_cache, v_cache, *, num_seqs: int, spec, max_seqlen_q: int, max_seqlen_k: int,
-                  own_len: int | None, has_kv_start: bool, write_lse: bool, kv_scales, rope_q_pos: bool,
-                  rope_k_shift: bool) -> _ForwardLaunch | None:
-    """The launch :func:`paged_attention_fwd` makes, from host values only (shapes, strides,
-    the spec); None when it cannot take the ``own_len`` own keys per sequence (None: no own
-    keys; see :func:`plan_launch`)."""
-    head_dim = q.shape[2]
-    kv_fp8 = kv_scales is not None
-    h_kv, block_size = k_cache.shape[2], k_cache.shape[1]
-    group = q.shape[1] // h_kv
-    scale = spec.scale_for(head_dim)
+
+def launch_shape(q, k_cache, v_cache, *, num_seqs: int, max_seqlen_q: int, max_seqlen_k: int,
+                 own_len: int | None, has_kv_start: bool, write_lse: bool, kv_scales, rope_q_pos: bool,
+                 rope_k_shift: bool) -> LaunchShape:
+    """The :class:`LaunchShape` of a call, read off its tensors' shapes and strides."""
+    h_kv = k_cache.shape[2]
+    return LaunchShape(
+        head_dim=q.shape[2], group=q.shape[1] // h_kv, elem_bytes=q.element_size(), num_seqs=num_seqs,
+        num_kv_heads=h_kv, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_size=k_cache.shape[1],
+        own_len=own_len, has_kv_start=has_kv_start, write_lse=write_lse, kv_fp8=kv_scales is not None,
+        rope_q_pos=rope_q_pos, rope_k_shift=rope_k_shift, addressing=_cache_addressing(k_cache, v_cache, kv_scales))
+
+
+def plan_attention(shape: LaunchShape, spec, arch: Arch | str, *, upcast: bool | None = None) -> AttentionLaunch | None:
+    """The one launch plan: (target, spec, shapes) -> :class:`AttentionLaunch`, a pure
+    function of host values. None when the launch cannot take ``shape.own_len`` own keys per
+    sequence (see :func:`plan_launch`); the caller then attends to them separately.
+    ``upcast``: widen bf16/fp16 inside the kernel (the interpreter's need; default: whether
+    the interpreter runs)."""
+    if isinstance(arch, str):
+        arch = arch_named(arch)
     causal, chunk_size, window_left, softcap = spec.causal, spec.chunk_size, spec.window_left, spec.softcap
-    if causal and chunk_size is not None and chunk_size >= max_seqlen_k:
+    if causal and chunk_size is not None and chunk_size >= shape.max_seqlen_k:
         # Every position lies in chunk 0: block-causal is full attention (and the chunk
         # end (p // C + 1) * C could pass int32 for a huge C).
         causal = False
-    dev = _device_index(q)
-    addressing = _cache_addressing(k_cache, v_cache, kv_scales)
+    addressing = shape.addressing
     plan = plan_launch(
-        head_dim=head_dim, group=group, elem_bytes=q.element_size(), num_seqs=num_seqs, num_kv_heads=h_kv,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_size=block_size,
-        causal=causal, window_left=window_left, sink_tokens=spec.sink_tokens, softcap=bool(softcap),
-        num_splits=spec.num_splits, deterministic=spec.deterministic, capability=_capability(dev),
-        sm_count=_sm_count(dev), large_ok=not addressing.wide_rows,
-        own_len=own_len or 0, rope=bool(spec.rope_mode), kv_fp8=kv_fp8,
+        head_dim=shape.head_dim, group=shape.group, elem_bytes=shape.elem_bytes, num_seqs=shape.num_seqs,
+        num_kv_heads=shape.num_kv_heads, max_seqlen_q=shape.max_seqlen_q, max_seqlen_k=shape.max_seqlen_k,
+        block_size=shape.block_size, causal=causal, window_left=window_left, sink_tokens=spec.sink_tokens,
+        softcap=bool(softcap), num_splits=spec.num_splits, deterministic=spec.deterministic, arch=arch,
+        large_ok=not addressing.wide_rows, own_len=shape.own_len or 0, rope=bool(spec.rope_mode),
+        kv_fp8=shape.kv_fp8,
     )
-    if own_len is not None and not plan.own:
+    if shape.own_len is not None and not plan.own:
         return None
     split = plan.num_splits > 1
-    meta = _attn_constexprs(plan.cfg, group, head_dim, causal=causal, has_kv_start=has_kv_start,
-                            write_lse=write_lse or split, split=split, upcast=interpreting(),
-                            guard=plan.guard, softcap=bool(softcap), block_size=block_size,
-                            elem_bytes=q.element_size(), large_ok=plan.large_ok, own=plan.own,
-                            sink_logits=spec.sink_logits is not None, kv_fp8=kv_fp8,
-                            capability=_capability(dev), rope=spec.rope_mode, rope_q_pos=rope_q_pos,
-                            rope_k_shift=rope_k_shift, wide_offsets=addressing.wide_offsets,
+    meta = _attn_constexprs(plan.cfg, shape.group, shape.head_dim, causal=causal, has_kv_start=shape.has_kv_start,
+                            write_lse=shape.write_lse or split, split=split,
+                            upcast=interpreting() if upcast is None else upcast,
+                            guard=plan.guard, softcap=bool(softcap), block_size=shape.block_size,
+                            elem_bytes=shape.elem_bytes, large_ok=plan.large_ok, own=plan.own,
+                            sink_logits=spec.sink_logits is not None, kv_fp8=shape.kv_fp8,
+                            arch=arch, rope=spec.rope_mode, rope_q_pos=shape.rope_q_pos,
+                            rope_k_shift=shape.rope_k_shift, wide_offsets=addressing.wide_offsets,
                             same_kv_strides=addressing.same_kv_strides, wide_rows=addressing.wide_rows)
-    return _ForwardLaunch(
-        plan, meta, scale * LOG2E,
+    scale = spec.scale_for(shape.head_dim)
+    return AttentionLaunch(
+        plan, meta, unused_pointers(meta), scale * LOG2E,
         softcap_inv=scale / softcap if softcap else 0.0, softcap_log2=softcap * LOG2E if softcap else 0.0,
         causal_chunk=(chunk_size if chunk_size is not None else 1) if causal else 1,
         window=_NO_WINDOW if window_left is None else min(window_left, _NO_WINDOW),
@@ -1559,7 +1439,7 @@ class _Outputs:
     lse_target: torch.Tensor | None  # unsplit: the lse written (None: none)
 
 
-def _outputs(out: torch.Tensor, lse: torch.Tensor | None, fwd: _ForwardLaunch, group: int) -> _Outputs:
+def _outputs(out: torch.Tensor, lse: torch.Tensor | None, fwd: AttentionLaunch, group: int) -> _Outputs:
     if fwd.split:
         part = torch.empty((fwd.plan.num_splits, *out.shape), dtype=torch.float32, device=out.device)
         part_lse = torch.empty((fwd.plan.num_splits, *out.shape[:2]), dtype=torch.float32, device=out.device)
@@ -1620,7 +1500,7 @@ def _unused_pointers(lse: bool, kv_start: bool, own: bool, sink: bool, fp8: bool
     return frozenset(name for name, on in read.items() if not on)
 
 
-def _launch_attention(fwd: _ForwardLaunch, dst: _Outputs, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
+def _launch_attention(fwd: AttentionLaunch, dst: _Outputs, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
                       kv_start, sink, spec, own_k, own_v, kv_scales, rope_q_pos, rope_k_shift) -> None:
     """One ``_paged_attn_kernel`` launch of ``fwd`` into ``dst``."""
     # 1-D metadata is read with unit stride; .contiguous() is free when it already is.
@@ -1645,10 +1525,10 @@ def _launch_attention(fwd: _ForwardLaunch, dst: _Outputs, q, k_cache, v_cache, b
         sink_ptr=sink, ks_ptr=ks, vs_ptr=vs, cos_ptr=rope.cos, sin_ptr=rope.sin, qpos_ptr=rope.q_pos,
         kshift_ptr=rope.k_shift,
     )
-    for name in unused_pointers(fwd.meta):
+    for name in fwd.unused:
         pointers[name] = None
     cfg, plan = fwd.plan.cfg, fwd.plan
-    _paged_attn_kernel[(plan.programs, plan.num_splits)](
+    _paged_attn_kernel[fwd.grid](
         *(pointers[name] for name in _POINTER_ARGS),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -1668,7 +1548,7 @@ def _launch_attention(fwd: _ForwardLaunch, dst: _Outputs, q, k_cache, v_cache, b
 _POINTER_ARGS = tuple(name for name in _paged_attn_kernel.arg_names if name.endswith("_ptr"))
 
 
-def _launch_reduce(fwd: _ForwardLaunch, dst: _Outputs, out: torch.Tensor, lse: torch.Tensor | None, sink) -> None:
+def _launch_reduce(fwd: AttentionLaunch, dst: _Outputs, out: torch.Tensor, lse: torch.Tensor | None, sink) -> None:
     """``_split_reduce_kernel``: the split partials of ``dst`` into ``out`` (and ``lse``)."""
     split_reduce(dst.o, dst.lse, out, lse, sink if fwd.meta["HAS_SINK_LOGITS"] else None,
                  deterministic=fwd.plan.tiles_per_split > 0)
@@ -1683,7 +1563,7 @@ def split_reduce(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, 
     :func:`_reduce_tile`'s (``deterministic``: the batch-invariant one)."""
     num_splits, total_q, h_q, head_dim = part.shape
     n_rows = total_q * h_q
-    tile = _reduce_tile(n_rows, head_dim, num_splits, _sm_count(_device_index(out)), deterministic=deterministic)
+    tile = _reduce_tile(n_rows, head_dim, num_splits, _arch(_device_index(out)).sm_count, deterministic=deterministic)
     lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     _split_reduce_kernel[tile.grid](
         part, part_lse, out, lse,
@@ -1717,7 +1597,7 @@ def paged_attention_fwd(
     ``[num_blocks, block_size, H_kv]`` fp32 (any strides) or 0-dim static ones; the kernel
     decodes the bytes in registers and applies the scales to the score / probability
     columns in fp32. The tile config is the one of q's dtype (but under Triton < 3.9, see
-    ``_older_triton_config``).
+    ``attn_configs.older_triton_config``).
 
     RoPE on read (``spec.rope_cos`` / ``rope_sin`` ``[P, D/2]`` fp32): queries and keys are
     rotated as loaded. Query i of sequence b takes table row ``rope_q_pos[b] + i`` (None:
@@ -1735,10 +1615,11 @@ def paged_attention_fwd(
         return True  # no query row exists
     if not spec.rope_mode:
         rope_q_pos = rope_k_shift = None
-    fwd = _plan_forward(q, k_cache, v_cache, num_seqs=seq_lens.shape[0], spec=spec, max_seqlen_q=max_seqlen_q,
-                        max_seqlen_k=max_seqlen_k, own_len=None if own_k is None else own_k.shape[1],
-                        has_kv_start=kv_start is not None, write_lse=lse is not None, kv_scales=kv_scales,
-                        rope_q_pos=rope_q_pos is not None, rope_k_shift=rope_k_shift is not None)
+    shape = launch_shape(q, k_cache, v_cache, num_seqs=seq_lens.shape[0], max_seqlen_q=max_seqlen_q,
+                         max_seqlen_k=max_seqlen_k, own_len=None if own_k is None else own_k.shape[1],
+                         has_kv_start=kv_start is not None, write_lse=lse is not None, kv_scales=kv_scales,
+                         rope_q_pos=rope_q_pos is not None, rope_k_shift=rope_k_shift is not None)
+    fwd = plan_attention(shape, spec, _arch(_device_index(q)))
     if fwd is None:
         return False
     group = q.shape[1] // k_cache.shape[2]

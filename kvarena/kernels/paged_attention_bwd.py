@@ -32,8 +32,9 @@ import triton
 import triton.language as tl
 
 from kvarena.kernels._common import LOG2E, head_dim_pad, interpreting
+from kvarena.kernels.arch import Arch
 from kvarena.kernels.key_range import row_bounds, sees, tile_key_range, virtual_tile
-from kvarena.kernels.paged_attention import _NO_WINDOW, _tanh
+from kvarena.kernels.paged_attention import _NO_WINDOW, _arch, _device_index, _tanh
 from kvarena.kernels.placement import OWN_AFTER_HISTORY, OWN_AT_QUERIES
 
 
@@ -275,7 +276,7 @@ def _attn_bwd_dkdv_kernel(
     tl.store(dv_ptr + out_off, dv.to(dv_ptr.dtype.element_ty), mask=om)
 
 
-def pick_bwd_config(head_dim: int, elem_bytes: int) -> dict:
+def pick_bwd_config(head_dim: int, elem_bytes: int, arch: Arch | None = None) -> dict:
     """Tiles and warps of both backward kernels (a pure function; ``kvarena check`` compiles it).
 
     The dQ program keeps q, dO and the fp32 dQ accumulator ``[BLOCK_M, HEAD_DIM_PAD]`` in
@@ -284,15 +285,19 @@ def pick_bwd_config(head_dim: int, elem_bytes: int) -> dict:
     sm_80 and sm_90a with every mask flag on (0 spills everywhere): fp16/bf16 at D <= 128
     32 x 32 over 4 warps (177-209 registers; 64 x 32 spills 56 bytes in dK/dV on sm_90a);
     D = 256 32 x 32 over 8 warps (176-251); fp32 (IEEE FMA dots) 16 x 16 over 8 warps
-    (60-75). Under the interpreter 16 x 16 keeps CPU tests fast.
+    (60-75). On AMD (``arch.is_amd``) D = 256 takes 32 x 16 over 8 waves (148-154 VGPRs): 32 x 32
+    spilt 100-420 B on gfx942 and gfx950. Under the interpreter 16 x 16 keeps CPU tests fast.
     """
     d_pad = head_dim_pad(head_dim)
     maxnreg = 255  # stated for the tensor-core configs: left alone, ptxas capped dK/dV at
     # 168 registers (3 CTAs per SM) on sm_80 and spilt 4 bytes; fp32 keeps ptxas's choice.
     if interpreting():
         bm, bn, warps, stages, maxnreg = 16, 16, 4, 1, None
-    elif elem_bytes >= 4:
-        bm, bn, warps, stages, maxnreg = 16, 16, 8, 1, None
+    elif elem_bytes >= 4:  # sm_100a: capped at 128 (ptxas's own 64 spilt 4 B in dK/dV)
+        bm, bn, warps, stages = 16, 16, 8, 1
+        maxnreg = 128 if arch is not None and arch.mma == "tcgen05" else None
+    elif d_pad > 128 and arch is not None and arch.is_amd:
+        bm, bn, warps, stages, maxnreg = 32, 16, 8, 1, None
     elif d_pad > 128:
         bm, bn, warps, stages = 32, 32, 8, 1
     else:
@@ -315,7 +320,7 @@ class _BackwardLaunch:
 
 def _plan_backward(q: torch.Tensor, h_kv: int, has_kv_start: bool, spec) -> _BackwardLaunch:
     d = q.shape[2]
-    cfg = pick_bwd_config(d, q.element_size())
+    cfg = pick_bwd_config(d, q.element_size(), _arch(_device_index(q)))
     scale = spec.scale_for(d)
     softcap = spec.softcap
     constexprs = dict(GROUP=q.shape[1] // h_kv, HEAD_DIM=d, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"],
