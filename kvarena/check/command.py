@@ -14,6 +14,7 @@ from kvarena.check.compile import Row, _compile_cached
 from kvarena.check.launches import _launches
 from kvarena.check.report import (
     TABLE_COLUMNS,
+    _markdown_tables,
     _print_model,
     _print_table,
     _print_workloads,
@@ -32,6 +33,8 @@ def add_arguments(parser) -> None:
     # Checked when parsed (a writable file in an existing directory): the compiles take minutes.
     parser.add_argument("--json", dest="json_path", type=output_file, default=None,
                         help="also write the rows as JSON to this file")
+    parser.add_argument("--markdown", dest="markdown_path", type=output_file, default=None,
+                        help="also write one markdown table per target to this file (bench/RESULTS.md's form)")
     parser.add_argument("--all-variants", "--all", dest="all_variants", action="store_true",
                         help="also compile every mask/output flag variant of each attention config "
                              "(causal x kv_start x lse x softcap; ~280 compiles, ~10 min)")
@@ -176,6 +179,9 @@ def run(args) -> int:
         _print_workloads(workloads)
     if args.perf and args.write_occupancy:
         print(f"wrote the CTAs-per-SM table to {_write_occupancy(rows)}")
+    if args.markdown_path:
+        with open(args.markdown_path, "w") as f:
+            f.write(_markdown_tables(rows, workloads))
     if args.json_path:
         with open(args.json_path, "w") as f:
             payload = [asdict(r) for r in rows]

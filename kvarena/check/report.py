@@ -159,3 +159,37 @@ def _write_occupancy(rows: list[Row]) -> str:
     with open(path, "w") as f:
         f.write(head + sep + "\n" + body + "}\n")
     return path
+
+
+def _markdown_tables(rows: list[Row], workloads: list[dict]) -> str:
+    """One markdown table per target (registers, spills, shared memory, fits and, with
+    ``--perf``, CTAs per SM, MMA kind and K/V buffers), then the workloads' waves."""
+    from kvarena.kernels.arch import ARCHS
+
+    perf = any(r.mma for r in rows)
+    out = []
+    for target in dict.fromkeys(r.target for r in rows):
+        mine = [r for r in rows if r.target == target]
+        arch = ARCHS[target]
+        bad = sum(not r.fits for r in mine)
+        out.append(f"### {target} ({arch.gpus}): {len(mine) - bad} of {len(mine)} fit\n")
+        regs = "VGPRs" if arch.is_amd else "regs"
+        head = ["config", regs, "spills st/ld", "smem KiB", "fits"] + (["CTAs/SM", "MMA", "K/V bufs"] if perf else [])
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "---|" * len(head))
+        for r in mine:
+            cells = [r.config, str(r.registers), f"{r.spill_stores}/{r.spill_loads}", f"{r.shared_bytes / 1024:.1f}",
+                     "yes" if r.fits else "**NO**"]
+            if perf:
+                cells += [str(r.ctas_per_sm), r.mma, str(r.kv_buffers)] if r.mma else ["", "", ""]
+            out.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+        out.append("")
+    if workloads:
+        out.append("### Decode and chunk waves per target (`--perf`)\n")
+        out.append("| workload | target | tile | programs | splits | CTAs/SM | waves | wave eff. |")
+        out.append("|---|---|---|---|---|---|---|---|")
+        for w in workloads:
+            out.append(f"| {w['workload']} | {w['target']} | {w['tile']} | {w['programs']} | {w['splits']} | "
+                       f"{w['ctas_per_sm']} | {w['waves']:.2f} | {w['efficiency']:.3f} |")
+        out.append("")
+    return "\n".join(out)
