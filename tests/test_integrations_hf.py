@@ -15,14 +15,16 @@ import os
 
 import pytest
 import torch
-from _helpers import one_torch_thread  # noqa: F401 - autouse fixture
+from _helpers import assert_close, grad_mode, one_torch_thread  # noqa: F401 - fixtures
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 from kvarena.integrations import hf  # noqa: E402
 
 TRITON = os.environ.get("TRITON_INTERPRET") == "1"
 # transformers 5.2x renames generate's past_key_values to cache (still accepted, with a warning)
-pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+# Every test runs as written and under torch.inference_mode() (the grad_mode fixture).
+pytestmark = [pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning"),
+              pytest.mark.usefixtures("grad_mode")]
 TOL = 1e-4
 WINDOW = 6
 
@@ -451,6 +453,8 @@ def test_a_refused_step_leaves_the_kvarena_cache_as_it_was(case: str, first: boo
     refused after its plan left planned-but-unwritten tokens that the next call attended.
     Now length, rows, tokens and blocks are as before (no arena if the step made it), and the
     next valid step gives exactly what a cache that never saw the refusal gives."""
+    if case == "fp8-grad" and torch.is_inference_mode_enabled():
+        pytest.skip("fp8 under autograd: there is no autograd under inference mode")
     model = _model("llama-gqa")
     model.set_attn_implementation("kvarena")
     ids = torch.randint(1, 128, (2, 7))
@@ -564,6 +568,7 @@ def test_right_padding_and_holes_equal_eager(name: str, cache: str, kind: str) -
         assert [arena.pool.seq_len(n) for n in arena._names] == (mask.sum(1) + 3).tolist(), "padding was stored"
 
 
+@pytest.mark.parametrize("grad_mode", ["as_is"], indirect=True)  # autograd
 def test_padding_holes_under_autograd_and_refusals() -> None:
     """Right padding under autograd: the gradients of a loss over the real positions equal
     eager's (transformers' cache, and a KVArenaCache whose queries are all real). What
@@ -764,7 +769,7 @@ def test_packed_sequences_by_position_ids_equal_eager(name: str) -> None:
     model = _model(name)
     ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(2))
     pos = torch.tensor(PACKED_POS)
-    grad = name == "llama-gqa"
+    grad = name == "llama-gqa" and not torch.is_inference_mode_enabled()  # gradients need autograd
     out = {}
     for impl in ("eager", "kvarena"):
         model.set_attn_implementation(impl)
@@ -817,3 +822,91 @@ def test_packed_sequences_on_the_triton_path() -> None:
         hf.register()
     err = (got - want).abs().max().item()
     assert err <= TOL, f"triton packed: max logit error {err:.2e} > {TOL}"
+
+
+# --------------------------------------------------------------------------- issue 41
+
+
+INFERENCE_CASES = ["forward-2-tokens", "left-padded", "right-padded", "holes", "generate-hf-cache",
+                   "generate-kvarena-cache"]
+
+
+@pytest.mark.parametrize("grad_mode", ["as_is"], indirect=True)  # enters inference mode itself
+@pytest.mark.parametrize("case", INFERENCE_CASES)
+def test_inference_mode_equals_eager(case: str) -> None:
+    """Issue 41 #1: under torch.inference_mode() every forward of 2+ tokens died with
+    "Inference tensors do not track version counter" (the adapter read ``_version`` of the
+    model's position_ids). Now each case equals eager's, also run under inference mode."""
+    model = _model("mistral-window")
+    gen = torch.Generator().manual_seed(41)
+    if case in ("right-padded", "holes"):
+        ids, mask = _pad_batch("right" if case == "right-padded" else "holes")
+    elif case == "forward-2-tokens":
+        ids = torch.randint(1, 128, (1, 2), generator=gen)
+        mask = torch.ones_like(ids)
+    else:
+        ids, mask = _prompts(True)
+    with torch.inference_mode():
+        if case.startswith("generate"):
+            arena = hf.KVArenaCache(model.config, block_size=4) if case == "generate-kvarena-cache" else None
+            want_seq, want = _generate(model, "eager", ids, mask, max_new_tokens=5)
+            extra = {} if arena is None else {"past_key_values": arena}
+            got_seq, got = _generate(model, "kvarena", ids, mask, max_new_tokens=5, **extra)
+            assert torch.equal(got_seq, want_seq), f"{case}: greedy tokens differ from eager's"
+            sel = torch.ones(got.shape[:2], dtype=torch.bool)
+        else:
+            model.set_attn_implementation("eager")
+            want = model(ids, attention_mask=mask).logits
+            model.set_attn_implementation("kvarena")
+            got = model(ids, attention_mask=mask).logits
+            c = mask.cumsum(1)  # positions whose window holds a real key (else eager averages a masked row)
+            sel = c - torch.nn.functional.pad(c, (WINDOW, 0))[:, : c.shape[1]] > 0
+    assert_close(got[sel], want[sel], torch.float32, f"{case} under inference mode: logits")
+
+
+@pytest.mark.parametrize("grad_mode", ["as_is"], indirect=True)  # switches modes itself
+@pytest.mark.parametrize("order", ["inference-then-no-grad", "no-grad-then-inference"])
+def test_kvarena_cache_serves_steps_in_and_out_of_inference_mode(order: str) -> None:
+    """Issue 41 #1: a KVArenaCache whose arena was made under inference mode could not be
+    written outside it (its block tables are inference tensors); the same cache now serves
+    steps in either mode, equal to DynamicCache's."""
+    model = _model("llama-gqa")
+    ids, mask = _prompts(True)
+    modes = [torch.inference_mode, torch.no_grad]
+    if order == "no-grad-then-inference":
+        modes.reverse()
+    logits = {}
+    for impl in ("eager", "kvarena"):
+        model.set_attn_implementation(impl)
+        cache = transformers.DynamicCache(config=model.config) if impl == "eager" else hf.KVArenaCache(
+            model.config, block_size=4)
+        steps = []
+        for mode, cols in zip(modes, (slice(0, 11), slice(11, 17))):
+            with mode():
+                steps.append(model(ids[:, cols], attention_mask=mask[:, : cols.stop], past_key_values=cache).logits)
+        logits[impl] = torch.cat(steps, 1)[mask.bool()]
+    assert_close(logits["kvarena"], logits["eager"], torch.float32, f"{order}: logits")
+
+
+@pytest.mark.parametrize("grad_mode", ["as_is"], indirect=True)  # enters inference mode itself
+def test_position_ids_changed_in_place_under_inference_mode_are_checked_again() -> None:
+    """Issue 41 #1: an inference tensor has no version counter, so a memo keyed by it could
+    not see it change in place: position_ids that restart after an in-place edit must still
+    be refused (packed sequences transformers did not fold into the mask), and the same
+    tensor restored must be served again."""
+    model = _model("llama-gqa")
+    model.set_attn_implementation("kvarena")
+    ids = torch.randint(1, 128, (1, 7), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        pos = torch.arange(7)[None]
+        model.set_attn_implementation("eager")
+        want = model(ids, position_ids=pos).logits
+        model.set_attn_implementation("kvarena")
+        first = model(ids, position_ids=pos).logits
+        pos[0, 3:] = torch.arange(4)  # in place, inside inference mode: no version bump
+        with pytest.raises(NotImplementedError, match=r"^kvarena: packed sequences \(position_ids that restart"):
+            model(ids, position_ids=pos)
+        pos[0, 3:] = torch.arange(3, 7)
+        again = model(ids, position_ids=pos).logits
+    for what, got in (("first", first), ("restored", again)):
+        assert_close(got, want, torch.float32, f"{what}: logits")

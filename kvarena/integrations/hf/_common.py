@@ -24,6 +24,16 @@ def _unsupported(what: str) -> NotImplementedError:
 _HANDOFF: dict[int, tuple] = {}
 
 
+def version_key(t: torch.Tensor) -> tuple[int, int] | None:
+    """``(id, version)`` of a tensor kvarena did not create, for a memo that must see the
+    tensor change in place between calls; None for an inference tensor
+    (``torch.inference_mode()``), which has no version counter and can be changed in place
+    unseen inside inference mode: nothing read from one is memoized across calls."""
+    if t.is_inference():
+        return None
+    return id(t), t._version
+
+
 def _sink_logits(s_aux: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """gpt-oss's ``s_aux`` (a parameter in the model's dtype) as kvarena's sink_logits."""
     return None if s_aux is None else s_aux.to(accumulator_dtype(dtype))

@@ -26,6 +26,13 @@ __all__ = ["DEFAULT_MAX_TOKENS_PER_ROW", "KVArenaCache"]
 #: ``batch x min(max_position_embeddings, DEFAULT_MAX_TOKENS_PER_ROW)``.
 DEFAULT_MAX_TOKENS_PER_ROW = 1 << 15
 
+#: What makes or reshapes the arena's own tensors (the pool, its block tables) runs outside
+#: inference mode: a tensor made under ``torch.inference_mode()`` cannot be written outside
+#: it, and the same cache serves steps in and out of inference mode. (The step's K/V, made
+#: by the model, are written into the arena by the pool's forward in the caller's mode:
+#: writing into a normal tensor is allowed in either.)
+_pool_state = torch.inference_mode(False)  # a decorator: a fresh context per call
+
 
 class KVArenaCache:  # the transformers Cache base is mixed in at first use (see __new__)
     """A transformers ``Cache`` whose K/V live in a kvarena ``PagedKVCache`` arena.
@@ -207,6 +214,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         return out.transpose(1, 2)
 
     # The arena.
+    @_pool_state
     def _make_pool(self, key: torch.Tensor, batch: int) -> None:
         from kvarena.cache.arena import KVLayout, group_layers
         from kvarena.cache.keys import CachePolicy
@@ -290,6 +298,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         self._pending.add(id(key_states))
         return key_states, value_states
 
+    @_pool_state
     def _abort_step(self) -> None:
         """Undo the step in progress (a refused or failed call): the length, the rows, the
         pool's lengths and the hand-offs as they were before its first layer."""
@@ -330,7 +339,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         return qf.to(dtype), kf.to(dtype), vf.to(dtype)
 
     def _attend(self, layer: int, query, key, value, kv_start, scaling, causal, window, softcap, s_aux, backend,
-                position_ids):
+                position_ids, forward=None):
         self._pending.discard(id(key))
         if getattr(kv_start, "_kvarena_segments", None) is not None:
             raise _unsupported("packed sequences with KVArenaCache")
@@ -351,7 +360,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
                 new = [s - min(s, max(0, p - past)) for p in pads]
             if not causal:
                 raise _unsupported("a bidirectional layer with KVArenaCache")
-            _check_packed(position_ids, kv_start, b, s, self._len)
+            _check_packed(position_ids, kv_start, b, s, self._len, forward)
             # Inference: a padded plan, so q/k/v/out keep transformers' [B, S] rows (no
             # gather or scatter per layer). Under autograd, or with padding other than left
             # padding, the real rows are packed: the differentiable paths read each row's own
@@ -368,7 +377,8 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
             # refuse (fp8 under autograd, a backend that cannot run) plans nothing.
             self.pool._check_call(qf, kf, vf, layer, opts, padded=not packed)
             batch = {self._names[i]: new[i] for i in range(b) if new[i] > 0} if packed else dict(zip(self._names, new))
-            self._meta = self.pool.plan(batch, pad_to=None if packed else s)
+            with torch.inference_mode(False):  # see _pool_state
+                self._meta = self.pool.plan(batch, pad_to=None if packed else s)
             self._packed, self._step_rows = packed, rows
         else:
             qf, kf, vf = self._rows(query, key, value, self._step_rows)
@@ -409,6 +419,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
                                max_seqlen_q=1, max_seqlen_k=int(lens.max()), **opts, **kw)
 
     # Beams, assisted decoding, reset.
+    @_pool_state
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row i becomes a copy of row ``beam_idx[i]`` (shared blocks, no K/V copied)."""
         self._undo = None  # between steps: the last one ran through
@@ -427,6 +438,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.reorder_cache(torch.as_tensor(indices).reshape(-1))
 
+    @_pool_state
     def crop(self, n: int) -> None:
         """Assisted decoding's rollback: ``n < 0`` drops the newest ``-n`` tokens (transformers
         >= 5.2x), ``n > 0`` keeps the first ``n`` (the older meaning), ``0`` does nothing."""
@@ -448,6 +460,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         self._len = keep
         self._meta = None
 
+    @_pool_state
     def reset(self) -> None:
         """Free every block and forget the rows: the object serves a new generate."""
         if self.pool is not None:
