@@ -174,8 +174,9 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, slid
 
 def _attention_unpadded(query, key, value, pack: _Unpad, scaling, causal, window, softcap, s_aux, backend):
     """Right padding or holes with transformers' cache: each row's real keys gathered
-    left-aligned (one block per row of ``max_k`` keys), its real queries packed (or one
-    sequence per query, see :func:`_unpad`); padding query rows as eager computes them."""
+    left-aligned (one block per row of ``max_k`` keys), the queries of ``pack.q_attend``
+    packed, those of ``pack.per_query`` one sequence each (see :func:`_unpad`); a query
+    that sees no key gets zeros."""
     b, h_q, s, d = query.shape
     out = query.new_zeros(b, s, h_q, d)
     if pack.max_k == 0:
@@ -190,11 +191,10 @@ def _attention_unpadded(query, key, value, pack: _Unpad, scaling, causal, window
         cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=query.device)
         out[which] = paged_attention(q, k_cache, v_cache, q_rows, q_lens, cu, kv_start=q_start, max_seqlen_q=1,
                                      **opts)
-        return out, None
     if pack.max_q == 0:
         return out, None
     table = torch.arange(b, dtype=torch.int32, device=query.device)[:, None]
-    got = paged_attention(query.transpose(1, 2)[pack.q_real], k_cache, v_cache, table, pack.lens, pack.cu_q,
+    got = paged_attention(query.transpose(1, 2)[pack.q_attend], k_cache, v_cache, table, pack.lens, pack.cu_q,
                           window_left=None if window is None else window - 1, max_seqlen_q=pack.max_q, **opts)
-    out[pack.q_real] = got
+    out[pack.q_attend] = got
     return out, None
