@@ -974,3 +974,65 @@ def test_bidirectional_encoder_with_padding_equals_eager(kind: str) -> None:
             model.set_attn_implementation(impl)
             out[impl] = model(ids, attention_mask=mask).last_hidden_state
     assert_close(out["kvarena"], out["eager"], torch.float32, f"BERT {kind}: hidden states")
+
+
+def _seen(mask: torch.Tensor, window: int | None) -> torch.Tensor:
+    """bool [B, S]: the positions whose (window of) keys holds a real key (elsewhere eager
+    averages a fully masked row, kvarena gives 0)."""
+    c = mask.cumsum(1)
+    w = window or mask.shape[1]
+    return c - torch.nn.functional.pad(c, (w, 0))[:, : mask.shape[1]] > 0
+
+
+def _steps_against_dynamic_cache(model, ids, mask, steps, beams=None, crop=None):
+    """Teacher-forced steps on eager + DynamicCache and on kvarena + KVArenaCache: the first
+    over ``ids`` / ``mask``, then one token per row per step (every row real). After the
+    first step both caches take ``reorder_cache(beams)`` (the mask's rows with them) and
+    ``crop(crop)`` (the mask's last ``-crop`` columns with it). Returns per impl the logits
+    of each step and ``get_seq_length()`` at the end."""
+    gen = torch.Generator().manual_seed(19)
+    more = torch.randint(1, 128, (ids.shape[0], steps), generator=gen)
+    out = {}
+    for impl in ("eager", "kvarena"):
+        model.set_attn_implementation(impl)
+        cache = transformers.DynamicCache(config=model.config) if impl == "eager" else hf.KVArenaCache(
+            model.config, block_size=4)
+        m = mask
+        with torch.no_grad():
+            logits = [model(ids, attention_mask=m, past_key_values=cache).logits]
+            if beams is not None:
+                cache.reorder_cache(beams)
+                m = m[beams]
+            if crop is not None:
+                cache.crop(crop)
+                m = m[:, :crop]
+            for t in range(steps):
+                m = torch.cat([m, torch.ones_like(m[:, :1])], 1)
+                logits.append(model(more[:, t : t + 1], attention_mask=m, past_key_values=cache).logits)
+        out[impl] = logits, cache.get_seq_length()
+    return out
+
+
+@pytest.mark.parametrize("beside", ["right-padded", "holes", "left-padded"])
+@pytest.mark.parametrize("name", ["llama-gqa", "mistral-window"])
+def test_kvarena_cache_serves_a_row_of_padding_only(name: str, beside: str) -> None:
+    """Issue 41 #3: a row of padding only next to a right-padded or holed row was a bare
+    KeyError ('namespace 1 ...'; the row was never planned, so it is not in the pool). Now
+    KVArenaCache serves the batch as DynamicCache does: the first step within fp32
+    tolerance at every position that sees a key (the padding-only row sees none: finite),
+    then rows reordered (beam search moves the empty row) and two more steps, every row
+    and position within tolerance."""
+    model = _model(name)
+    rows = {"right-padded": [1] * 6 + [0] * 3, "holes": [1, 1, 0, 0, 1, 1, 1, 0, 1],
+            "left-padded": [0] * 4 + [1] * 5}
+    mask = torch.tensor([[1] * 9, [0] * 9, rows[beside]])
+    ids = torch.randint(1, 128, mask.shape, generator=torch.Generator().manual_seed(23))
+    beams = torch.tensor([1, 2, 1])  # the empty row twice, first
+    got = _steps_against_dynamic_cache(model, ids, mask, 2, beams=beams)
+    (want, want_len), (have, have_len) = got["eager"], got["kvarena"]
+    assert have_len == want_len, f"get_seq_length {have_len} != DynamicCache's {want_len}"
+    seen = _seen(mask, getattr(model.config, "sliding_window", None))
+    assert have[0].isfinite().all(), "the first step's logits are not finite"
+    assert_close(have[0][seen], want[0][seen], torch.float32, f"{name} {beside}: first step, positions with a key")
+    for t in (1, 2):
+        assert_close(have[t], want[t], torch.float32, f"{name} {beside}: step {t + 1} after the reorder")

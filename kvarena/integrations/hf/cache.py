@@ -321,6 +321,12 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
                     self.pool.truncate(name, lens[name])
         self._len, self._names, self._meta, self._step_rows, self._packed = length, names, None, None, False
 
+    def _held(self, name) -> bool:
+        """Whether row ``name`` is in the pool: a row is added by the first plan that gives it a
+        token, so a row that has been padding only so far (next to right padding or holes,
+        which plan only the real tokens) is not, and holds nothing."""
+        return self.pool is not None and name in self.pool
+
     def _fresh(self):
         self._next_name += 1
         return self._next_name
@@ -406,7 +412,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         rows, lens, starts, which = per_query
         pool = self.pool
         region, group = pool.region, pool.layout.group_of(layer)[0]
-        tables = [pool.block_ids(name, group) for name in self._names]
+        tables = [pool.block_ids(name, group) if name in pool else [] for name in self._names]  # see _held
         width = max(1, max(map(len, tables)))
         table = torch.tensor([[max(x, 0) for x in t] + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
                              device=pool.device)[rows[:, 0].long()]
@@ -426,9 +432,11 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         src = [self._names[i] for i in beam_idx.tolist()]
         new = [self._fresh() for _ in src]
         for s_name, d_name in zip(src, new):
-            self.pool.fork(s_name, d_name)
+            if self._held(s_name):
+                self.pool.fork(s_name, d_name)
         for name in self._names:
-            self.pool.free_namespace(name)
+            if self._held(name):
+                self.pool.free_namespace(name)
         self._names = new
         self._meta = None
 
