@@ -988,23 +988,24 @@ def _steps_against_dynamic_cache(model, ids, mask, steps, beams=None, crop=None)
     """Teacher-forced steps on eager + DynamicCache and on kvarena + KVArenaCache: the first
     over ``ids`` / ``mask``, then one token per row per step (every row real). After the
     first step both caches take ``reorder_cache(beams)`` (the mask's rows with them) and
-    ``crop(crop)`` (the mask's last ``-crop`` columns with it). Returns per impl the logits
+    ``crop(crop)`` (the mask's columns with it). Returns per impl the logits
     of each step and ``get_seq_length()`` at the end."""
     gen = torch.Generator().manual_seed(19)
     more = torch.randint(1, 128, (ids.shape[0], steps), generator=gen)
     out = {}
     for impl in ("eager", "kvarena"):
         model.set_attn_implementation(impl)
-        cache = transformers.DynamicCache(config=model.config) if impl == "eager" else hf.KVArenaCache(
-            model.config, block_size=4)
+        # DynamicCache without a config: full layers, which crop at any length (the masks
+        # still apply each layer's window)
+        cache = transformers.DynamicCache() if impl == "eager" else hf.KVArenaCache(model.config, block_size=4)
         m = mask
         with torch.no_grad():
             logits = [model(ids, attention_mask=m, past_key_values=cache).logits]
             if beams is not None:
                 cache.reorder_cache(beams)
                 m = m[beams]
-            if crop is not None:
-                cache.crop(crop)
+            if crop is not None:  # DynamicCache takes only the newer, negative form: crop(n) = crop(n - length)
+                cache.crop(crop if impl == "kvarena" or crop <= 0 else crop - cache.get_seq_length())
                 m = m[:, :crop]
             for t in range(steps):
                 m = torch.cat([m, torch.ones_like(m[:, :1])], 1)
@@ -1036,3 +1037,25 @@ def test_kvarena_cache_serves_a_row_of_padding_only(name: str, beside: str) -> N
     assert_close(have[0][seen], want[0][seen], torch.float32, f"{name} {beside}: first step, positions with a key")
     for t in (1, 2):
         assert_close(have[t], want[t], torch.float32, f"{name} {beside}: step {t + 1} after the reorder")
+
+
+CROP_MASK = [[1] * 7, [1] * 5 + [0] * 2, [1, 1, 0, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1, 1], [0] * 7]
+
+
+@pytest.mark.parametrize("rows", [4, 5], ids=["padded-rows", "and-a-padding-only-row"])
+@pytest.mark.parametrize("n", [-2, -3, 4, 1], ids=lambda n: f"crop({n})")
+@pytest.mark.parametrize("name", ["llama-gqa", "mistral-window"])
+def test_kvarena_cache_crop_counts_positions(name: str, n: int, rows: int) -> None:
+    """Issue 41 #4: crop(n) dropped stored tokens, not positions: after crop(-2) of a row
+    [1,1,1,1,1,0,0] it dropped two real tokens (the padding holds none) and the next step
+    differed from DynamicCache's. Now crop counts positions (the sequence axis, padding
+    included) as DynamicCache does: rows with no, right, holed, left padding or padding
+    only; the length and the two steps after the crop within fp32 tolerance."""
+    model = _model(name)
+    mask = torch.tensor(CROP_MASK[:rows])
+    ids = torch.randint(1, 128, mask.shape, generator=torch.Generator().manual_seed(29))
+    got = _steps_against_dynamic_cache(model, ids, mask, 2, crop=n)
+    (want, want_len), (have, have_len) = got["eager"], got["kvarena"]
+    assert have_len == want_len, f"crop({n}): get_seq_length {have_len} != DynamicCache's {want_len}"
+    for t in (1, 2):
+        assert_close(have[t], want[t], torch.float32, f"{name} crop({n}): step {t + 1} after the crop")

@@ -19,6 +19,7 @@ from kvarena.integrations.hf._common import (
 )
 from kvarena.integrations.hf.attention import _check_packed
 from kvarena.integrations.hf.layers import _ArenaLayer
+from kvarena.integrations.hf.positions import RowPositions
 
 __all__ = ["DEFAULT_MAX_TOKENS_PER_ROW", "KVArenaCache"]
 
@@ -118,12 +119,13 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         self._names: list = []  # namespace of each batch row
         self._next_name = 0
         self._len = 0  # padded length (what transformers counts: pads included)
+        self._positions = RowPositions()  # which of them hold a stored token, per row (what crop counts by)
         self._meta = None
         self._step_rows = None
         self._packed = False
         self._pending: set[int] = set()  # hand-offs not attended yet
         # The step in progress, to undo if it is refused: (length, rows, each row's pool
-        # length, whether the pool was made for it); None between steps.
+        # length, whether the pool was made for it, the positions' mark); None between steps.
         self._undo = None
 
     # What transformers asks.
@@ -286,7 +288,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
                 raise ValueError(f"kvarena: the cache holds {len(self._names)} rows, this step has {b}; "
                                  "call reset() before a generate with another batch size")
             lens = {} if self.pool is None else {n: self.pool.seq_len(n) for n in self._names if n in self.pool}
-            self._undo = (self._len, list(self._names), lens, self.pool is None)
+            self._undo = (self._len, list(self._names), lens, self.pool is None, self._positions.mark())
             if self.pool is None:
                 self._make_pool(key_states, b)
             if not self._names:
@@ -308,7 +310,8 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
             del _HANDOFF[key]
         if undo is None:
             return
-        length, names, lens, new_pool = undo
+        length, names, lens, new_pool, positions = undo
+        self._positions.rollback(positions)
         if new_pool:
             self.pool = None  # made for this step: forgotten with it
         elif self._meta is not None:  # planned: each row back to its length (the step's blocks freed)
@@ -385,6 +388,10 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
             batch = {self._names[i]: new[i] for i in range(b) if new[i] > 0} if packed else dict(zip(self._names, new))
             with torch.inference_mode(False):  # see _pool_state
                 self._meta = self.pool.plan(batch, pad_to=None if packed else s)
+            if pack is not None:
+                self._positions.append(pack.q_real)
+            else:  # left padding: each row's real tokens are the step's last new[i] positions
+                self._positions.append(s if min(new) == s else torch.arange(s)[None, :] >= s - torch.tensor(new)[:, None])
             self._packed, self._step_rows = packed, rows
         else:
             qf, kf, vf = self._rows(query, key, value, self._step_rows)
@@ -429,7 +436,8 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row i becomes a copy of row ``beam_idx[i]`` (shared blocks, no K/V copied)."""
         self._undo = None  # between steps: the last one ran through
-        src = [self._names[i] for i in beam_idx.tolist()]
+        index = beam_idx.tolist()
+        src = [self._names[i] for i in index]
         new = [self._fresh() for _ in src]
         for s_name, d_name in zip(src, new):
             if self._held(s_name):
@@ -438,6 +446,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
             if self._held(name):
                 self.pool.free_namespace(name)
         self._names = new
+        self._positions.reorder(index)
         self._meta = None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -448,8 +457,11 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
 
     @_pool_state
     def crop(self, n: int) -> None:
-        """Assisted decoding's rollback: ``n < 0`` drops the newest ``-n`` tokens (transformers
-        >= 5.2x), ``n > 0`` keeps the first ``n`` (the older meaning), ``0`` does nothing."""
+        """Assisted decoding's rollback, counted in positions as transformers' ``DynamicCache``
+        counts them (the sequence axis, padding included): ``n < 0`` drops the newest ``-n``
+        positions (transformers >= 5.2x), ``n > 0`` keeps the first ``n`` (the older meaning),
+        ``0`` does nothing. Each row keeps its stored tokens among the positions kept (a
+        right-padded row drops its padding positions, which hold nothing, first)."""
         if not is_integral(n):
             raise TypeError(f"n: expected an int, got {n!r}")
         n = int(n)
@@ -457,14 +469,15 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
             raise ValueError(f"n: crop({n}) drops {-n} tokens, the cache holds {self._len}")
         self._undo = None  # between steps: the last one ran through
         keep = self._len + n if n <= 0 else min(n, self._len)
-        drop = self._len - keep
-        if drop <= 0:
+        if keep >= self._len:
             return
-        targets = [(name, max(0, self.pool.seq_len(name) - drop)) for name in self._names]
+        gone = self._positions.real_after(keep, len(self._names))
+        targets = [(name, self.pool.seq_len(name) - g) for name, g in zip(self._names, gone) if self._held(name)]
         for name, n_tokens in targets:  # all rows or none: a refused row leaves the others as they were
             self.pool.check_truncate(name, n_tokens)
         for name, n_tokens in targets:
             self.pool.truncate(name, n_tokens)
+        self._positions.cut(keep)
         self._len = keep
         self._meta = None
 
@@ -475,6 +488,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
             for name in self.pool.namespaces():
                 self.pool.free_namespace(name)
         self._names, self._len, self._meta, self._undo = [], 0, None, None
+        self._positions.clear()
         self._pending.clear()
 
     @property
