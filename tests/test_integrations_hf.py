@@ -1059,3 +1059,120 @@ def test_kvarena_cache_crop_counts_positions(name: str, n: int, rows: int) -> No
     assert have_len == want_len, f"crop({n}): get_seq_length {have_len} != DynamicCache's {want_len}"
     for t in (1, 2):
         assert_close(have[t], want[t], torch.float32, f"{name} crop({n}): step {t + 1} after the crop")
+
+
+class _Stop(Exception):
+    """What a test's hook raises between layers (an OOM, a failing hook)."""
+
+
+# Where a forward stops, outside kvarena: (the module, a forward hook (after it) or a
+# pre-hook (before it), the exception): after layer 0 attended, before layer 1 did.
+STOPS = {
+    "layer-0-mlp-error": ("layers.0.mlp", "after", _Stop),
+    "layer-1-norm-ctrl-c": ("layers.1.input_layernorm", "before", KeyboardInterrupt),
+}
+
+
+def _stop_at(model, where: str):
+    """Install STOPS[where] on ``model``; returns the hook's handle."""
+    path, when, exc = STOPS[where]
+    module = model.model.get_submodule(path)
+
+    def stop(*args):
+        raise exc(f"stopped at {path}")
+
+    if when == "after":
+        return module.register_forward_hook(stop)
+    return module.register_forward_pre_hook(stop)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-step", "after-a-step"])
+@pytest.mark.parametrize("where", list(STOPS))
+def test_a_step_stopped_between_layers_is_undone(where: str, first: bool) -> None:
+    """Issue 41 #5: an exception outside kvarena after layer 0 attended (the MLP, a hook, an
+    OOM, Ctrl-C) left the cache advanced: the retried step attended slots never written
+    (logits ~6.8 off), silent garbage. Now the step that did not reach its last layer is
+    undone when the cache is next used: the length, bytes and rows read as before it, and
+    the retry equals a cache that never saw it, and DynamicCache (fp32 tolerance)."""
+    model = _model("llama-gqa")
+    model.set_attn_implementation("kvarena")
+    ids = torch.randint(1, 128, (3, 9), generator=torch.Generator().manual_seed(31))
+    cache, clean = hf.KVArenaCache(model.config, block_size=4), hf.KVArenaCache(model.config, block_size=4)
+    step = ids if first else ids[:, 5:]
+    with torch.no_grad():
+        if not first:
+            for c in (cache, clean):
+                model(ids[:, :5], past_key_values=c)
+        before = _arena_state(cache)
+        handle = _stop_at(model, where)
+        try:
+            with pytest.raises(STOPS[where][2], match="^stopped at"):
+                model(step, past_key_values=cache)
+        finally:
+            handle.remove()
+        # the next use of the cache (here the length, which the next forward asks first) undoes it
+        assert cache.get_seq_length() == before[0], f"{where}: length {cache.get_seq_length()} != {before[0]}"
+        after = _arena_state(cache)
+        assert after == before, f"{where}: the stopped step changed the cache: {before} -> {after}"
+        assert cache.is_initialized == clean.is_initialized, f"{where}: the stopped first step left an arena"
+        got = model(step, past_key_values=cache).logits
+        want = model(step, past_key_values=clean).logits
+        model.set_attn_implementation("eager")
+        dyn = transformers.DynamicCache()
+        if not first:
+            model(ids[:, :5], past_key_values=dyn)
+        ref = model(step, past_key_values=dyn).logits
+    assert torch.equal(got, want), f"{where}: the retry differs from a clean cache by {(got - want).abs().max():.3e}"
+    assert_close(got, ref, torch.float32, f"{where}: the retry against DynamicCache")
+
+
+def test_a_layer_asking_the_length_mid_step_changes_nothing() -> None:
+    """Issue 41 #5, the other side: a layer that asks for its length before its own
+    attention (T5, Llama 4: get_seq_length(self.layer_idx)) is inside the step, not the
+    next forward: nothing is undone, it reads what DynamicCache's layer reads (the length
+    before the step), and generate equals a cache nobody asked."""
+    model = _model("llama-gqa")
+    ids, mask = _prompts(True)
+    asked = {}
+
+    def ask(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5.2x renames it
+        asked.setdefault(type(cache).__name__, []).append(cache.get_seq_length(module.layer_idx))
+
+    handle = model.model.layers[1].self_attn.register_forward_pre_hook(ask, with_kwargs=True)
+    try:
+        got, got_logits = _generate(model, "kvarena", ids, mask, max_new_tokens=4,
+                                    past_key_values=hf.KVArenaCache(model.config, block_size=4))
+        _generate(model, "eager", ids, mask, max_new_tokens=4, past_key_values=transformers.DynamicCache())
+    finally:
+        handle.remove()
+    want, want_logits = _generate(model, "kvarena", ids, mask, max_new_tokens=4,
+                                  past_key_values=hf.KVArenaCache(model.config, block_size=4))
+    assert asked["KVArenaCache"] == asked["DynamicCache"], f"the lengths layer 1 read: {asked}"
+    assert torch.equal(got, want) and torch.equal(got_logits, want_logits), "asking the length changed the steps"
+
+
+@pytest.mark.parametrize("beam_idx", [
+    pytest.param([0, 3, 1], id="out-of-range"),
+    pytest.param([-1, 0, 1], id="negative"),
+    pytest.param([[0, 1, 2]], id="2-d"),
+    pytest.param([0.0, 1.0, 2.0], id="float"),
+    pytest.param("012", id="a-string"),
+])
+def test_reorder_cache_refuses_bad_indices_and_changes_nothing(beam_idx) -> None:
+    """Issue 41 #5's sweep: reorder_cache took any index (a negative one silently picked a
+    row from the end, an out-of-range one was an IndexError). Now it is a ValueError naming
+    beam_idx and what it expects, the cache unchanged, and the next step runs."""
+    model = _model("llama-gqa")
+    model.set_attn_implementation("kvarena")
+    ids = torch.randint(1, 128, (3, 6), generator=torch.Generator().manual_seed(37))
+    cache = hf.KVArenaCache(model.config, block_size=4)
+    with torch.no_grad():
+        model(ids[:, :5], past_key_values=cache)
+        before = _arena_state(cache)
+        arg = torch.tensor(beam_idx) if not isinstance(beam_idx, str) else beam_idx
+        with pytest.raises(ValueError, match=r"^beam_idx: expected a 1-D integer tensor of row indices in \[0, 3\)"):
+            cache.reorder_cache(arg)
+        assert _arena_state(cache) == before, f"{before} -> {_arena_state(cache)}"
+        model(ids[:, 5:], past_key_values=cache)
+    assert cache.get_seq_length() == 6

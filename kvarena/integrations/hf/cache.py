@@ -27,6 +27,9 @@ __all__ = ["DEFAULT_MAX_TOKENS_PER_ROW", "KVArenaCache"]
 #: ``batch x min(max_position_embeddings, DEFAULT_MAX_TOKENS_PER_ROW)``.
 DEFAULT_MAX_TOKENS_PER_ROW = 1 << 15
 
+#: transformers' layer types whose layers store K/V through the cache's ``update``.
+_KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
 #: What makes or reshapes the arena's own tensors (the pool, its block tables) runs outside
 #: inference mode: a tensor made under ``torch.inference_mode()`` cannot be written outside
 #: it, and the same cache serves steps in and out of inference mode. (The step's K/V, made
@@ -114,6 +117,11 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
             raise ValueError("free_out_of_window: the model has no sliding layer (config.sliding_window unset or "
                              "no 'sliding_attention' in config.layer_types); nothing leaves a window")
         self._sliding = sliding
+        # The layers that attend each step: those config.layer_types marks as attention
+        # (every layer when it names none). A step is complete once all of them attended.
+        kv = [t in _KV_LAYER_TYPES for t in types or ()]
+        self._step_layers = sum(kv) if any(kv) else self.num_layers
+        self._attended: set[int] = set()  # the layers the step in progress attended
         self._release = (int(window) - 1, check_int("rollback_tokens", rollback_tokens, 0)) if free_out_of_window else None
         self.pool = None
         self._names: list = []  # namespace of each batch row
@@ -124,24 +132,38 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         self._step_rows = None
         self._packed = False
         self._pending: set[int] = set()  # hand-offs not attended yet
-        # The step in progress, to undo if it is refused: (length, rows, each row's pool
-        # length, whether the pool was made for it, the positions' mark); None between steps.
+        # The step in progress, to undo if it is refused or stops between layers: (length,
+        # rows, each row's pool length, whether the pool was made for it, the positions'
+        # mark); None between steps (once every layer of the step attended).
         self._undo = None
 
     # What transformers asks.
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        self._settle()
+        """transformers' length (positions, padding included) of layer ``layer_idx``: mid-step,
+        before that layer's attention, its length before the step (as DynamicCache's layer,
+        which that layer's update has not reached yet)."""
+        self._settle(layer_idx)
+        if self._undo is not None and layer_idx not in self._attended:
+            return self._undo[0]
         return self._len
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        self._settle()
+        self._settle(layer_idx)
         return self._len + query_length, 0
 
-    def _settle(self) -> None:
-        """A hand-off still pending when transformers asks for the length (a forward starts)
+    def _settle(self, layer_idx=None) -> None:
+        """Undo what a forward that stopped left behind, before anyone reads the length.
+
+        A hand-off still pending when transformers asks for the length (a forward starts)
         was attended by another implementation, which may have failed outside kvarena (sdpa
-        given this cache): the step it belongs to is undone before anyone reads the length."""
-        if self._pending:
+        given this cache). A step in progress that layer ``layer_idx`` already attended (or,
+        ``layer_idx`` None: between steps, any step in progress) did not reach its last
+        layer: an exception between layers (the model's MLP, a hook, an OOM, Ctrl-C)
+        stopped it, and the length is asked for by the next forward (or a reorder / crop /
+        reset). Either way the step is undone: the retry sees the cache as before it.
+        (A layer that asks for the length before its own attention, mid-step, changes
+        nothing.)"""
+        if self._pending or (self._undo is not None and (layer_idx is None or layer_idx in self._attended)):
             self._abort_step()
 
     @property
@@ -265,8 +287,8 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
 
     def _update(self, key_states, value_states, layer_idx):
         impl = getattr(self.config, "_attn_implementation", None)
-        if layer_idx == 0 and not self._pending:
-            self._undo = None  # the last step ran through: nothing of it waits for kvarena's attention
+        if layer_idx == 0 and not self._pending and self._undo is not None:
+            self._abort_step()  # the last step stopped between layers (see _settle): undone first
         if impl != NAME or self._pending:
             # The config it was made with says so, or the last hand-off was never attended by
             # kvarena (a model other than the config's, on another implementation): the step
@@ -306,6 +328,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         pool's lengths and the hand-offs as they were before its first layer."""
         undo, self._undo = self._undo, None
         self._pending.clear()
+        self._attended.clear()
         for key in [key for key, h in _HANDOFF.items() if h[1] is self]:
             del _HANDOFF[key]
         if undo is None:
@@ -347,8 +370,19 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         dtype = self.pool.layout.input_dtype
         return qf.to(dtype), kf.to(dtype), vf.to(dtype)
 
-    def _attend(self, layer: int, query, key, value, kv_start, scaling, causal, window, softcap, s_aux, backend,
-                position_ids, forward=None):
+    def _attend(self, layer: int, *args):
+        """Layer ``layer``'s attention in the step in progress (see :meth:`_attend_layer`); once
+        every layer of the step attended, the step is complete: nothing of it is undone
+        any more."""
+        got = self._attend_layer(layer, *args)
+        self._attended.add(layer)
+        if len(self._attended) >= self._step_layers:
+            self._undo = None
+            self._attended.clear()
+        return got
+
+    def _attend_layer(self, layer: int, query, key, value, kv_start, scaling, causal, window, softcap, s_aux,
+                      backend, position_ids, forward=None):
         self._pending.discard(id(key))
         if getattr(kv_start, "_kvarena_segments", None) is not None:
             raise _unsupported("packed sequences with KVArenaCache")
@@ -434,20 +468,44 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
     # Beams, assisted decoding, reset.
     @_pool_state
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Row i becomes a copy of row ``beam_idx[i]`` (shared blocks, no K/V copied)."""
-        self._undo = None  # between steps: the last one ran through
-        index = beam_idx.tolist()
+        """Row i becomes a copy of row ``beam_idx[i]`` (shared blocks, no K/V copied). All rows
+        or none: a refused call (``beam_idx`` not 1-D row indices) changes nothing."""
+        self._settle()  # between steps: a step that stopped between layers is undone
+        index = self._row_index(beam_idx)
+        if not self._names:
+            return  # no rows yet (as DynamicCache before its first update)
         src = [self._names[i] for i in index]
         new = [self._fresh() for _ in src]
-        for s_name, d_name in zip(src, new):
-            if self._held(s_name):
-                self.pool.fork(s_name, d_name)
+        made = []
+        try:
+            for s_name, d_name in zip(src, new):
+                if self._held(s_name):
+                    self.pool.fork(s_name, d_name)
+                    made.append(d_name)
+        except BaseException:  # the forks made so far are dropped: the rows are as they were
+            for name in made:
+                self.pool.free_namespace(name)
+            raise
         for name in self._names:
             if self._held(name):
                 self.pool.free_namespace(name)
         self._names = new
         self._positions.reorder(index)
         self._meta = None
+
+    def _row_index(self, beam_idx) -> list[int]:
+        """``beam_idx`` as row indices, checked: 1-D integers in ``[0, rows)``."""
+        rows = len(self._names)
+        want = f"beam_idx: expected a 1-D integer tensor of row indices in [0, {rows}), got "
+        try:
+            idx = torch.as_tensor(beam_idx)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(want + repr(beam_idx)) from None
+        integral = not (idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool)
+        if idx.dim() != 1 or not integral or (idx.numel() and not (int(idx.min()) >= 0 and int(idx.max()) < rows)):
+            shown = idx.tolist() if idx.numel() <= 16 else "..."
+            raise ValueError(f"{want}{tuple(idx.shape)} {idx.dtype} {shown}")
+        return idx.tolist()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.reorder_cache(torch.arange(len(self._names)).repeat_interleave(repeats))
@@ -465,9 +523,9 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         if not is_integral(n):
             raise TypeError(f"n: expected an int, got {n!r}")
         n = int(n)
+        self._settle()  # between steps: a step that stopped between layers is undone
         if -n > self._len:
             raise ValueError(f"n: crop({n}) drops {-n} tokens, the cache holds {self._len}")
-        self._undo = None  # between steps: the last one ran through
         keep = self._len + n if n <= 0 else min(n, self._len)
         if keep >= self._len:
             return
@@ -488,6 +546,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
             for name in self.pool.namespaces():
                 self.pool.free_namespace(name)
         self._names, self._len, self._meta, self._undo = [], 0, None, None
+        self._attended.clear()
         self._positions.clear()
         self._pending.clear()
 
