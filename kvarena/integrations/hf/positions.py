@@ -14,7 +14,9 @@ import torch
 
 class RowPositions:
     """Per step, which of its positions are real in each row: an int ``n`` (``n`` positions,
-    real in every row: a decode step) or a CPU bool tensor ``[B, n]``."""
+    real in every row: a decode step) or a CPU bool tensor ``[B, n]``. Consecutive all-real
+    steps are one int, so a long generation keeps a few entries (a beam step reorders only
+    the tensors)."""
 
     def __init__(self) -> None:
         self._steps: list = []
@@ -31,16 +33,21 @@ class RowPositions:
             real = real.to("cpu", torch.bool)
             if bool(real.all()):
                 real = real.shape[1]
-        self._steps.append(real)
+        if isinstance(real, int) and self._steps and isinstance(self._steps[-1], int):
+            self._steps[-1] += real
+        else:
+            self._steps.append(real)
         self._total += real if isinstance(real, int) else real.shape[1]
 
-    def mark(self) -> tuple[int, int]:
+    def mark(self) -> tuple:
         """A point to :meth:`rollback` to (the step in progress undone)."""
-        return len(self._steps), self._total
+        return len(self._steps), self._total, self._steps[-1] if self._steps else None
 
-    def rollback(self, mark: tuple[int, int]) -> None:
-        del self._steps[mark[0] :]
-        self._total = mark[1]
+    def rollback(self, mark: tuple) -> None:
+        n, self._total, last = mark
+        del self._steps[n:]
+        if isinstance(last, int):  # an all-real step merged into it
+            self._steps[-1] = last
 
     def real_after(self, keep: int, rows: int) -> list[int]:
         """Per row, the real positions at or after position ``keep`` (what ``crop`` to
