@@ -471,9 +471,9 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         """Row i becomes a copy of row ``beam_idx[i]`` (shared blocks, no K/V copied). All rows
         or none: a refused call (``beam_idx`` not 1-D row indices) changes nothing."""
         self._settle()  # between steps: a step that stopped between layers is undone
-        index = self._row_index(beam_idx)
         if not self._names:
-            return  # no rows yet (as DynamicCache before its first update)
+            return  # no rows yet: nothing to reorder (as DynamicCache before its first update)
+        index = self._row_index(beam_idx)
         src = [self._names[i] for i in index]
         new = [self._fresh() for _ in src]
         made = []
