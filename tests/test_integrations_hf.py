@@ -1088,26 +1088,35 @@ def _stop_at(model, where: str):
 
 @pytest.mark.parametrize("first", [True, False], ids=["first-step", "after-a-step"])
 @pytest.mark.parametrize("where", list(STOPS))
-def test_a_step_stopped_between_layers_is_undone(where: str, first: bool) -> None:
+@pytest.mark.parametrize("name, pad", [("llama-gqa", None), ("mistral-window", "holes")],
+                         ids=["llama-gqa", "mistral-window-holes"])
+def test_a_step_stopped_between_layers_is_undone(name: str, pad: str | None, where: str, first: bool) -> None:
     """Issue 41 #5: an exception outside kvarena after layer 0 attended (the MLP, a hook, an
     OOM, Ctrl-C) left the cache advanced: the retried step attended slots never written
     (logits ~6.8 off), silent garbage. Now the step that did not reach its last layer is
     undone when the cache is next used: the length, bytes and rows read as before it, and
-    the retry equals a cache that never saw it, and DynamicCache (fp32 tolerance)."""
-    model = _model("llama-gqa")
+    the retry equals a cache that never saw it, and DynamicCache (fp32 tolerance, at the
+    positions that see a key)."""
+    model = _model(name)
     model.set_attn_implementation("kvarena")
-    ids = torch.randint(1, 128, (3, 9), generator=torch.Generator().manual_seed(31))
+    if pad is None:
+        ids = torch.randint(1, 128, (3, 9), generator=torch.Generator().manual_seed(31))
+        mask = torch.ones_like(ids)
+    else:
+        ids, mask = _pad_batch(pad)
+        ids, mask = ids[:, :9], mask[:, :9]
+    cols = slice(0, 9) if first else slice(5, 9)
+    step = dict(input_ids=ids[:, cols], attention_mask=mask)
     cache, clean = hf.KVArenaCache(model.config, block_size=4), hf.KVArenaCache(model.config, block_size=4)
-    step = ids if first else ids[:, 5:]
     with torch.no_grad():
         if not first:
             for c in (cache, clean):
-                model(ids[:, :5], past_key_values=c)
+                model(ids[:, :5], attention_mask=mask[:, :5], past_key_values=c)
         before = _arena_state(cache)
         handle = _stop_at(model, where)
         try:
             with pytest.raises(STOPS[where][2], match="^stopped at"):
-                model(step, past_key_values=cache)
+                model(**step, past_key_values=cache)
         finally:
             handle.remove()
         # the next use of the cache (here the length, which the next forward asks first) undoes it
@@ -1115,15 +1124,16 @@ def test_a_step_stopped_between_layers_is_undone(where: str, first: bool) -> Non
         after = _arena_state(cache)
         assert after == before, f"{where}: the stopped step changed the cache: {before} -> {after}"
         assert cache.is_initialized == clean.is_initialized, f"{where}: the stopped first step left an arena"
-        got = model(step, past_key_values=cache).logits
-        want = model(step, past_key_values=clean).logits
+        got = model(**step, past_key_values=cache).logits
+        want = model(**step, past_key_values=clean).logits
         model.set_attn_implementation("eager")
         dyn = transformers.DynamicCache()
         if not first:
-            model(ids[:, :5], past_key_values=dyn)
-        ref = model(step, past_key_values=dyn).logits
+            model(ids[:, :5], attention_mask=mask[:, :5], past_key_values=dyn)
+        ref = model(**step, past_key_values=dyn).logits
     assert torch.equal(got, want), f"{where}: the retry differs from a clean cache by {(got - want).abs().max():.3e}"
-    assert_close(got, ref, torch.float32, f"{where}: the retry against DynamicCache")
+    seen = _seen(mask, getattr(model.config, "sliding_window", None))[:, cols]
+    assert_close(got[seen], ref[seen], torch.float32, f"{name} {where}: the retry against DynamicCache")
 
 
 def test_a_layer_asking_the_length_mid_step_changes_nothing() -> None:
