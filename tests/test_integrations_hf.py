@@ -1186,3 +1186,30 @@ def test_reorder_cache_refuses_bad_indices_and_changes_nothing(beam_idx) -> None
         assert _arena_state(cache) == before, f"{before} -> {_arena_state(cache)}"
         model(ids[:, 5:], past_key_values=cache)
     assert cache.get_seq_length() == 6
+
+
+@pytest.mark.parametrize("stopped", [False, True], ids=["after-a-step", "after-a-stopped-step"])
+def test_a_dropped_kvarena_cache_is_freed(stopped: bool) -> None:
+    """Issue 41 #5's sweep: the hand-off registry (update -> the attention function) held the
+    cache strongly until another KVArenaCache's next step, so a cache the caller dropped, and
+    its arena, stayed alive after generate returned (or after a step stopped between
+    layers). Now it is freed with the caller's last reference."""
+    import gc
+    import weakref
+
+    model = _model("llama-gqa")
+    model.set_attn_implementation("kvarena")
+    cache = hf.KVArenaCache(model.config, block_size=4)
+    with torch.no_grad():
+        model(torch.randint(1, 128, (2, 5)), past_key_values=cache)
+        if stopped:
+            handle = _stop_at(model, "layer-0-mlp-error")
+            try:
+                with pytest.raises(_Stop):
+                    model(torch.randint(1, 128, (2, 3)), past_key_values=cache)
+            finally:
+                handle.remove()
+    ref = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert ref() is None, "a dropped KVArenaCache is still referenced"

@@ -18,9 +18,11 @@ def _unsupported(what: str) -> NotImplementedError:
 
 
 # The hand-off from KVArenaCache.update to the attention function: the new key tensor the
-# cache returned -> (weakref to it, the cache, layer). transformers has no official way for
-# an attention function to find a custom cache's storage; an id alone could be reused once
-# the tensor is gone, hence the weakref identity check.
+# cache returned -> (weakref to it, weakref to the cache, layer). transformers has no
+# official way for an attention function to find a custom cache's storage; an id alone
+# could be reused once the tensor is gone, hence the weakref identity check. The cache is
+# held weakly too: the last step's entries stay until the next step, and must not keep a
+# cache the caller dropped (and its arena) alive.
 _HANDOFF: dict[int, tuple] = {}
 
 

@@ -73,13 +73,13 @@ def kvarena_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     ``(out [B, S, H_q, D], None)``.
     """
     handoff = _HANDOFF.get(id(key))
-    cache = handoff[1] if handoff is not None and handoff[0]() is key else None
+    cache = handoff[1]() if handoff is not None and handoff[0]() is key else None
     if cache is None:
         return _attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
                           s_aux, backend, kwargs, None)
     try:
         return _attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
-                          s_aux, backend, kwargs, handoff)
+                          s_aux, backend, kwargs, (cache, handoff[2]))
     except BaseException:  # a refused step leaves a KVArenaCache as it was before the step
         cache._abort_step()
         raise
@@ -144,8 +144,9 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, slid
     if valid is not None and not (torch.compiler.is_compiling() and pack is None and segments is None):
         key, value, valid = key[:, :, : int(valid)], value[:, :, : int(valid)], None  # eager: a host read
     if handoff is not None:
-        return handoff[1]._attend(handoff[2], query, key, value, attention_mask, scaling, causal, window, softcap,
-                                  s_aux, backend, kwargs.get("position_ids"), mask_in)
+        cache, layer = handoff
+        return cache._attend(layer, query, key, value, attention_mask, scaling, causal, window, softcap, s_aux,
+                             backend, kwargs.get("position_ids"), mask_in)
     n = key.shape[2]
     opts = dict(scale=scaling, window_left=None if window is None else window - 1, softcap=softcap,
                 sink_logits=_sink_logits(s_aux, query.dtype), backend=backend)

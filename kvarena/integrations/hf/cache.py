@@ -318,7 +318,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
             self._len += key_states.shape[2]
             self._meta = None
             _HANDOFF.clear()
-        _HANDOFF[id(key_states)] = (weakref.ref(key_states), self, layer_idx)
+        _HANDOFF[id(key_states)] = (weakref.ref(key_states), weakref.ref(self), layer_idx)
         self._pending.add(id(key_states))
         return key_states, value_states
 
@@ -329,7 +329,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         undo, self._undo = self._undo, None
         self._pending.clear()
         self._attended.clear()
-        for key in [key for key, h in _HANDOFF.items() if h[1] is self]:
+        for key in [key for key, h in _HANDOFF.items() if h[1]() is self]:
             del _HANDOFF[key]
         if undo is None:
             return
