@@ -398,3 +398,22 @@ def test_4d_mask_changed_in_place_under_inference_mode_is_read_again(form: str) 
             got = _logits(model, "kvarena", ids, mask)
             err = (got - want).abs().max().item()
             assert got.isfinite().all() and err <= TOL, f"{form} {step}: max logit error {err:.2e} > {TOL}"
+
+
+def test_a_4d_mask_is_not_kept_alive_by_its_reading() -> None:
+    """Issue 41's sweep: the reading memoized per mask held the mask itself (a [B, 1, Q, KV]
+    tensor, large for a long prefill) until the next 4-D mask came. Now it holds it weakly:
+    the caller's last reference frees it."""
+    import gc
+    import weakref
+
+    gen = torch.Generator().manual_seed(5)
+    model = _model("llama-gqa")
+    ids = torch.randint(1, 128, (B, S), generator=gen)
+    mask = _packed(gen)
+    with torch.no_grad():
+        _logits(model, "kvarena", ids, mask)
+    ref = weakref.ref(mask)
+    del mask
+    gc.collect()
+    assert ref() is None, "the 4-D mask is still referenced after the forward"

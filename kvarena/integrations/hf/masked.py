@@ -10,6 +10,7 @@ included: as in eager and sdpa, the mask alone says what each query sees (the la
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -190,11 +191,11 @@ def _read_once(mask: torch.Tensor, b: int, h_q: int, s: int, n: int) -> Blocks |
     if version is None:
         return read_4d(mask[..., :n], b, h_q, s, n)
     key = (*version, b, h_q, s, n)
-    if _last_read.get("key") == key and _last_read.get("mask") is mask:
+    if _last_read.get("key") == key and _last_read["mask"]() is mask:
         return _last_read["read"]
     got = read_4d(mask[..., :n], b, h_q, s, n)
     _last_read.clear()
-    _last_read.update(key=key, mask=mask, read=got)
+    _last_read.update(key=key, mask=weakref.ref(mask), read=got)  # weakly: the mask may be large
     return got
 
 
