@@ -1120,7 +1120,10 @@ def test_a_step_stopped_between_layers_is_undone(name: str, pad: str | None, whe
         finally:
             handle.remove()
         # the next use of the cache (here the length, which the next forward asks first) undoes it
-        assert cache.get_seq_length() == before[0], f"{where}: length {cache.get_seq_length()} != {before[0]}"
+        with pytest.warns(RuntimeWarning, match=r"^kvarena: the last step on this KVArenaCache stopped after 1 of "
+                                                r"its 2 attention layers"):
+            length = cache.get_seq_length()
+        assert length == before[0], f"{where}: length {length} != {before[0]}"
         after = _arena_state(cache)
         assert after == before, f"{where}: the stopped step changed the cache: {before} -> {after}"
         assert cache.is_initialized == clean.is_initialized, f"{where}: the stopped first step left an arena"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -163,8 +164,19 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         reset). Either way the step is undone: the retry sees the cache as before it.
         (A layer that asks for the length before its own attention, mid-step, changes
         nothing.)"""
-        if self._pending or (self._undo is not None and (layer_idx is None or layer_idx in self._attended)):
+        if self._pending:
             self._abort_step()
+        elif self._undo is not None and (layer_idx is None or layer_idx in self._attended):
+            self._undo_stopped()
+
+    def _undo_stopped(self) -> None:
+        """Undo the step in progress, which stopped between layers (see :meth:`_settle`), with
+        a warning: a retry is served right, and a model that runs fewer attention layers
+        than its config names (each step would be undone) does not go unnoticed."""
+        warnings.warn(f"kvarena: the last step on this KVArenaCache stopped after {len(self._attended)} of its "
+                      f"{self._step_layers} attention layers (an exception between layers?); it is undone, the "
+                      "cache is as before it", RuntimeWarning, stacklevel=4)
+        self._abort_step()
 
     @property
     def is_compileable(self) -> bool:
@@ -288,7 +300,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
     def _update(self, key_states, value_states, layer_idx):
         impl = getattr(self.config, "_attn_implementation", None)
         if layer_idx == 0 and not self._pending and self._undo is not None:
-            self._abort_step()  # the last step stopped between layers (see _settle): undone first
+            self._undo_stopped()  # the last step stopped between layers (see _settle): undone first
         if impl != NAME or self._pending:
             # The config it was made with says so, or the last hand-off was never attended by
             # kvarena (a model other than the config's, on another implementation): the step
