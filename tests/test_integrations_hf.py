@@ -15,14 +15,16 @@ import os
 
 import pytest
 import torch
-from _helpers import one_torch_thread  # noqa: F401 - autouse fixture
+from _helpers import assert_close, grad_mode, one_torch_thread  # noqa: F401 - fixtures
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 from kvarena.integrations import hf  # noqa: E402
 
 TRITON = os.environ.get("TRITON_INTERPRET") == "1"
 # transformers 5.2x renames generate's past_key_values to cache (still accepted, with a warning)
-pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+# Every test runs as written and under torch.inference_mode() (the grad_mode fixture).
+pytestmark = [pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning"),
+              pytest.mark.usefixtures("grad_mode")]
 TOL = 1e-4
 WINDOW = 6
 
@@ -451,6 +453,8 @@ def test_a_refused_step_leaves_the_kvarena_cache_as_it_was(case: str, first: boo
     refused after its plan left planned-but-unwritten tokens that the next call attended.
     Now length, rows, tokens and blocks are as before (no arena if the step made it), and the
     next valid step gives exactly what a cache that never saw the refusal gives."""
+    if case == "fp8-grad" and torch.is_inference_mode_enabled():
+        pytest.skip("fp8 under autograd: there is no autograd under inference mode")
     model = _model("llama-gqa")
     model.set_attn_implementation("kvarena")
     ids = torch.randint(1, 128, (2, 7))
@@ -564,6 +568,7 @@ def test_right_padding_and_holes_equal_eager(name: str, cache: str, kind: str) -
         assert [arena.pool.seq_len(n) for n in arena._names] == (mask.sum(1) + 3).tolist(), "padding was stored"
 
 
+@pytest.mark.parametrize("grad_mode", ["as_is"], indirect=True)  # autograd
 def test_padding_holes_under_autograd_and_refusals() -> None:
     """Right padding under autograd: the gradients of a loss over the real positions equal
     eager's (transformers' cache, and a KVArenaCache whose queries are all real). What
@@ -764,7 +769,7 @@ def test_packed_sequences_by_position_ids_equal_eager(name: str) -> None:
     model = _model(name)
     ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(2))
     pos = torch.tensor(PACKED_POS)
-    grad = name == "llama-gqa"
+    grad = name == "llama-gqa" and not torch.is_inference_mode_enabled()  # gradients need autograd
     out = {}
     for impl in ("eager", "kvarena"):
         model.set_attn_implementation(impl)
@@ -817,3 +822,397 @@ def test_packed_sequences_on_the_triton_path() -> None:
         hf.register()
     err = (got - want).abs().max().item()
     assert err <= TOL, f"triton packed: max logit error {err:.2e} > {TOL}"
+
+
+# --------------------------------------------------------------------------- issue 41
+
+
+INFERENCE_CASES = ["forward-2-tokens", "left-padded", "right-padded", "holes", "generate-hf-cache",
+                   "generate-kvarena-cache"]
+
+
+@pytest.mark.parametrize("grad_mode", ["as_is"], indirect=True)  # enters inference mode itself
+@pytest.mark.parametrize("case", INFERENCE_CASES)
+def test_inference_mode_equals_eager(case: str) -> None:
+    """Issue 41 #1: under torch.inference_mode() every forward of 2+ tokens died with
+    "Inference tensors do not track version counter" (the adapter read ``_version`` of the
+    model's position_ids). Now each case equals eager's, also run under inference mode."""
+    model = _model("mistral-window")
+    gen = torch.Generator().manual_seed(41)
+    if case in ("right-padded", "holes"):
+        ids, mask = _pad_batch("right" if case == "right-padded" else "holes")
+    elif case == "forward-2-tokens":
+        ids = torch.randint(1, 128, (1, 2), generator=gen)
+        mask = torch.ones_like(ids)
+    else:
+        ids, mask = _prompts(True)
+    with torch.inference_mode():
+        if case.startswith("generate"):
+            arena = hf.KVArenaCache(model.config, block_size=4) if case == "generate-kvarena-cache" else None
+            want_seq, want = _generate(model, "eager", ids, mask, max_new_tokens=5)
+            extra = {} if arena is None else {"past_key_values": arena}
+            got_seq, got = _generate(model, "kvarena", ids, mask, max_new_tokens=5, **extra)
+            assert torch.equal(got_seq, want_seq), f"{case}: greedy tokens differ from eager's"
+            sel = torch.ones(got.shape[:2], dtype=torch.bool)
+        else:
+            model.set_attn_implementation("eager")
+            want = model(ids, attention_mask=mask).logits
+            model.set_attn_implementation("kvarena")
+            got = model(ids, attention_mask=mask).logits
+            c = mask.cumsum(1)  # positions whose window holds a real key (else eager averages a masked row)
+            sel = c - torch.nn.functional.pad(c, (WINDOW, 0))[:, : c.shape[1]] > 0
+    assert_close(got[sel], want[sel], torch.float32, f"{case} under inference mode: logits")
+
+
+@pytest.mark.parametrize("grad_mode", ["as_is"], indirect=True)  # switches modes itself
+@pytest.mark.parametrize("order", ["inference-then-no-grad", "no-grad-then-inference"])
+def test_kvarena_cache_serves_steps_in_and_out_of_inference_mode(order: str) -> None:
+    """Issue 41 #1: a KVArenaCache whose arena was made under inference mode could not be
+    written outside it (its block tables are inference tensors); the same cache now serves
+    steps in either mode, equal to DynamicCache's."""
+    model = _model("llama-gqa")
+    ids, mask = _prompts(True)
+    modes = [torch.inference_mode, torch.no_grad]
+    if order == "no-grad-then-inference":
+        modes.reverse()
+    logits = {}
+    for impl in ("eager", "kvarena"):
+        model.set_attn_implementation(impl)
+        cache = transformers.DynamicCache(config=model.config) if impl == "eager" else hf.KVArenaCache(
+            model.config, block_size=4)
+        steps = []
+        for mode, cols in zip(modes, (slice(0, 11), slice(11, 17))):
+            with mode():
+                steps.append(model(ids[:, cols], attention_mask=mask[:, : cols.stop], past_key_values=cache).logits)
+        logits[impl] = torch.cat(steps, 1)[mask.bool()]
+    assert_close(logits["kvarena"], logits["eager"], torch.float32, f"{order}: logits")
+
+
+@pytest.mark.parametrize("grad_mode", ["as_is"], indirect=True)  # enters inference mode itself
+def test_position_ids_changed_in_place_under_inference_mode_are_checked_again() -> None:
+    """Issue 41 #1: an inference tensor has no version counter, so a memo keyed by it could
+    not see it change in place: position_ids that restart after an in-place edit must still
+    be refused (packed sequences transformers did not fold into the mask), and the same
+    tensor restored must be served again."""
+    model = _model("llama-gqa")
+    model.set_attn_implementation("kvarena")
+    ids = torch.randint(1, 128, (1, 7), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        pos = torch.arange(7)[None]
+        model.set_attn_implementation("eager")
+        want = model(ids, position_ids=pos).logits
+        model.set_attn_implementation("kvarena")
+        first = model(ids, position_ids=pos).logits
+        pos[0, 3:] = torch.arange(4)  # in place, inside inference mode: no version bump
+        with pytest.raises(NotImplementedError, match=r"^kvarena: packed sequences \(position_ids that restart"):
+            model(ids, position_ids=pos)
+        pos[0, 3:] = torch.arange(3, 7)
+        again = model(ids, position_ids=pos).logits
+    for what, got in (("first", first), ("restored", again)):
+        assert_close(got, want, torch.float32, f"{what}: logits")
+
+
+# A bidirectional (encoder) padding mask: 11 columns, one row with no padding beside the
+# padded ones (the bug reached it too), right padding, holes, left padding, padding only.
+BIDIRECTIONAL_MASKS = {
+    "right": [[1] * 11, [1] * 7 + [0] * 4, [1] * 2 + [0] * 9],
+    "holes": [[1] * 11, [1] * 3 + [0] * 2 + [1] * 5 + [0], [0] * 2 + [1] * 4 + [0] * 3 + [1] * 2],
+    "left": [[1] * 11, [0] * 4 + [1] * 7, [0] * 10 + [1]],
+    "padding-only-row": [[1] * 11, [0] * 11, [1] * 6 + [0] * 5],
+}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("kind", list(BIDIRECTIONAL_MASKS))
+def test_bidirectional_padded_mask_sees_every_real_key(kind: str, dtype: str, seed: int) -> None:
+    """Issue 41 #2: a bidirectional mask with right padding or a hole was attended causally
+    (each query limited to the keys up to itself), even in rows without padding. Now every
+    query of a row, padding queries too (eager's mask hides keys, not queries), sees every
+    real key of its row and no padding key: the attention function against an fp64
+    reference on the same inputs; a row of padding only gets zeros (it sees no key)."""
+    from types import SimpleNamespace
+
+    from transformers.masking_utils import bidirectional_mask_function
+
+    dt = DTYPES[dtype]
+    keep = torch.tensor(BIDIRECTIONAL_MASKS[kind])
+    b, s = keep.shape
+    h_q, h_kv, d = 6, 2, 24
+    q = torch.randn(b, h_q, s, d).to(dt)
+    k, v = torch.randn(b, h_kv, s, d).to(dt), torch.randn(b, h_kv, s, d).to(dt)
+    mask = hf.kvarena_mask(b, s, s, mask_function=bidirectional_mask_function, attention_mask=keep)
+    module = SimpleNamespace(is_causal=False, training=False, config=None)
+    got, _ = hf.kvarena_attention(module, q, k, v, mask, scaling=d ** -0.5)
+    kk = k.double().repeat_interleave(h_q // h_kv, 1)
+    vv = v.double().repeat_interleave(h_q // h_kv, 1)
+    scores = (q.double() @ kk.transpose(-1, -2)) * d ** -0.5
+    scores = scores.masked_fill(~keep.bool()[:, None, None, :], float("-inf"))
+    ref = (torch.softmax(scores, -1) @ vv).transpose(1, 2)  # [B, S, H, D]
+    seen = keep.any(1)
+    assert_close(got[seen], ref[seen], dt, f"{kind} {dtype}: rows that hold a real key")
+    assert not got[~seen].any(), f"{kind} {dtype}: a row of padding only is not 0"
+
+
+def _encoder():
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=64, initializer_range=0.2)
+    return transformers.BertModel(cfg).eval()
+
+
+@pytest.mark.parametrize("kind", [k for k in BIDIRECTIONAL_MASKS if k != "padding-only-row"])
+def test_bidirectional_encoder_with_padding_equals_eager(kind: str) -> None:
+    """Issue 41 #2, end to end: a BERT encoder on a padded batch (2.4-3.0e-2 off eager
+    before, the row without padding included) equals eager on every token of every row."""
+    model = _encoder()
+    mask = torch.tensor(BIDIRECTIONAL_MASKS[kind])
+    ids = torch.randint(1, 128, mask.shape, generator=torch.Generator().manual_seed(11))
+    out = {}
+    with torch.no_grad():
+        for impl in ("eager", "kvarena"):
+            model.set_attn_implementation(impl)
+            out[impl] = model(ids, attention_mask=mask).last_hidden_state
+    assert_close(out["kvarena"], out["eager"], torch.float32, f"BERT {kind}: hidden states")
+
+
+def _seen(mask: torch.Tensor, window: int | None) -> torch.Tensor:
+    """bool [B, S]: the positions whose (window of) keys holds a real key (elsewhere eager
+    averages a fully masked row, kvarena gives 0)."""
+    c = mask.cumsum(1)
+    w = window or mask.shape[1]
+    return c - torch.nn.functional.pad(c, (w, 0))[:, : mask.shape[1]] > 0
+
+
+def _steps_against_dynamic_cache(model, ids, mask, steps, beams=None, crop=None):
+    """Teacher-forced steps on eager + DynamicCache and on kvarena + KVArenaCache: the first
+    over ``ids`` / ``mask``, then one token per row per step (every row real). After the
+    first step both caches take ``reorder_cache(beams)`` (the mask's rows with them) and
+    ``crop(crop)`` (the mask's columns with it). Returns per impl the logits
+    of each step and ``get_seq_length()`` at the end."""
+    gen = torch.Generator().manual_seed(19)
+    more = torch.randint(1, 128, (ids.shape[0], steps), generator=gen)
+    out = {}
+    for impl in ("eager", "kvarena"):
+        model.set_attn_implementation(impl)
+        # DynamicCache without a config: full layers, which crop at any length (the masks
+        # still apply each layer's window)
+        cache = transformers.DynamicCache() if impl == "eager" else hf.KVArenaCache(model.config, block_size=4)
+        m = mask
+        with torch.no_grad():
+            logits = [model(ids, attention_mask=m, past_key_values=cache).logits]
+            if beams is not None:
+                cache.reorder_cache(beams)
+                m = m[beams]
+            if crop is not None:  # DynamicCache takes only the newer, negative form: crop(n) = crop(n - length)
+                cache.crop(crop if impl == "kvarena" or crop <= 0 else crop - cache.get_seq_length())
+                m = m[:, :crop]
+            for t in range(steps):
+                m = torch.cat([m, torch.ones_like(m[:, :1])], 1)
+                logits.append(model(more[:, t : t + 1], attention_mask=m, past_key_values=cache).logits)
+        out[impl] = logits, cache.get_seq_length()
+    return out
+
+
+@pytest.mark.parametrize("beside", ["right-padded", "holes", "left-padded"])
+@pytest.mark.parametrize("name", ["llama-gqa", "mistral-window"])
+def test_kvarena_cache_serves_a_row_of_padding_only(name: str, beside: str) -> None:
+    """Issue 41 #3: a row of padding only next to a right-padded or holed row was a bare
+    KeyError ('namespace 1 ...'; the row was never planned, so it is not in the pool). Now
+    KVArenaCache serves the batch as DynamicCache does: the first step within fp32
+    tolerance at every position that sees a key (the padding-only row sees none: finite),
+    then rows reordered (beam search moves the empty row) and two more steps, every row
+    and position within tolerance."""
+    model = _model(name)
+    rows = {"right-padded": [1] * 6 + [0] * 3, "holes": [1, 1, 0, 0, 1, 1, 1, 0, 1],
+            "left-padded": [0] * 4 + [1] * 5}
+    mask = torch.tensor([[1] * 9, [0] * 9, rows[beside]])
+    ids = torch.randint(1, 128, mask.shape, generator=torch.Generator().manual_seed(23))
+    beams = torch.tensor([1, 2, 1])  # the empty row twice, first
+    got = _steps_against_dynamic_cache(model, ids, mask, 2, beams=beams)
+    (want, want_len), (have, have_len) = got["eager"], got["kvarena"]
+    assert have_len == want_len, f"get_seq_length {have_len} != DynamicCache's {want_len}"
+    seen = _seen(mask, getattr(model.config, "sliding_window", None))
+    assert have[0].isfinite().all(), "the first step's logits are not finite"
+    assert_close(have[0][seen], want[0][seen], torch.float32, f"{name} {beside}: first step, positions with a key")
+    for t in (1, 2):
+        assert_close(have[t], want[t], torch.float32, f"{name} {beside}: step {t + 1} after the reorder")
+
+
+CROP_MASK = [[1] * 7, [1] * 5 + [0] * 2, [1, 1, 0, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1, 1], [0] * 7]
+
+
+@pytest.mark.parametrize("rows", [4, 5], ids=["padded-rows", "and-a-padding-only-row"])
+@pytest.mark.parametrize("n", [-2, -3, 4, 1], ids=lambda n: f"crop({n})")
+@pytest.mark.parametrize("name", ["llama-gqa", "mistral-window"])
+def test_kvarena_cache_crop_counts_positions(name: str, n: int, rows: int) -> None:
+    """Issue 41 #4: crop(n) dropped stored tokens, not positions: after crop(-2) of a row
+    [1,1,1,1,1,0,0] it dropped two real tokens (the padding holds none) and the next step
+    differed from DynamicCache's. Now crop counts positions (the sequence axis, padding
+    included) as DynamicCache does: rows with no, right, holed, left padding or padding
+    only; the length and the two steps after the crop within fp32 tolerance."""
+    model = _model(name)
+    mask = torch.tensor(CROP_MASK[:rows])
+    ids = torch.randint(1, 128, mask.shape, generator=torch.Generator().manual_seed(29))
+    got = _steps_against_dynamic_cache(model, ids, mask, 2, crop=n)
+    (want, want_len), (have, have_len) = got["eager"], got["kvarena"]
+    assert have_len == want_len, f"crop({n}): get_seq_length {have_len} != DynamicCache's {want_len}"
+    for t in (1, 2):
+        assert_close(have[t], want[t], torch.float32, f"{name} crop({n}): step {t + 1} after the crop")
+
+
+class _Stop(Exception):
+    """What a test's hook raises between layers (an OOM, a failing hook)."""
+
+
+# Where a forward stops, outside kvarena: (the module, a forward hook (after it) or a
+# pre-hook (before it), the exception): after layer 0 attended, before layer 1 did.
+STOPS = {
+    "layer-0-mlp-error": ("layers.0.mlp", "after", _Stop),
+    "layer-1-norm-ctrl-c": ("layers.1.input_layernorm", "before", KeyboardInterrupt),
+}
+
+
+def _stop_at(model, where: str):
+    """Install STOPS[where] on ``model``; returns the hook's handle."""
+    path, when, exc = STOPS[where]
+    module = model.model.get_submodule(path)
+
+    def stop(*args):
+        raise exc(f"stopped at {path}")
+
+    if when == "after":
+        return module.register_forward_hook(stop)
+    return module.register_forward_pre_hook(stop)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-step", "after-a-step"])
+@pytest.mark.parametrize("where", list(STOPS))
+@pytest.mark.parametrize("name, pad", [("llama-gqa", None), ("mistral-window", "holes")],
+                         ids=["llama-gqa", "mistral-window-holes"])
+def test_a_step_stopped_between_layers_is_undone(name: str, pad: str | None, where: str, first: bool) -> None:
+    """Issue 41 #5: an exception outside kvarena after layer 0 attended (the MLP, a hook, an
+    OOM, Ctrl-C) left the cache advanced: the retried step attended slots never written
+    (logits ~6.8 off), silent garbage. Now the step that did not reach its last layer is
+    undone when the cache is next used: the length, bytes and rows read as before it, and
+    the retry equals a cache that never saw it, and DynamicCache (fp32 tolerance, at the
+    positions that see a key)."""
+    model = _model(name)
+    model.set_attn_implementation("kvarena")
+    if pad is None:
+        ids = torch.randint(1, 128, (3, 9), generator=torch.Generator().manual_seed(31))
+        mask = torch.ones_like(ids)
+    else:
+        ids, mask = _pad_batch(pad)
+        ids, mask = ids[:, :9], mask[:, :9]
+    cols = slice(0, 9) if first else slice(5, 9)
+    step = dict(input_ids=ids[:, cols], attention_mask=mask)
+    cache, clean = hf.KVArenaCache(model.config, block_size=4), hf.KVArenaCache(model.config, block_size=4)
+    with torch.no_grad():
+        if not first:
+            for c in (cache, clean):
+                model(ids[:, :5], attention_mask=mask[:, :5], past_key_values=c)
+        before = _arena_state(cache)
+        handle = _stop_at(model, where)
+        try:
+            with pytest.raises(STOPS[where][2], match="^stopped at"):
+                model(**step, past_key_values=cache)
+        finally:
+            handle.remove()
+        # the next use of the cache (here the length, which the next forward asks first) undoes it
+        with pytest.warns(RuntimeWarning, match=r"^kvarena: the last step on this KVArenaCache stopped after 1 of "
+                                                r"its 2 attention layers"):
+            length = cache.get_seq_length()
+        assert length == before[0], f"{where}: length {length} != {before[0]}"
+        after = _arena_state(cache)
+        assert after == before, f"{where}: the stopped step changed the cache: {before} -> {after}"
+        assert cache.is_initialized == clean.is_initialized, f"{where}: the stopped first step left an arena"
+        got = model(**step, past_key_values=cache).logits
+        want = model(**step, past_key_values=clean).logits
+        model.set_attn_implementation("eager")
+        dyn = transformers.DynamicCache()
+        if not first:
+            model(ids[:, :5], attention_mask=mask[:, :5], past_key_values=dyn)
+        ref = model(**step, past_key_values=dyn).logits
+    assert torch.equal(got, want), f"{where}: the retry differs from a clean cache by {(got - want).abs().max():.3e}"
+    seen = _seen(mask, getattr(model.config, "sliding_window", None))[:, cols]
+    assert_close(got[seen], ref[seen], torch.float32, f"{name} {where}: the retry against DynamicCache")
+
+
+def test_a_layer_asking_the_length_mid_step_changes_nothing() -> None:
+    """Issue 41 #5, the other side: a layer that asks for its length before its own
+    attention (T5, Llama 4: get_seq_length(self.layer_idx)) is inside the step, not the
+    next forward: nothing is undone, it reads what DynamicCache's layer reads (the length
+    before the step), and generate equals a cache nobody asked."""
+    model = _model("llama-gqa")
+    ids, mask = _prompts(True)
+    asked = {}
+
+    def ask(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5.2x renames it
+        asked.setdefault(type(cache).__name__, []).append(cache.get_seq_length(module.layer_idx))
+
+    handle = model.model.layers[1].self_attn.register_forward_pre_hook(ask, with_kwargs=True)
+    try:
+        got, got_logits = _generate(model, "kvarena", ids, mask, max_new_tokens=4,
+                                    past_key_values=hf.KVArenaCache(model.config, block_size=4))
+        _generate(model, "eager", ids, mask, max_new_tokens=4, past_key_values=transformers.DynamicCache())
+    finally:
+        handle.remove()
+    want, want_logits = _generate(model, "kvarena", ids, mask, max_new_tokens=4,
+                                  past_key_values=hf.KVArenaCache(model.config, block_size=4))
+    assert asked["KVArenaCache"] == asked["DynamicCache"], f"the lengths layer 1 read: {asked}"
+    assert torch.equal(got, want) and torch.equal(got_logits, want_logits), "asking the length changed the steps"
+
+
+@pytest.mark.parametrize("beam_idx", [
+    pytest.param([0, 3, 1], id="out-of-range"),
+    pytest.param([-1, 0, 1], id="negative"),
+    pytest.param([[0, 1, 2]], id="2-d"),
+    pytest.param([0.0, 1.0, 2.0], id="float"),
+    pytest.param("012", id="a-string"),
+])
+def test_reorder_cache_refuses_bad_indices_and_changes_nothing(beam_idx) -> None:
+    """Issue 41 #5's sweep: reorder_cache took any index (a negative one silently picked a
+    row from the end, an out-of-range one was an IndexError). Now it is a ValueError naming
+    beam_idx and what it expects, the cache unchanged, and the next step runs."""
+    model = _model("llama-gqa")
+    model.set_attn_implementation("kvarena")
+    ids = torch.randint(1, 128, (3, 6), generator=torch.Generator().manual_seed(37))
+    cache = hf.KVArenaCache(model.config, block_size=4)
+    with torch.no_grad():
+        model(ids[:, :5], past_key_values=cache)
+        before = _arena_state(cache)
+        arg = torch.tensor(beam_idx) if not isinstance(beam_idx, str) else beam_idx
+        with pytest.raises(ValueError, match=r"^beam_idx: expected a 1-D integer tensor of row indices in \[0, 3\)"):
+            cache.reorder_cache(arg)
+        assert _arena_state(cache) == before, f"{before} -> {_arena_state(cache)}"
+        model(ids[:, 5:], past_key_values=cache)
+    assert cache.get_seq_length() == 6
+
+
+@pytest.mark.parametrize("stopped", [False, True], ids=["after-a-step", "after-a-stopped-step"])
+def test_a_dropped_kvarena_cache_is_freed(stopped: bool) -> None:
+    """Issue 41 #5's sweep: the hand-off registry (update -> the attention function) held the
+    cache strongly until another KVArenaCache's next step, so a cache the caller dropped, and
+    its arena, stayed alive after generate returned (or after a step stopped between
+    layers). Now it is freed with the caller's last reference."""
+    import gc
+    import weakref
+
+    model = _model("llama-gqa")
+    model.set_attn_implementation("kvarena")
+    cache = hf.KVArenaCache(model.config, block_size=4)
+    with torch.no_grad():
+        model(torch.randint(1, 128, (2, 5)), past_key_values=cache)
+        if stopped:
+            handle = _stop_at(model, "layer-0-mlp-error")
+            try:
+                with pytest.raises(_Stop):
+                    model(torch.randint(1, 128, (2, 3)), past_key_values=cache)
+            finally:
+                handle.remove()
+    ref = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert ref() is None, "a dropped KVArenaCache is still referenced"

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import one_torch_thread  # noqa: F401 - autouse fixture
+from _helpers import grad_mode, one_torch_thread  # noqa: F401 - fixtures
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 from test_integrations_hf import TOL, _model, _pad_batch, _prompts  # noqa: E402
 
 from kvarena.integrations import hf  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+# Every test runs as written and under torch.inference_mode() (the grad_mode fixture).
+pytestmark = [pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning"),
+              pytest.mark.usefixtures("grad_mode")]
 KERNEL = "kvarena.paged_attention"  # the custom op, as the captured graphs name it
 
 

@@ -19,7 +19,7 @@ import os
 
 import pytest
 import torch
-from _helpers import one_torch_thread  # noqa: F401 - autouse fixture
+from _helpers import grad_mode, one_torch_thread  # noqa: F401 - fixtures
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 from test_integrations_hf import MODELS, TOL  # noqa: E402
@@ -31,7 +31,9 @@ from kvarena.integrations.hf.masked import Blocks, read_4d  # noqa: E402
 B, S = 3, 13  # odd sizes; longer than the families' window (6)
 MIN = torch.finfo(torch.float32).min
 # transformers 5.2x renames the forward's past_key_values to cache (still accepted, with a warning)
-pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+# Every test runs as written and under torch.inference_mode() (the grad_mode fixture).
+pytestmark = [pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning"),
+              pytest.mark.usefixtures("grad_mode")]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -42,7 +44,8 @@ def _registered():
 
 @functools.cache
 def _model(name: str):
-    return _fresh_model(name)
+    with torch.inference_mode(False):  # shared by the tests run as written (autograd) and under inference mode
+        return _fresh_model(name)
 
 
 def _causal(n: int) -> torch.Tensor:
@@ -252,6 +255,7 @@ def test_packed_4d_mask_with_position_ids_equals_each_sequence_alone(name: str) 
 
 @pytest.mark.parametrize("kind", ["packed", "bias"])
 @pytest.mark.parametrize("name", ["llama-gqa", "gemma2-window-softcap", "gptoss-sinks"])
+@pytest.mark.parametrize("grad_mode", ["as_is"], indirect=True)  # autograd
 def test_4d_mask_gradients_equal_eager(name: str, kind: str) -> None:
     """Gradients through both paths (the kernels' for packed blocks, the masked path for a
     bias; a bias that requires grad gets eager's gradient too): every parameter of the first
@@ -374,3 +378,42 @@ def test_a_mask_function_is_read_on_every_batch_row() -> None:
     assert torch.equal(got, sdpa_mask(batch_size=3, q_length=S, kv_length=S, mask_function=fn,
                                       allow_is_causal_skip=False))
     assert bool(got[1, 0, 2, 5]) and not bool(got[0, 0, 2, 5])
+
+
+@pytest.mark.parametrize("grad_mode", ["as_is"], indirect=True)  # enters inference mode itself
+@pytest.mark.parametrize("form", ["bool", "additive"])
+def test_4d_mask_changed_in_place_under_inference_mode_is_read_again(form: str) -> None:
+    """Issue 41 #1: a 4-D mask made under inference mode (no version counter) died with
+    "Inference tensors do not track version counter"; a memo keyed by the mask alone would
+    serve its old reading after an in-place edit. Both forwards equal eager's."""
+    gen = torch.Generator().manual_seed(17)
+    model = _model("qwen3")
+    ids = torch.randint(1, 128, (B, S), generator=gen)
+    with torch.inference_mode():
+        first, second = _packed(gen), _window(gen)
+        mask = first.clone() if form == "bool" else _additive(first)
+        for step, new in (("packed", first), ("window, edited in place", second)):
+            mask.copy_(new if form == "bool" else _additive(new))
+            want = _logits(model, "eager", ids, _additive(new))
+            got = _logits(model, "kvarena", ids, mask)
+            err = (got - want).abs().max().item()
+            assert got.isfinite().all() and err <= TOL, f"{form} {step}: max logit error {err:.2e} > {TOL}"
+
+
+def test_a_4d_mask_is_not_kept_alive_by_its_reading() -> None:
+    """Issue 41's sweep: the reading memoized per mask held the mask itself (a [B, 1, Q, KV]
+    tensor, large for a long prefill) until the next 4-D mask came. Now it holds it weakly:
+    the caller's last reference frees it."""
+    import gc
+    import weakref
+
+    gen = torch.Generator().manual_seed(5)
+    model = _model("llama-gqa")
+    ids = torch.randint(1, 128, (B, S), generator=gen)
+    mask = _packed(gen)
+    with torch.no_grad():
+        _logits(model, "kvarena", ids, mask)
+    ref = weakref.ref(mask)
+    del mask
+    gc.collect()
+    assert ref() is None, "the 4-D mask is still referenced after the forward"

@@ -39,8 +39,9 @@ into the mask (a cache, a padding mask, or a model such as gpt-oss that does not
 ``output_attentions=True``, dropout while training.
 
 The modules: :mod:`.mask` (the mask hook), :mod:`.attention` (the attention function),
-:mod:`.masked` (4-D masks and the masked path), :mod:`.cache` (:class:`KVArenaCache`) and
-:mod:`.layers` (its per-layer view); this package registers them (:func:`register`).
+:mod:`.masked` (4-D masks and the masked path), :mod:`.cache` (:class:`KVArenaCache`),
+:mod:`.layers` (its per-layer view) and :mod:`.positions` (which of its positions hold a
+stored token: what ``crop`` counts by); this package registers them (:func:`register`).
 """
 
 from __future__ import annotations

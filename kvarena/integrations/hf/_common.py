@@ -18,10 +18,22 @@ def _unsupported(what: str) -> NotImplementedError:
 
 
 # The hand-off from KVArenaCache.update to the attention function: the new key tensor the
-# cache returned -> (weakref to it, the cache, layer). transformers has no official way for
-# an attention function to find a custom cache's storage; an id alone could be reused once
-# the tensor is gone, hence the weakref identity check.
+# cache returned -> (weakref to it, weakref to the cache, layer). transformers has no
+# official way for an attention function to find a custom cache's storage; an id alone
+# could be reused once the tensor is gone, hence the weakref identity check. The cache is
+# held weakly too: the last step's entries stay until the next step, and must not keep a
+# cache the caller dropped (and its arena) alive.
 _HANDOFF: dict[int, tuple] = {}
+
+
+def version_key(t: torch.Tensor) -> tuple[int, int] | None:
+    """``(id, version)`` of a tensor kvarena did not create, for a memo that must see the
+    tensor change in place between calls; None for an inference tensor
+    (``torch.inference_mode()``), which has no version counter and can be changed in place
+    unseen inside inference mode: nothing read from one is memoized across calls."""
+    if t.is_inference():
+        return None
+    return id(t), t._version
 
 
 def _sink_logits(s_aux: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -9,20 +9,28 @@ import functools
 import torch
 
 from kvarena.attention.ops import paged_attention
-from kvarena.integrations.hf._common import _HANDOFF, _sink_logits, _unsupported
+from kvarena.integrations.hf._common import _HANDOFF, _sink_logits, _unsupported, version_key
 from kvarena.integrations.hf.mask import _Unpad
 from kvarena.integrations.hf.masked import attend_4d, masked_attention, rule_mask
 
 __all__ = ["kvarena_attention"]
 
 
-def _check_packed(position_ids: torch.Tensor | None, kv_start: torch.Tensor | None, b: int, s: int, n: int) -> None:
+def _check_packed(position_ids: torch.Tensor | None, kv_start: torch.Tensor | None, b: int, s: int, n: int,
+                  forward: torch.Tensor | None = None) -> None:
     """Prefill rows whose positions restart inside (packed sequences) would be attended as
-    one sequence: refuse them. One check per position_ids tensor (all layers share it)."""
+    one sequence: refuse them. One check per forward: ``forward`` is the mask hook's output
+    (made anew per forward and mask kind), which records the ``position_ids`` it was checked
+    with (the positions the model's rotary embedding read before its first layer). Without
+    it, one check per ``position_ids`` tensor and version; an inference tensor (no version
+    counter) is then checked at every layer."""
     if position_ids is None or s < 2:
         return
-    key = (id(position_ids), position_ids._version, id(kv_start))
-    if _checked_positions.get(key) == (position_ids, kv_start):
+    if forward is not None and getattr(forward, "_kvarena_positions", None) is position_ids:
+        return
+    version = version_key(position_ids)
+    key = None if version is None else (*version, id(kv_start))
+    if forward is None and key is not None and _checked_positions.get(key) == (position_ids, kv_start):
         return
     pos = position_ids.expand(b, s) if position_ids.dim() == 2 else position_ids
     real = torch.ones(b, s, dtype=torch.bool, device=pos.device)
@@ -34,8 +42,11 @@ def _check_packed(position_ids: torch.Tensor | None, kv_start: torch.Tensor | No
     step_ok = (pos[:, 1:] - pos[:, :-1] == 1) | ~real[:, :-1] | ~real[:, 1:]
     if not bool(step_ok.all()):
         raise _unsupported("packed sequences (position_ids that restart inside a row)")
-    _checked_positions.clear()
-    _checked_positions[key] = (position_ids, kv_start)
+    if forward is not None:
+        forward._kvarena_positions = position_ids
+    elif key is not None:
+        _checked_positions.clear()
+        _checked_positions[key] = (position_ids, kv_start)
 
 
 _checked_positions: dict = {}
@@ -62,13 +73,13 @@ def kvarena_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     ``(out [B, S, H_q, D], None)``.
     """
     handoff = _HANDOFF.get(id(key))
-    cache = handoff[1] if handoff is not None and handoff[0]() is key else None
+    cache = handoff[1]() if handoff is not None and handoff[0]() is key else None
     if cache is None:
         return _attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
                           s_aux, backend, kwargs, None)
     try:
         return _attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
-                          s_aux, backend, kwargs, handoff)
+                          s_aux, backend, kwargs, (cache, handoff[2]))
     except BaseException:  # a refused step leaves a KVArenaCache as it was before the step
         cache._abort_step()
         raise
@@ -133,8 +144,9 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, slid
     if valid is not None and not (torch.compiler.is_compiling() and pack is None and segments is None):
         key, value, valid = key[:, :, : int(valid)], value[:, :, : int(valid)], None  # eager: a host read
     if handoff is not None:
-        return handoff[1]._attend(handoff[2], query, key, value, attention_mask, scaling, causal, window, softcap,
-                                  s_aux, backend, kwargs.get("position_ids"))
+        cache, layer = handoff
+        return cache._attend(layer, query, key, value, attention_mask, scaling, causal, window, softcap, s_aux,
+                             backend, kwargs.get("position_ids"), mask_in)
     n = key.shape[2]
     opts = dict(scale=scaling, window_left=None if window is None else window - 1, softcap=softcap,
                 sink_logits=_sink_logits(s_aux, query.dtype), backend=backend)
@@ -144,7 +156,7 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, slid
                               value.transpose(1, 2), rows, ends, cu, causal=True, kv_start=starts,
                               max_seqlen_q=max_q, max_seqlen_k=n, **opts)
         return out.view(b, s, h_q, d), None
-    _check_packed(kwargs.get("position_ids"), attention_mask, b, s, n)
+    _check_packed(kwargs.get("position_ids"), attention_mask, b, s, n, mask_in)
     if pack is not None:
         return _attention_unpadded(query, key, value, pack, scaling, causal, window, softcap, s_aux, backend)
     # One block per row: [B, L, H_kv, D] strided views of the dense cache, no copy; a static
@@ -163,8 +175,9 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, slid
 
 def _attention_unpadded(query, key, value, pack: _Unpad, scaling, causal, window, softcap, s_aux, backend):
     """Right padding or holes with transformers' cache: each row's real keys gathered
-    left-aligned (one block per row of ``max_k`` keys), its real queries packed (or one
-    sequence per query, see :func:`_unpad`); padding query rows as eager computes them."""
+    left-aligned (one block per row of ``max_k`` keys), the queries of ``pack.q_attend``
+    packed, those of ``pack.per_query`` one sequence each (see :func:`_unpad`); a query
+    that sees no key gets zeros."""
     b, h_q, s, d = query.shape
     out = query.new_zeros(b, s, h_q, d)
     if pack.max_k == 0:
@@ -179,11 +192,10 @@ def _attention_unpadded(query, key, value, pack: _Unpad, scaling, causal, window
         cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=query.device)
         out[which] = paged_attention(q, k_cache, v_cache, q_rows, q_lens, cu, kv_start=q_start, max_seqlen_q=1,
                                      **opts)
-        return out, None
     if pack.max_q == 0:
         return out, None
     table = torch.arange(b, dtype=torch.int32, device=query.device)[:, None]
-    got = paged_attention(query.transpose(1, 2)[pack.q_real], k_cache, v_cache, table, pack.lens, pack.cu_q,
+    got = paged_attention(query.transpose(1, 2)[pack.q_attend], k_cache, v_cache, table, pack.lens, pack.cu_q,
                           window_left=None if window is None else window - 1, max_seqlen_q=pack.max_q, **opts)
-    out[pack.q_real] = got
+    out[pack.q_attend] = got
     return out, None

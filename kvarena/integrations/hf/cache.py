@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -19,12 +20,23 @@ from kvarena.integrations.hf._common import (
 )
 from kvarena.integrations.hf.attention import _check_packed
 from kvarena.integrations.hf.layers import _ArenaLayer
+from kvarena.integrations.hf.positions import RowPositions
 
 __all__ = ["DEFAULT_MAX_TOKENS_PER_ROW", "KVArenaCache"]
 
 #: Tokens per row the arena holds when neither ``max_tokens`` nor ``max_bytes`` is given:
 #: ``batch x min(max_position_embeddings, DEFAULT_MAX_TOKENS_PER_ROW)``.
 DEFAULT_MAX_TOKENS_PER_ROW = 1 << 15
+
+#: transformers' layer types whose layers store K/V through the cache's ``update``.
+_KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+#: What makes or reshapes the arena's own tensors (the pool, its block tables) runs outside
+#: inference mode: a tensor made under ``torch.inference_mode()`` cannot be written outside
+#: it, and the same cache serves steps in and out of inference mode. (The step's K/V, made
+#: by the model, are written into the arena by the pool's forward in the caller's mode:
+#: writing into a normal tensor is allowed in either.)
+_pool_state = torch.inference_mode(False)  # a decorator: a fresh context per call
 
 
 class KVArenaCache:  # the transformers Cache base is mixed in at first use (see __new__)
@@ -106,34 +118,65 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
             raise ValueError("free_out_of_window: the model has no sliding layer (config.sliding_window unset or "
                              "no 'sliding_attention' in config.layer_types); nothing leaves a window")
         self._sliding = sliding
+        # The layers that attend each step: those config.layer_types marks as attention
+        # (every layer when it names none). A step is complete once all of them attended.
+        kv = [t in _KV_LAYER_TYPES for t in types or ()]
+        self._step_layers = sum(kv) if any(kv) else self.num_layers
+        self._attended: set[int] = set()  # the layers the step in progress attended
         self._release = (int(window) - 1, check_int("rollback_tokens", rollback_tokens, 0)) if free_out_of_window else None
         self.pool = None
         self._names: list = []  # namespace of each batch row
         self._next_name = 0
         self._len = 0  # padded length (what transformers counts: pads included)
+        self._positions = RowPositions()  # which of them hold a stored token, per row (what crop counts by)
         self._meta = None
         self._step_rows = None
         self._packed = False
         self._pending: set[int] = set()  # hand-offs not attended yet
-        # The step in progress, to undo if it is refused: (length, rows, each row's pool
-        # length, whether the pool was made for it); None between steps.
+        # The step in progress, to undo if it is refused or stops between layers: (length,
+        # rows, each row's pool length, whether the pool was made for it, the positions'
+        # mark); None between steps (once every layer of the step attended).
         self._undo = None
 
     # What transformers asks.
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        self._settle()
+        """transformers' length (positions, padding included) of layer ``layer_idx``: mid-step,
+        before that layer's attention, its length before the step (as DynamicCache's layer,
+        which that layer's update has not reached yet)."""
+        self._settle(layer_idx)
+        if self._undo is not None and layer_idx not in self._attended:
+            return self._undo[0]
         return self._len
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        self._settle()
+        self._settle(layer_idx)
         return self._len + query_length, 0
 
-    def _settle(self) -> None:
-        """A hand-off still pending when transformers asks for the length (a forward starts)
+    def _settle(self, layer_idx=None) -> None:
+        """Undo what a forward that stopped left behind, before anyone reads the length.
+
+        A hand-off still pending when transformers asks for the length (a forward starts)
         was attended by another implementation, which may have failed outside kvarena (sdpa
-        given this cache): the step it belongs to is undone before anyone reads the length."""
+        given this cache). A step in progress that layer ``layer_idx`` already attended (or,
+        ``layer_idx`` None: between steps, any step in progress) did not reach its last
+        layer: an exception between layers (the model's MLP, a hook, an OOM, Ctrl-C)
+        stopped it, and the length is asked for by the next forward (or a reorder / crop /
+        reset). Either way the step is undone: the retry sees the cache as before it.
+        (A layer that asks for the length before its own attention, mid-step, changes
+        nothing.)"""
         if self._pending:
             self._abort_step()
+        elif self._undo is not None and (layer_idx is None or layer_idx in self._attended):
+            self._undo_stopped()
+
+    def _undo_stopped(self) -> None:
+        """Undo the step in progress, which stopped between layers (see :meth:`_settle`), with
+        a warning: a retry is served right, and a model that runs fewer attention layers
+        than its config names (each step would be undone) does not go unnoticed."""
+        warnings.warn(f"kvarena: the last step on this KVArenaCache stopped after {len(self._attended)} of its "
+                      f"{self._step_layers} attention layers (an exception between layers?); it is undone, the "
+                      "cache is as before it", RuntimeWarning, stacklevel=4)
+        self._abort_step()
 
     @property
     def is_compileable(self) -> bool:
@@ -207,6 +250,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         return out.transpose(1, 2)
 
     # The arena.
+    @_pool_state
     def _make_pool(self, key: torch.Tensor, batch: int) -> None:
         from kvarena.cache.arena import KVLayout, group_layers
         from kvarena.cache.keys import CachePolicy
@@ -255,8 +299,8 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
 
     def _update(self, key_states, value_states, layer_idx):
         impl = getattr(self.config, "_attn_implementation", None)
-        if layer_idx == 0 and not self._pending:
-            self._undo = None  # the last step ran through: nothing of it waits for kvarena's attention
+        if layer_idx == 0 and not self._pending and self._undo is not None:
+            self._undo_stopped()  # the last step stopped between layers (see _settle): undone first
         if impl != NAME or self._pending:
             # The config it was made with says so, or the last hand-off was never attended by
             # kvarena (a model other than the config's, on another implementation): the step
@@ -278,7 +322,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
                 raise ValueError(f"kvarena: the cache holds {len(self._names)} rows, this step has {b}; "
                                  "call reset() before a generate with another batch size")
             lens = {} if self.pool is None else {n: self.pool.seq_len(n) for n in self._names if n in self.pool}
-            self._undo = (self._len, list(self._names), lens, self.pool is None)
+            self._undo = (self._len, list(self._names), lens, self.pool is None, self._positions.mark())
             if self.pool is None:
                 self._make_pool(key_states, b)
             if not self._names:
@@ -286,20 +330,23 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
             self._len += key_states.shape[2]
             self._meta = None
             _HANDOFF.clear()
-        _HANDOFF[id(key_states)] = (weakref.ref(key_states), self, layer_idx)
+        _HANDOFF[id(key_states)] = (weakref.ref(key_states), weakref.ref(self), layer_idx)
         self._pending.add(id(key_states))
         return key_states, value_states
 
+    @_pool_state
     def _abort_step(self) -> None:
         """Undo the step in progress (a refused or failed call): the length, the rows, the
         pool's lengths and the hand-offs as they were before its first layer."""
         undo, self._undo = self._undo, None
         self._pending.clear()
-        for key in [key for key, h in _HANDOFF.items() if h[1] is self]:
+        self._attended.clear()
+        for key in [key for key, h in _HANDOFF.items() if h[1]() is self]:
             del _HANDOFF[key]
         if undo is None:
             return
-        length, names, lens, new_pool = undo
+        length, names, lens, new_pool, positions = undo
+        self._positions.rollback(positions)
         if new_pool:
             self.pool = None  # made for this step: forgotten with it
         elif self._meta is not None:  # planned: each row back to its length (the step's blocks freed)
@@ -311,6 +358,12 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
                 elif self.pool.seq_len(name) != lens[name]:
                     self.pool.truncate(name, lens[name])
         self._len, self._names, self._meta, self._step_rows, self._packed = length, names, None, None, False
+
+    def _held(self, name) -> bool:
+        """Whether row ``name`` is in the pool: a row is added by the first plan that gives it a
+        token, so a row that has been padding only so far (next to right padding or holes,
+        which plan only the real tokens) is not, and holds nothing."""
+        return self.pool is not None and name in self.pool
 
     def _fresh(self):
         self._next_name += 1
@@ -329,8 +382,19 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         dtype = self.pool.layout.input_dtype
         return qf.to(dtype), kf.to(dtype), vf.to(dtype)
 
-    def _attend(self, layer: int, query, key, value, kv_start, scaling, causal, window, softcap, s_aux, backend,
-                position_ids):
+    def _attend(self, layer: int, *args):
+        """Layer ``layer``'s attention in the step in progress (see :meth:`_attend_layer`); once
+        every layer of the step attended, the step is complete: nothing of it is undone
+        any more."""
+        got = self._attend_layer(layer, *args)
+        self._attended.add(layer)
+        if len(self._attended) >= self._step_layers:
+            self._undo = None
+            self._attended.clear()
+        return got
+
+    def _attend_layer(self, layer: int, query, key, value, kv_start, scaling, causal, window, softcap, s_aux,
+                      backend, position_ids, forward=None):
         self._pending.discard(id(key))
         if getattr(kv_start, "_kvarena_segments", None) is not None:
             raise _unsupported("packed sequences with KVArenaCache")
@@ -351,7 +415,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
                 new = [s - min(s, max(0, p - past)) for p in pads]
             if not causal:
                 raise _unsupported("a bidirectional layer with KVArenaCache")
-            _check_packed(position_ids, kv_start, b, s, self._len)
+            _check_packed(position_ids, kv_start, b, s, self._len, forward)
             # Inference: a padded plan, so q/k/v/out keep transformers' [B, S] rows (no
             # gather or scatter per layer). Under autograd, or with padding other than left
             # padding, the real rows are packed: the differentiable paths read each row's own
@@ -368,7 +432,12 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
             # refuse (fp8 under autograd, a backend that cannot run) plans nothing.
             self.pool._check_call(qf, kf, vf, layer, opts, padded=not packed)
             batch = {self._names[i]: new[i] for i in range(b) if new[i] > 0} if packed else dict(zip(self._names, new))
-            self._meta = self.pool.plan(batch, pad_to=None if packed else s)
+            with torch.inference_mode(False):  # see _pool_state
+                self._meta = self.pool.plan(batch, pad_to=None if packed else s)
+            if pack is not None:
+                self._positions.append(pack.q_real)
+            else:  # left padding: each row's real tokens are the step's last new[i] positions
+                self._positions.append(s if min(new) == s else torch.arange(s)[None, :] >= s - torch.tensor(new)[:, None])
             self._packed, self._step_rows = packed, rows
         else:
             qf, kf, vf = self._rows(query, key, value, self._step_rows)
@@ -396,7 +465,7 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
         rows, lens, starts, which = per_query
         pool = self.pool
         region, group = pool.region, pool.layout.group_of(layer)[0]
-        tables = [pool.block_ids(name, group) for name in self._names]
+        tables = [pool.block_ids(name, group) if name in pool else [] for name in self._names]  # see _held
         width = max(1, max(map(len, tables)))
         table = torch.tensor([[max(x, 0) for x in t] + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
                              device=pool.device)[rows[:, 0].long()]
@@ -409,17 +478,46 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
                                max_seqlen_q=1, max_seqlen_k=int(lens.max()), **opts, **kw)
 
     # Beams, assisted decoding, reset.
+    @_pool_state
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Row i becomes a copy of row ``beam_idx[i]`` (shared blocks, no K/V copied)."""
-        self._undo = None  # between steps: the last one ran through
-        src = [self._names[i] for i in beam_idx.tolist()]
+        """Row i becomes a copy of row ``beam_idx[i]`` (shared blocks, no K/V copied). All rows
+        or none: a refused call (``beam_idx`` not 1-D row indices) changes nothing."""
+        self._settle()  # between steps: a step that stopped between layers is undone
+        if not self._names:
+            return  # no rows yet: nothing to reorder (as DynamicCache before its first update)
+        index = self._row_index(beam_idx)
+        src = [self._names[i] for i in index]
         new = [self._fresh() for _ in src]
-        for s_name, d_name in zip(src, new):
-            self.pool.fork(s_name, d_name)
+        made = []
+        try:
+            for s_name, d_name in zip(src, new):
+                if self._held(s_name):
+                    self.pool.fork(s_name, d_name)
+                    made.append(d_name)
+        except BaseException:  # the forks made so far are dropped: the rows are as they were
+            for name in made:
+                self.pool.free_namespace(name)
+            raise
         for name in self._names:
-            self.pool.free_namespace(name)
+            if self._held(name):
+                self.pool.free_namespace(name)
         self._names = new
+        self._positions.reorder(index)
         self._meta = None
+
+    def _row_index(self, beam_idx) -> list[int]:
+        """``beam_idx`` as row indices, checked: 1-D integers in ``[0, rows)``."""
+        rows = len(self._names)
+        want = f"beam_idx: expected a 1-D integer tensor of row indices in [0, {rows}), got "
+        try:
+            idx = torch.as_tensor(beam_idx)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(want + repr(beam_idx)) from None
+        integral = not (idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool)
+        if idx.dim() != 1 or not integral or (idx.numel() and not (int(idx.min()) >= 0 and int(idx.max()) < rows)):
+            shown = idx.tolist() if idx.numel() <= 16 else "..."
+            raise ValueError(f"{want}{tuple(idx.shape)} {idx.dtype} {shown}")
+        return idx.tolist()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.reorder_cache(torch.arange(len(self._names)).repeat_interleave(repeats))
@@ -427,33 +525,41 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.reorder_cache(torch.as_tensor(indices).reshape(-1))
 
+    @_pool_state
     def crop(self, n: int) -> None:
-        """Assisted decoding's rollback: ``n < 0`` drops the newest ``-n`` tokens (transformers
-        >= 5.2x), ``n > 0`` keeps the first ``n`` (the older meaning), ``0`` does nothing."""
+        """Assisted decoding's rollback, counted in positions as transformers' ``DynamicCache``
+        counts them (the sequence axis, padding included): ``n < 0`` drops the newest ``-n``
+        positions (transformers >= 5.2x), ``n > 0`` keeps the first ``n`` (the older meaning),
+        ``0`` does nothing. Each row keeps its stored tokens among the positions kept (a
+        right-padded row drops its padding positions, which hold nothing, first)."""
         if not is_integral(n):
             raise TypeError(f"n: expected an int, got {n!r}")
         n = int(n)
+        self._settle()  # between steps: a step that stopped between layers is undone
         if -n > self._len:
             raise ValueError(f"n: crop({n}) drops {-n} tokens, the cache holds {self._len}")
-        self._undo = None  # between steps: the last one ran through
         keep = self._len + n if n <= 0 else min(n, self._len)
-        drop = self._len - keep
-        if drop <= 0:
+        if keep >= self._len:
             return
-        targets = [(name, max(0, self.pool.seq_len(name) - drop)) for name in self._names]
+        gone = self._positions.real_after(keep, len(self._names))
+        targets = [(name, self.pool.seq_len(name) - g) for name, g in zip(self._names, gone) if self._held(name)]
         for name, n_tokens in targets:  # all rows or none: a refused row leaves the others as they were
             self.pool.check_truncate(name, n_tokens)
         for name, n_tokens in targets:
             self.pool.truncate(name, n_tokens)
+        self._positions.cut(keep)
         self._len = keep
         self._meta = None
 
+    @_pool_state
     def reset(self) -> None:
         """Free every block and forget the rows: the object serves a new generate."""
         if self.pool is not None:
             for name in self.pool.namespaces():
                 self.pool.free_namespace(name)
         self._names, self._len, self._meta, self._undo = [], 0, None, None
+        self._attended.clear()
+        self._positions.clear()
         self._pending.clear()
 
     @property

@@ -113,7 +113,7 @@ def kvarena_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
         if torch.equal(keep, tail):
             kv_start = (kv_length - n_real).to(torch.int32)
         else:  # right padding or holes: the real keys and queries unpadded, as flash_attention_2 does
-            pack = _unpad(keep, q_length, rule[1])
+            pack = _unpad(keep, q_length, *rule)
             kv_start = torch.zeros(batch_size, dtype=torch.int32, device=keep.device)
     else:
         device = attention_mask.device if attention_mask is not None else kwargs.get("device")
@@ -286,45 +286,64 @@ class _Unpad(NamedTuple):
     kidx: torch.Tensor  # [B, max_k]: each row's real keys' indices, left-aligned (padded with 0)
     lens: torch.Tensor  # int32 [B]: real keys per row
     q_real: torch.Tensor  # bool [B, S]: the real queries
+    q_attend: torch.Tensor  # bool [B, S]: the queries the packed reading serves (per_query the rest, see _unpad)
     cu_q: torch.Tensor  # int32 [B + 1]: their offsets
     max_q: int
     max_k: int
     per_query: tuple | None  # (rows int32 [N, 1], lens [N], kv_start [N], which bool [B, S]), see _unpad
 
 
-def _unpad(keep: torch.Tensor, q_length: int, window: int | None) -> _Unpad:
+def _unpad(keep: torch.Tensor, q_length: int, causal: bool = True, window: int | None = None) -> _Unpad:
     """Right padding or holes (``keep [B, L]``, any pattern): what the attention function
     needs to attend only the real keys, exactly as eager does.
 
-    A real query is bottom-right aligned among its row's real keys, so causality is exact;
-    a window then counts real keys, which equals eager's (which counts positions) unless a
-    padding hole lies inside a real query's window. Eager also attends padding queries that
-    follow a real key (its mask hides padding keys, not queries). In those two cases
-    (``per_query``) each such query is its own sequence: its row, the real keys at or
+    Causal: a real query is bottom-right aligned among its row's real keys, so causality is
+    exact; a window then counts real keys, which equals eager's (which counts positions)
+    unless a padding hole lies inside a real query's window. Eager also attends padding
+    queries that follow a real key (its mask hides padding keys, not queries). In those two
+    cases (``per_query``) each such query is its own sequence: its row, the real keys at or
     before it (``lens``) and ``kv_start`` = the real keys at or before ``p - window`` (0
     without a window). A padding query that sees no key gets zeros (eager: an average over
-    a fully masked row, as with left padding)."""
+    a fully masked row, as with left padding).
+
+    Bidirectional (``causal`` False, no window): every query of a row, padding queries
+    included (eager's mask hides padding keys, not queries), sees every real key of its
+    row, wherever it sits: the real queries packed, the padding queries of a row that holds
+    a real key one sequence each (``per_query``, ``lens`` the row's real keys, ``kv_start``
+    0: a row's queries may outnumber its real keys); a row of padding only sees no key
+    (zeros).
+
+    ``q_attend`` is what the packed reading serves (none when ``per_query`` holds every
+    query that sees a key, as in the causal cases above); ``per_query`` serves the rest."""
     b, n = keep.shape
     s = q_length
     c = keep.cumsum(1, dtype=torch.int32)  # c[p]: real keys at or before p
-    lo = torch.zeros_like(c)
-    windowed = window is not None and window < n
-    if windowed:
-        lo = torch.nn.functional.pad(c, (window, 0))[:, :n]  # real keys at or before p - window
-    cq, loq, q_real = c[:, n - s :], lo[:, n - s :], keep[:, n - s :]
-    pad_q = ~q_real & (cq > loq)  # padding queries that see a key
-    exact = not bool(pad_q.any())
-    if exact and windowed:  # HF's window (p - window, p] holds c - lo real keys; kvarena's the last `window`
-        exact = bool(((cq - loq == cq.clamp(max=window)) | ~q_real).all())
-    per_query = None
-    if not exact:
-        which = q_real | pad_q
-        rows = torch.arange(b, device=keep.device, dtype=torch.int32)[:, None].expand(b, s)[which]
-        per_query = (rows[:, None], cq[which], loq[which], which)
     lens = c[:, -1]
+    q_real = keep[:, n - s :]
+    q_attend, per_query = q_real, None
+    rows = torch.arange(b, device=keep.device, dtype=torch.int32)[:, None].expand(b, s)
+    if not causal:
+        which = ~q_real & (lens > 0)[:, None]  # padding queries of a row with a real key
+        if bool(which.any()):
+            per_query = (rows[which][:, None], lens[:, None].expand(b, s)[which], torch.zeros_like(c[:, :s])[which],
+                         which)
+    else:
+        lo = torch.zeros_like(c)
+        windowed = window is not None and window < n
+        if windowed:
+            lo = torch.nn.functional.pad(c, (window, 0))[:, :n]  # real keys at or before p - window
+        cq, loq = c[:, n - s :], lo[:, n - s :]
+        pad_q = ~q_real & (cq > loq)  # padding queries that see a key
+        exact = not bool(pad_q.any())
+        if exact and windowed:  # HF's window (p - window, p] holds c - lo real keys; kvarena's the last `window`
+            exact = bool(((cq - loq == cq.clamp(max=window)) | ~q_real).all())
+        if not exact:
+            which = q_real | pad_q
+            per_query = (rows[which][:, None], cq[which], loq[which], which)
+            q_attend = torch.zeros_like(q_real)
     max_k = int(lens.max()) if b else 0
     kidx = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, : max(max_k, 1)]
-    n_q = q_real.sum(1, dtype=torch.int32)
+    n_q = q_attend.sum(1, dtype=torch.int32)
     cu_q = torch.nn.functional.pad(n_q.cumsum(0, dtype=torch.int32), (1, 0))
     max_q = int(n_q.max()) if b else 0
-    return _Unpad(kidx, lens, q_real, cu_q, max_q, max_k, per_query)
+    return _Unpad(kidx, lens, q_real, q_attend, cu_q, max_q, max_k, per_query)

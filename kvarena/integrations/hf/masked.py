@@ -10,11 +10,12 @@ included: as in eager and sdpa, the mask alone says what each query sees (the la
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 
-from kvarena.integrations.hf._common import _unsupported
+from kvarena.integrations.hf._common import _unsupported, version_key
 
 __all__ = ["Blocks", "Sequences", "attend_4d", "masked_attention", "read_4d", "rule_mask"]
 
@@ -183,13 +184,18 @@ _last_read: dict = {}
 
 
 def _read_once(mask: torch.Tensor, b: int, h_q: int, s: int, n: int) -> Blocks | str:
-    """:func:`read_4d`, once per mask and shape (every layer is handed the same mask)."""
-    key = (id(mask), mask._version, b, h_q, s, n)
-    if _last_read.get("key") == key and _last_read.get("mask") is mask:
+    """:func:`read_4d`, once per mask, version and shape (every layer is handed the same
+    mask). An inference tensor has no version counter (see ``version_key``): read at every
+    layer."""
+    version = version_key(mask)
+    if version is None:
+        return read_4d(mask[..., :n], b, h_q, s, n)
+    key = (*version, b, h_q, s, n)
+    if _last_read.get("key") == key and _last_read["mask"]() is mask:
         return _last_read["read"]
     got = read_4d(mask[..., :n], b, h_q, s, n)
     _last_read.clear()
-    _last_read.update(key=key, mask=mask, read=got)
+    _last_read.update(key=key, mask=weakref.ref(mask), read=got)  # weakly: the mask may be large
     return got
 
 
