@@ -145,32 +145,44 @@ def test_occupancy_table_matches_the_compiler(perf_run):
         elif CTAS_PER_SM[key] > r["ctas_per_sm"]:
             problems.append(f"{r['config']} {r['target']}: table says {CTAS_PER_SM[key]} CTAs/SM, "
                             f"the compile fits {r['ctas_per_sm']}")
-    assert not problems, "\n".join(problems) + "\n(rerun: kvarena check --perf --all-variants --write-occupancy)"
+    assert not problems, "\n".join(problems) + "\n(rerun: kvarena check --perf --write-occupancy)"
 
 
 @pytest.mark.slow
 def test_workloads_fill_their_waves(perf_run):
-    """Wave efficiency >= 0.9 on an H100/H200 (132 SMs) for the contract's decode and slab
-    chunk workloads, commit=True and False."""
+    """Wave efficiency >= 0.9 for the contract's decode workloads on every target, at the
+    occupancy of the variant that launches, and for the slab chunk workloads (commit=True
+    and False) on an H100/H200 (132 SMs). One exception: B=1 at 1K keys on gfx942 (304 CUs),
+    whose 8 kv heads x 32 splits of the 32-key minimum fill 0.84 of its 304 CU slots."""
     _, data = perf_run
-    low = [f"{w['workload']}: {w['programs']} programs x {w['splits']} splits, {w['waves']} waves, "
-           f"efficiency {w['efficiency']}" for w in data["workloads"] if w["target"] == "sm_90a" and w["efficiency"] < 0.9]
+
+    def held(w) -> bool:
+        if w["workload"].startswith("decode"):
+            return not (w["target"] == "gfx942" and w["workload"] == "decode B=1 ctx=1K")
+        return w["target"] == "sm_90a"
+
+    low = [f"{w['workload']} {w['target']}: {w['programs']} programs x {w['splits']} splits, {w['waves']} waves, "
+           f"efficiency {w['efficiency']}" for w in data["workloads"] if held(w) and w["efficiency"] < 0.9]
     assert not low, "\n".join(low)
     split_up = [w["workload"] for w in data["workloads"] if "NOT one launch" in w["workload"]]
     assert not split_up, f"denoising steps that need two launches and a merge: {split_up}"
 
 
 def test_workload_plans_fill_a_wave_at_batch_one():
-    """Host math only: B=1 decode (1K-128K keys) fills >= 90% of a wave on both targets, and
-    its split reduce runs at least one program per SM; an unsplit launch has no reduce."""
+    """Host math only: B=1 decode (1K-128K keys) fills >= 90% of a wave on every target, and
+    its split reduce runs at least one program per SM; an unsplit launch has no reduce. On
+    gfx942's 304 CUs B=1 at 1K keys has only 8 x 32 programs of the 32-key minimum (0.84 of
+    a wave), and the reduce of B=1's 32 rows at D = 128 is 256 programs of 16 dims (0.84)."""
     from kvarena.check.report import _workload_rows
 
     rows = _workload_rows(check.TARGETS)
     b1 = [r for r in rows if r["workload"].startswith("decode B=1 ")]
     assert len(b1) == 4 * len(check.TARGETS)
     for r in b1:
-        assert r["efficiency"] >= 0.9 and r["splits"] > 1, r
-        assert r["reduce_grid"] and r["reduce_waves"] >= 1.0, r
+        gfx942 = r["target"] == "gfx942"
+        want = 0.84 if gfx942 and r["workload"] == "decode B=1 ctx=1K" else 0.9
+        assert r["efficiency"] >= want and r["splits"] > 1, r
+        assert r["reduce_grid"] and r["reduce_waves"] >= (0.84 if gfx942 else 1.0), r
     assert all(r["reduce_grid"] is None for r in rows if r["splits"] == 1)
 
 

@@ -50,7 +50,7 @@ def add_arguments(parser) -> None:
                              "(KVARENA_CHECK_CACHE, default ~/.cache/kvarena/check)")
     parser.add_argument("--write-occupancy", action="store_true",
                         help="with --perf: rewrite the CTAs-per-SM table of kvarena/kernels/occupancy.py "
-                             "from these compiles (run it with --all-variants)")
+                             "from these compiles: every target, the launches as launched and with every flag on")
 
 
 #: Compiles finished so far, shared with the worker processes (forked, so they inherit it);

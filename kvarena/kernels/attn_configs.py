@@ -219,16 +219,18 @@ def _blackwell(cfg: dict, lean: bool, elem_bytes: int, *, own: bool) -> dict:
     per-thread fragments of some tiles do not fit):
 
     * Lean chunks at D <= 128 (128 x 64, 3 stages): MAGI spills 48-60 B, the Wan step with
-      own keys over fp8 96 B; 128 x 32 at 3 stages fits (226-253 registers, 88 KiB).
+      own keys over fp8 96 B; 128 x 32 at the same stages fits (226-255 registers, 88-96 KiB;
+      RoPE's 2 stages kept: its third spilt 4 B).
     * Lean chunks at D = 256 (128 x 32, 3 stages: 420 B spilled): 64 x 32 at 2 stages
       (239 registers); with own keys (64 x 32 spills 116 B) 32 x 32 at 2 stages.
-    * fp32 tiles: capped at 128 registers (ptxas's own choice, 64, spilt 4-20 B).
+    * fp32 tiles: capped at 128 registers at D <= 128 and at 255 at D = 256 (ptxas's own
+      choice, 64, spilt 4-20 B; 128 spilt 8 B in the guarded D = 256 chunk).
     """
     d_pad = cfg["HEAD_DIM_PAD"]
     if elem_bytes >= 4:
-        return dict(cfg, maxnreg=128)
+        return dict(cfg, maxnreg=128 if d_pad <= 128 else _MAXNREG)
     if lean and cfg["BLOCK_M"] == 128 and d_pad <= 128:
-        return dict(cfg, BLOCK_N=32, num_stages=3)
+        return dict(cfg, BLOCK_N=32)
     if d_pad >= 256 and cfg["BLOCK_M"] == 128:
         return dict(cfg, BLOCK_M=64, num_stages=2)
     if d_pad >= 256 and own and cfg["BLOCK_M"] == 64:
