@@ -372,6 +372,35 @@ def test_converter_maps_self_forcing_names_back_exactly(model):
     assert "ffn.0" in BLOCK_NAMES and "head.head" in TOP_NAMES
 
 
+BAD_CONVERT_ARGS = [
+    ("use_ema-str", dict(use_ema="false"), TypeError, "use_ema"),
+    ("use_ema-int", dict(use_ema=0), TypeError, "use_ema"),
+    ("strict-none", dict(strict=None), TypeError, "strict"),
+]
+BAD_CONFIG_ARGS = [
+    ("head_dim-0", dict(attention_head_dim=0), ValueError, "attention_head_dim"),
+    ("head_dim-neg", dict(attention_head_dim=-16), ValueError, "attention_head_dim"),
+    ("head_dim-float", dict(attention_head_dim=16.0), TypeError, "attention_head_dim"),
+    ("head_dim-bool", dict(attention_head_dim=True), TypeError, "attention_head_dim"),
+    ("head_dim-not-divisor", dict(attention_head_dim=24), ValueError, "attention_head_dim"),
+]
+
+
+@pytest.mark.parametrize("kw,err,name", [c[1:] for c in BAD_CONVERT_ARGS], ids=[c[0] for c in BAD_CONVERT_ARGS])
+def test_converter_refuses_bad_flags_naming_them(model, kw, err, name):
+    """A string "false" is truthy: it must not silently pick the EMA weights."""
+    ckpt = {"generator": dict(_to_original(model.state_dict())), "generator_ema": {}}
+    with pytest.raises(err, match=name):
+        convert_self_forcing_state_dict(ckpt, **kw)
+
+
+@pytest.mark.parametrize("kw,err,name", [c[1:] for c in BAD_CONFIG_ARGS], ids=[c[0] for c in BAD_CONFIG_ARGS])
+def test_config_reader_refuses_a_bad_head_dim_naming_it(model, kw, err, name):
+    """0 was a ZeroDivisionError and -16 a config with -2 heads."""
+    with pytest.raises(err, match=name):
+        wan_config_from_state_dict(model.state_dict(), **kw)
+
+
 # ---------------------------------------------------------------------------- the example
 
 def test_example_runs():
