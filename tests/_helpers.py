@@ -86,6 +86,20 @@ def one_torch_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(params=["as_is", "inference_mode"])
+def grad_mode(request: pytest.FixtureRequest) -> str:
+    """Runs a test as written ("as_is") and again under ``torch.inference_mode()`` (where
+    serving code runs: the tensors the test makes are inference tensors, which have no
+    version counter). A module opts in with ``pytestmark = pytest.mark.usefixtures("grad_mode")``;
+    a test that needs autograd or a subprocess pins ``as_is`` with
+    ``@pytest.mark.parametrize("grad_mode", ["as_is"], indirect=True)``."""
+    if request.param == "as_is":
+        yield request.param
+        return
+    with torch.inference_mode():
+        yield request.param
+
+
 def blob(nbytes: int) -> torch.Tensor:
     """An uninitialised uint8 tensor of ``nbytes`` bytes (a value of known size)."""
     return torch.empty(nbytes, dtype=torch.uint8)

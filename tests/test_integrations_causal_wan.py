@@ -13,10 +13,11 @@ import sys
 
 import pytest
 import torch
-from _helpers import assert_close, one_torch_thread  # noqa: F401 - autouse fixture
+from _helpers import assert_close, grad_mode, one_torch_thread  # noqa: F401 - fixtures
 
 from kvarena.integrations.causal_wan import CausalKVCache
 
+pytestmark = pytest.mark.usefixtures("grad_mode")  # each test as written and under torch.inference_mode()
 FT, FPC, LAYERS, H_Q, H_KV, D = 2, 3, 2, 4, 2, 16  # frame tokens, frames per chunk, ...
 
 
@@ -79,6 +80,7 @@ def test_rollout_equals_the_rolling_kv_cache(seed, first_frames, sink, local_att
         start += n
 
 
+@pytest.mark.parametrize("grad_mode", ["as_is"], indirect=True)  # a backward pass: needs autograd
 def test_checkpoint_recompute_uses_its_own_step(seed) -> None:
     """A training rollout: chunk c's loss is backpropagated after chunk c+1 was planned and
     committed; the recompute inside torch.utils.checkpoint reads chunk c's step, so the
@@ -155,6 +157,7 @@ def test_misuse_is_a_clear_error() -> None:
         CausalKVCache(num_layers=1, num_kv_heads=1, head_dim=8, frame_tokens=1, frames_per_chunk=3, window_frames=2)
 
 
+@pytest.mark.parametrize("grad_mode", ["as_is"], indirect=True)  # a subprocess: the grad mode does not reach it
 def test_integrations_import_nothing_heavy() -> None:
     code = ("import sys, kvarena, kvarena.integrations; "
             "bad = [m for m in ('transformers', 'diffusers', 'kvarena.integrations.causal_wan') if m in sys.modules]; "

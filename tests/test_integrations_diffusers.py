@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import one_torch_thread  # noqa: F401 - autouse fixture
+from _helpers import grad_mode, one_torch_thread  # noqa: F401 - fixtures
 
 pytest.importorskip("diffusers", reason="the diffusers extra is not installed (pip install 'kvarena[diffusers]')")
 
@@ -30,6 +30,7 @@ from kvarena.integrations.diffusers import (  # noqa: E402
 )
 from kvarena.integrations.diffusers.convert import BLOCK_NAMES, TOP_NAMES  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("grad_mode")  # each test as written and under torch.inference_mode()
 ROOT = Path(__file__).resolve().parents[1]
 C, TEXT, LAT_H, LAT_W = 4, 24, 6, 10  # latent channels, text width, latent size (3 x 5 patches)
 FS = (LAT_H // 2) * (LAT_W // 2)
@@ -112,11 +113,12 @@ def test_cfg_two_branches_equal_one_batched_plan(model, seed):
     """CFG: cond/uncond as two branches (two calls a step) and as one [cond; uncond] batch."""
     cond, uncond = torch.randn(1, 7, TEXT), torch.randn(1, 7, TEXT)
     ref = SelfForcingReference(model, local_attn_size=3, sink_size=1, frame_tokens=FS)
-    one = CausalWanRollout(copy.deepcopy(model), num_frame_per_block=2, local_attn_size=3, sink_size=1, batch_size=2)
-    two = CausalWanRollout(model, num_frame_per_block=2, local_attn_size=3, sink_size=1, branches=2)
     history: list = []
     errs = []
-    with torch.no_grad():
+    with torch.no_grad(), \
+            CausalWanRollout(copy.deepcopy(model), num_frame_per_block=2, local_attn_size=3, sink_size=1,
+                             batch_size=2) as one, \
+            CausalWanRollout(model, num_frame_per_block=2, local_attn_size=3, sink_size=1, branches=2) as two:
         for start in (0, 2, 4):
             for clean in (False, True):
                 x, t = lat(1, 2), torch.full((1,), 0.0 if clean else 700.0)
@@ -130,8 +132,6 @@ def test_cfg_two_branches_equal_one_batched_plan(model, seed):
                 errs.append(rel_err(outs[0], ref(history, x, t, cond)))
             history.append((x, t))
     assert max(errs) < TOL, errs
-    two.close()
-    one.close()
 
 
 def test_fused_projections(model, seed):
@@ -188,6 +188,76 @@ def test_prompt_kv_projected_once_per_prompt_and_weights(model, seed):
         with rollout.step(start_frame=4, clean=False):
             call(m, lat(1, 2), torch.tensor([10.0]), other)
         assert cache.misses == 3 * layers
+
+
+def _assign_other_weights(m, emb):
+    """load_state_dict(..., assign=True): new Parameter objects (another model's attn2 K/V)."""
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    other = tiny_wan(seed=5).state_dict()
+    sd.update({k: other[k].clone() for k in sd if ".attn2.to_k." in k or ".attn2.to_v." in k})
+    m.load_state_dict(sd, assign=True)
+    return emb
+
+
+def _peft_fuse(m, emb):
+    """A LoRA merged as PEFT merges it: ``base_layer.weight.data += B @ A * scale`` (no version bump)."""
+    g = torch.Generator().manual_seed(3)
+    for block in m.blocks:
+        for lin in (block.attn2.to_k, block.attn2.to_v):
+            out_f, in_f = lin.weight.shape
+            delta = torch.randn(out_f, 2, generator=g) @ torch.randn(2, in_f, generator=g) * 0.1
+            lin.weight.data += delta.to(lin.weight.dtype)
+    return emb
+
+
+def _edit_prompt(m, emb):
+    """The same embedding object, edited through ``.data`` (no version bump)."""
+    emb.data[:, 2:5] += 1.0
+    return emb
+
+
+FRESHNESS = [("load_state_dict-assign", _assign_other_weights), ("peft-fuse-data", _peft_fuse),
+             ("prompt-edited-through-data", _edit_prompt)]
+
+
+@pytest.mark.parametrize("change", [c for _, c in FRESHNESS], ids=[n for n, _ in FRESHNESS])
+def test_prompt_kv_fresh_after_writes_no_version_counter_sees(model, seed, change):
+    """The prompt K/V after each write is what the changed model computes, never the cached
+    K/V of before (the stale answer is shown to differ, so the check can fail)."""
+    m = copy.deepcopy(model)
+    emb = torch.randn(1, 7, TEXT)
+    x, t = lat(1, 2), torch.tensor([300.0])
+    with torch.no_grad(), CausalWanRollout(m, num_frame_per_block=2, max_frames=4) as rollout:
+        with rollout.step(start_frame=0, clean=False):
+            before = call(m, x, t, emb)  # projects and caches the prompt's K/V
+        emb = change(m, emb)
+        with rollout.step(start_frame=0, clean=False):
+            got = call(m, x, t, emb)
+    with torch.no_grad():
+        want = SelfForcingReference(m, local_attn_size=-1, sink_size=0, frame_tokens=FS)([], x, t, emb)
+    assert rel_err(before, want) > 1e-2, "the change does not move the output: the test could not fail"
+    err = rel_err(got, want)
+    assert err < TOL, f"{err:.2e} off the changed model (stale prompt K/V?); before the change: {rel_err(before, want):.2e}"
+
+
+FINGERPRINT_CASES = [("bf16-subnormal-bit", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)]
+
+
+@pytest.mark.parametrize("dtype", [d for _, d in FINGERPRINT_CASES], ids=[n for n, _ in FINGERPRINT_CASES])
+def test_fingerprint_sees_one_bit_and_ignores_strides(seed, dtype):
+    """The prompt key's fingerprint: one flipped low bit (here of a tiny value) anywhere is a
+    new value; the same values in another layout, or a copy, are the same value."""
+    from kvarena.integrations.diffusers._fingerprint import fingerprint
+
+    x = (torch.randn(37, 19) * 1e-39).to(dtype) if dtype == torch.bfloat16 else torch.randn(37, 19, dtype=dtype)
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32}[x.element_size()]
+    base = fingerprint([x])
+    for i, j in ((0, 0), (36, 18), (17, 4)):
+        y = x.clone()
+        y.view(bits)[i, j] ^= 1
+        assert fingerprint([y]) != base, f"a flipped bit at {(i, j)} kept the fingerprint"
+    assert fingerprint([x.t().contiguous().t()]) == base == fingerprint([x.clone()])
+    assert fingerprint([x.reshape(19, 37)]) != base  # the shape is part of it
 
 
 def _state(rollout, names):
@@ -403,6 +473,7 @@ def test_config_reader_refuses_a_bad_head_dim_naming_it(model, kw, err, name):
 
 # ---------------------------------------------------------------------------- the example
 
+@pytest.mark.parametrize("grad_mode", ["as_is"], indirect=True)  # a subprocess: the grad mode does not reach it
 def test_example_runs():
     """The example end to end on its tiny model: every chunk generated, memory flat after the
     window (no timing assertion: the time is what CI's log reports)."""
@@ -417,6 +488,7 @@ def test_example_runs():
 
 # ---------------------------------------------------------------------------- Self-Forcing's own code
 
+@pytest.mark.parametrize("grad_mode", ["as_is"], indirect=True)  # Self-Forcing's own model: as it runs
 @pytest.mark.skipif(not os.environ.get("KVARENA_SELF_FORCING_SRC"),
                     reason="set KVARENA_SELF_FORCING_SRC to a Self-Forcing checkout (github.com/guandeh17/Self-Forcing)")
 @pytest.mark.parametrize("local,sink,wrong", [(-1, 0, 6), (4, 1, 5)], ids=["global", "window4-sink1"])
