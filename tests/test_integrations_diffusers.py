@@ -272,10 +272,19 @@ BAD_CALLS = [
     ("hidden_states", lambda x, t, e: (x[..., :5], t, e)),             # width not a patch multiple
     ("timestep", lambda x, t, e: (x, t[:, None].expand(1, 2), e)),     # Self-Forcing's [B, F]
     ("encoder_hidden_states", lambda x, t, e: (x, t, e[..., :5])),
+    ("hidden_states", lambda x, t, e: (x.double(), t, e)),             # dtype: the transformer's is fp32
+    ("encoder_hidden_states", lambda x, t, e: (x, t, e.double())),
+    ("hidden_states", lambda x, t, e: (x.to("meta"), t, e)),           # device: the transformer's is cpu
+    ("timestep", lambda x, t, e: (x, t.to("meta"), e)),
+    ("encoder_hidden_states", lambda x, t, e: (x, t, e.to("meta"))),
 ]
 
 
-@pytest.mark.parametrize("name,bad", BAD_CALLS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(BAD_CALLS)])
+BAD_CALL_IDS = ["frames", "batch", "width", "timestep-2d", "text-dim", "latent-fp64", "emb-fp64", "latent-device",
+                "timestep-device", "emb-device", "timestep-bool"]
+
+
+@pytest.mark.parametrize("name,bad", BAD_CALLS, ids=[f"{n}-{i}" for n, i in zip([n for n, _ in BAD_CALLS], BAD_CALL_IDS)])
 def test_bad_call_names_the_argument_and_leaves_the_cache(model, seed, name, bad):
     emb = torch.randn(1, 7, TEXT)
     ref = SelfForcingReference(model, local_attn_size=4, sink_size=1, frame_tokens=FS)
@@ -292,6 +301,105 @@ def test_bad_call_names_the_argument_and_leaves_the_cache(model, seed, name, bad
         with rollout.step(start_frame=2, clean=False):  # the rollout goes on as if nothing happened
             got = call(model, x, t, emb)
         assert rel_err(got, ref([(x0, t0)], x, t, emb)) < TOL
+
+
+REFUSED_DTYPES = [("latent-fp64", lambda x, e: (x.double(), e), "hidden_states"),
+                  ("latent-fp16", lambda x, e: (x.half(), e), "hidden_states"),
+                  ("emb-fp64", lambda x, e: (x, e.double()), "encoder_hidden_states")]
+
+
+@pytest.mark.parametrize("bad,name", [c[1:] for c in REFUSED_DTYPES], ids=[c[0] for c in REFUSED_DTYPES])
+def test_a_refused_dtype_recycles_no_slab(model, seed, bad, name):
+    """Past the window (chunks [0, 2, 3] resident, chunk 1 recycled), a call of the next chunk
+    refused for its dtype names the argument and leaves the chunks as they were; the valid
+    call after it gives what it gives without the refused one."""
+    emb, t = torch.randn(1, 7, TEXT), torch.tensor([400.0])
+    x = lat(1, 2)
+    outs, chunks = [], []
+    for refuse in (False, True):
+        torch.manual_seed(seed)
+        with torch.no_grad(), CausalWanRollout(model, num_frame_per_block=2, local_attn_size=4, sink_size=1) as r:
+            for start in (0, 2, 4, 6):
+                with r.step(start_frame=start, clean=True):
+                    call(model, lat(1, 2), torch.zeros(1), emb)
+            before = _state(r, [(0, 0)])
+            if refuse:
+                with pytest.raises((TypeError, ValueError), match=f"{name}.*dtype"), \
+                        r.step(start_frame=8, clean=False):
+                    call(model, *bad(x, emb)[:1], t, bad(x, emb)[1])
+                assert _state(r, [(0, 0)]) == before, f"the refused call changed {before} to {_state(r, [(0, 0)])}"
+            chunks.append(before[1])
+            with r.step(start_frame=8, clean=False):
+                outs.append(call(model, x, t, emb))
+    assert chunks[0] == [[0, 2, 3]], chunks
+    assert torch.equal(outs[0], outs[1]), f"{rel_err(outs[1], outs[0]):.2e} off the rollout without the refused call"
+
+
+def test_a_transformer_moved_to_another_dtype_is_refused_before_planning(model, seed):
+    """The cache was made for fp32: after ``.double()`` the call is refused naming the
+    transformer (not a dtype error from inside the kernels), and nothing is planned."""
+    m = copy.deepcopy(model)
+    emb = torch.randn(1, 7, TEXT)
+    with torch.no_grad(), CausalWanRollout(m, num_frame_per_block=2, max_frames=4, latent_size=(LAT_H, LAT_W)) as r:
+        m.double()
+        with pytest.raises(ValueError, match="transformer.*float64"), r.step(start_frame=0, clean=True):
+            call(m, lat(1, 2).double(), torch.zeros(1), emb.double())
+        assert r.used_bytes == 0 and r.kv_cache.pool.namespaces() == []
+
+
+def test_a_refused_short_first_call_pins_no_chunk(model, seed):
+    """A first call of 1 frame refused for its dtype must not hold chunk 0 at 1 frame: the
+    valid first chunk of 2 frames then runs and matches the reference."""
+    emb, t = torch.randn(1, 7, TEXT), torch.tensor([400.0])
+    ref = SelfForcingReference(model, local_attn_size=-1, sink_size=0, frame_tokens=FS)
+    with torch.no_grad(), CausalWanRollout(model, num_frame_per_block=2, max_frames=4) as r:
+        with pytest.raises((TypeError, ValueError), match="hidden_states.*dtype"), r.step(start_frame=0, clean=False):
+            call(model, lat(1, 1).double(), t, emb)
+        held = [] if r.kv_cache is None else r.kv_cache.pool.namespaces()
+        assert r.used_bytes == 0 and held == [], f"the refused call left {held} planned"
+        x = lat(1, 2)
+        with r.step(start_frame=0, clean=False):
+            got = call(model, x, t, emb)
+    with torch.no_grad():
+        want = ref([], x, t, emb)
+    assert rel_err(got, want) < TOL, rel_err(got, want)
+
+
+def _raise_once_in_block(m, layer: int):
+    """A failure inside the model after the step was planned (an OOM in block ``layer``'s
+    MLP, a user's hook, Ctrl-C): a forward hook that raises on its first call."""
+    def hook(module, args, output):
+        handle.remove()
+        raise RuntimeError("injected failure after attention")
+    handle = m.blocks[layer].ffn.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("clean", [False, True], ids=["denoising", "clean-pass"])
+def test_a_call_failing_inside_the_model_leaves_nothing_planned(model, seed, clean):
+    """A first call of 1 frame dies in block 1 (block 0 attended, and committed in a clean
+    pass): nothing stays planned, so the first chunk of 2 frames runs after it; then chunk 1
+    dies the same way and its retry matches the reference."""
+    m = copy.deepcopy(model)
+    emb, t = torch.randn(1, 7, TEXT), torch.tensor([0.0 if clean else 400.0])
+    x0, x1 = lat(1, 2), lat(1, 2)
+    ref = SelfForcingReference(m, local_attn_size=-1, sink_size=0, frame_tokens=FS)
+    with torch.no_grad(), CausalWanRollout(m, num_frame_per_block=2, max_frames=6) as r:
+        _raise_once_in_block(m, 1)
+        with pytest.raises(RuntimeError, match="injected"), r.step(start_frame=0, clean=clean):
+            call(m, lat(1, 1), t, emb)
+        assert r.used_bytes == 0 and r.kv_cache.pool.namespaces() == [], r.kv_cache.pool.namespaces()
+        with r.step(start_frame=0, clean=True):
+            call(m, x0, torch.zeros(1), emb)
+        before = _state(r, [(0, 0)])
+        _raise_once_in_block(m, 1)
+        with pytest.raises(RuntimeError, match="injected"), r.step(start_frame=2, clean=clean):
+            call(m, lat(1, 2), t, emb)
+        assert _state(r, [(0, 0)]) == before, f"the failed call changed {before} to {_state(r, [(0, 0)])}"
+        with r.step(start_frame=2, clean=False):
+            got = call(m, x1, t, emb)
+    with torch.no_grad():
+        want = ref([(x0, torch.zeros(1))], x1, t, emb)
+    assert rel_err(got, want) < TOL, rel_err(got, want)
 
 
 def test_bad_start_frame_and_step_misuse(model, seed):
