@@ -214,6 +214,36 @@ def test_a_refused_first_call_plans_nothing(case: str, seed) -> None:
     assert torch.equal(got, want), f"{case}: the next call differs by {(got - want).abs().max().item():.3e}"
 
 
+@pytest.mark.parametrize("clean", [False, True], ids=["denoising", "clean-pass"])
+def test_a_model_call_that_raises_is_rolled_back(clean: bool, seed) -> None:
+    """Issue 41 sweep: an exception inside the model after layer 0 attended (an OOM in its
+    MLP, Ctrl-C) left the step planned: a first chunk of 1 frame stayed pinned at 1 frame,
+    so the first chunk of 3 frames was then refused. The ``with`` block's exit rolls the
+    plan back; the rollout then runs as on an untouched cache (vs the rolling reference)."""
+    dtype = torch.float64
+    kv = CausalKVCache(num_layers=LAYERS, num_kv_heads=H_KV, head_dim=D, frame_tokens=FT, frames_per_chunk=FPC,
+                       sink_frames=1, window_frames=2 * FPC, max_rollouts=1, dtype=dtype)
+    refs = [RollingCache(1, (1 + 2 * FPC) * FT, FT, dtype) for _ in range(LAYERS)]
+    short = torch.randn(1, FT, H_Q, D, dtype=dtype), torch.randn(1, FT, H_KV, D, dtype=dtype)
+    with pytest.raises(RuntimeError, match="injected"), kv.step(clean=clean) as layers:
+        layers[0](short[0], short[1], short[1], current_start=0)
+        raise RuntimeError("injected failure after layer 0")
+    assert kv.pool.namespaces() == [] and kv.used_bytes == 0, kv.pool.namespaces()
+    n = FPC * FT
+    for c in range(3):
+        q, k, v = (torch.randn(1, n, h, D, dtype=dtype) for h in (H_Q, H_KV, H_KV))
+        if c == 2:  # chunk 2 fails once, after layer 0 attended, then runs
+            before = [kv.pool.chunk_indices(0), kv.used_bytes]
+            with pytest.raises(RuntimeError, match="injected"), kv.step(clean=clean) as layers:
+                layers[0](q, k, v, current_start=c * n)
+                raise RuntimeError("injected failure after layer 0")
+            assert [kv.pool.chunk_indices(0), kv.used_bytes] == before, "the failed step stayed planned"
+        with kv.step(clean=True) as layers:
+            for layer in range(LAYERS):
+                assert_close(layers[layer](q, k, v, current_start=c * n), refs[layer](q, k, v, c * n), dtype,
+                             f"chunk {c} layer {layer}")
+
+
 @pytest.mark.parametrize(("kw", "exc", "text"), [
     pytest.param(dict(local_attn_size=2), ValueError,
                  r"^local_attn_size: expected -1 \(global attention\) or at least sink_size \+ num_frame_per_block "

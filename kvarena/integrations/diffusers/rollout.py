@@ -7,7 +7,6 @@ difference is handled here.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from typing import Any
 
@@ -47,7 +46,6 @@ class RolloutStep:
         self.frames: int | None = None
         self.state = "new"  # "open" (entered), "called" (the transformer ran), "closed"
         self._layers = None
-        self._undo: dict = {}  # namespace -> its snapshot before the plan (None: it was new)
 
     def __enter__(self) -> RolloutStep:
         self._rollout._open(self)
@@ -262,21 +260,7 @@ class CausalWanRollout:
             if step.clean:
                 self._committed[step.branch] = step.start_frame + step.frames
         else:
-            self._roll_back(step)
-
-    def _roll_back(self, step: RolloutStep) -> None:
-        """After a transformer call that raised (OOM, a hook, Ctrl-C) once the step was
-        planned: forget what the plan claimed, so a retry (of another first-chunk length
-        too) plans afresh. A rollout the call started is dropped; an older one goes back to
-        its snapshot, unless the plan recycled one of its slabs (its bytes are taken: then
-        the chunk stays planned, and a retry of the same chunk re-plans the same slab)."""
-        pool = self._kv.pool
-        for ns, snap in step._undo.items():
-            if snap is None:
-                pool.clear_namespace(ns)
-            else:
-                with contextlib.suppress(ValueError):  # a recycled slab: see the docstring
-                    pool.restore(ns, snap)
+            step._layers.roll_back()  # a call that raised inside the model: forget its plan
 
     def _check_chunk(self, step: RolloutStep, shape: ChunkShape) -> None:
         b, start, f, fpc = step.branch, step.start_frame, shape.frames, self.num_frame_per_block
@@ -332,7 +316,6 @@ class CausalWanRollout:
         start_token = step.start_frame * shape.frame_tokens
         names = [(step.branch, r) for r in range(shape.batch)]
         layers = kv.step(names, clean=step.clean)
-        step._undo = {ns: kv.pool.snapshot(ns) if ns in kv.pool else None for ns in names}
         layers.plan(start_token, shape.frames * shape.frame_tokens, shape.batch)  # last: it may recycle a slab
         self._live.call = LiveCall(layers=layers, current_start=start_token, rotary=rotary, prompt=prompt)
         step.state, step.frames, step._layers = "called", shape.frames, layers
