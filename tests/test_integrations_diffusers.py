@@ -153,6 +153,24 @@ def test_fused_projections(model, seed):
     assert max(errs) < TOL, errs
 
 
+@pytest.mark.parametrize("grad_mode", ["as_is"], indirect=True)  # the test switches modes itself
+def test_a_rollout_begun_under_inference_mode_goes_on_outside_it(model, seed):
+    """The arena (and RoPE tables) built at a first step under torch.inference_mode() were
+    inference tensors: the next step under no_grad died writing them ("Inplace update to
+    inference tensor outside InferenceMode"). The mixed rollout equals a no_grad one."""
+    emb = torch.randn(1, 7, TEXT)
+    chunks = [(lat(1, 2), torch.tensor([300.0])) for _ in range(4)]
+    outs = []
+    for first_mode in (torch.no_grad, torch.inference_mode):
+        got = []
+        with CausalWanRollout(model, num_frame_per_block=2, local_attn_size=4, sink_size=1) as r:
+            for i, (x, t) in enumerate(chunks):
+                with (first_mode() if i == 0 else torch.no_grad()), r.step(start_frame=2 * i, clean=True):
+                    got.append(call(model, x, t, emb).clone())
+        outs.append(torch.stack(got))
+    assert torch.equal(outs[0], outs[1]), f"{rel_err(outs[1], outs[0]):.2e} off the no_grad rollout"
+
+
 def test_outside_a_step_the_transformer_is_unchanged_and_close_restores(model, seed):
     plain = copy.deepcopy(model)
     before = dict(model.attn_processors)

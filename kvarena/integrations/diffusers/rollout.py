@@ -10,6 +10,8 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import torch
+
 from kvarena._checks import is_int
 from kvarena.integrations.causal_wan import CausalKVCache
 from kvarena.integrations.diffusers._checks import (
@@ -164,6 +166,12 @@ class CausalWanRollout:
         return originals
 
     def _build_cache(self, grid: tuple[int, int]) -> CausalKVCache:
+        # Normal tensors even when the first step runs under torch.inference_mode(): an
+        # inference-tensor arena could not be written by a later step outside it.
+        with torch.inference_mode(False), torch.no_grad():
+            return self._make_cache(grid)
+
+    def _make_cache(self, grid: tuple[int, int]) -> CausalKVCache:
         g = self._geom
         self._kv = CausalKVCache.from_self_forcing(
             local_attn_size=self.local_attn_size, sink_size=self.sink_size,
@@ -291,7 +299,8 @@ class CausalWanRollout:
         if rot is None:
             if len(self._rotary) >= 8:
                 self._rotary.clear()
-            rot = self._rotary[key] = chunk_rotary(self._transformer.rope, *key)
+            with torch.inference_mode(False), torch.no_grad():  # normal tensors: see _build_cache
+                rot = self._rotary[key] = chunk_rotary(self._transformer.rope, *key)
         return rot
 
     def _before_call(self, module, args: tuple, kwargs: dict) -> None:
