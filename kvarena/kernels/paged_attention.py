@@ -61,7 +61,7 @@ from kvarena.kernels._common import (
 from kvarena.kernels.fp8 import _f16_queries, _fp8e4m3_decode
 from kvarena.kernels.key_range import row_bounds, sees, tile_key_range, virtual_tile
 from kvarena.kernels.occupancy import ctas_per_sm
-from kvarena.kernels.widen import to_fp32
+from kvarena.kernels.widen import narrow, to_fp32
 
 # ----------------------------------------------------------------------------- constants
 
@@ -912,7 +912,7 @@ def _paged_attn_kernel(
         o = tl.where(bad_w[:, None] > 0.0, float("nan"), o)
     o_base = o_ptr + split_id.to(tl.int64) * stride_os + tok0 * stride_ot + head0 * stride_oh
     o_off = local[:, None] * stride_ot + head_in[:, None] * stride_oh + d[None, :] * stride_od
-    tl.store(o_base + o_off, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(o_base + o_off, narrow(o, o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if WRITE_LSE:
         lse2 = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("-inf"))
         if not SPLIT:
@@ -993,7 +993,7 @@ def _split_reduce_kernel(
     # int64 head_dim offsets: out may be a permuted view whose head_dim stride times D
     # passes 2**31 (the unsplit path copes through _tile_span; this path must itself).
     o_off = tok[:, None] * stride_ot + head[:, None] * stride_oh + d.to(tl.int64)[None, :] * stride_od
-    tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+    tl.store(o_ptr + o_off, narrow(o, o_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
     if WRITE_LSE:
         lse = tl.where(has_key, (m_safe + tl.log2(tl.where(has_key, tot, 1.0))) * 0.6931471805599453, float("-inf"))
         # Written once per row: by the programs of the first head-dim block.
