@@ -365,6 +365,20 @@ def test_a_transformer_moved_to_another_dtype_is_refused_before_planning(model, 
         assert r.used_bytes == 0 and r.kv_cache.pool.namespaces() == []
 
 
+def test_fp32_inputs_under_autocast_are_accepted(seed):
+    """The dtype rule defers to autocast (it casts the convolution's and the projections'
+    inputs itself): a bf16 transformer fed fp32 latents and prompt under autocast runs, and
+    agrees with bf16 inputs without autocast (bf16 tolerance)."""
+    m = tiny_wan().to(torch.bfloat16)
+    emb, x = torch.randn(1, 7, TEXT), lat(1, 2)
+    outs = []
+    for auto in (False, True):
+        with torch.no_grad(), CausalWanRollout(m, num_frame_per_block=2, max_frames=4) as r, \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=auto), r.step(start_frame=0, clean=True):
+            outs.append(call(m, x if auto else x.bfloat16(), torch.zeros(1), emb if auto else emb.bfloat16()))
+    assert rel_err(outs[1], outs[0]) < 1e-2, rel_err(outs[1], outs[0])
+
+
 def test_a_refused_short_first_call_pins_no_chunk(model, seed):
     """A first call of 1 frame refused for its dtype must not hold chunk 0 at 1 frame: the
     valid first chunk of 2 frames then runs and matches the reference."""

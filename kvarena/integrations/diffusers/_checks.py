@@ -90,8 +90,13 @@ def _shape(t: Any) -> str:
 
 
 def _check_placed(name: str, t: torch.Tensor, dtype: torch.dtype | None, device: torch.device, what: str) -> None:
-    """``t`` on ``device`` with ``dtype`` (None: any real number type); TypeError / ValueError."""
-    if dtype is not None and t.dtype != dtype:
+    """``t`` on ``device`` with ``dtype`` (None: any real number type; under autocast on the
+    device, any floating type: autocast casts the inputs of the convolution and the
+    projections itself); TypeError / ValueError."""
+    if dtype is not None and torch.is_autocast_enabled(device.type):
+        if not t.is_floating_point():
+            raise TypeError(f"{name}: expected a floating-point dtype, got {t.dtype}")
+    elif dtype is not None and t.dtype != dtype:
         raise TypeError(f"{name}: expected dtype {dtype} ({what}), got {t.dtype}")
     if dtype is None and (t.dtype == torch.bool or t.is_complex()):
         raise TypeError(f"{name}: expected a real number dtype, got {t.dtype}")
