@@ -278,6 +278,20 @@ def test_fingerprint_sees_one_bit_and_ignores_strides(seed, dtype):
     assert fingerprint([x.reshape(19, 37)]) != base  # the shape is part of it
 
 
+def test_fingerprint_reads_a_wrapper_subclass_through_its_inner_tensors(seed):
+    """A quantized weight is a tensor subclass (torchao's hold data and scales inside): the
+    fingerprint flattens it, so a write to an inner tensor is a new value (it raised)."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    from kvarena.integrations.diffusers._fingerprint import fingerprint
+
+    a, b = torch.randn(5, 7), torch.randn(5, 7)
+    w = two_tensor.TwoTensor(a, b)
+    base = fingerprint([w])
+    b.data[2, 3] += 1.0
+    assert fingerprint([w]) != base, "a write to an inner tensor kept the fingerprint"
+    assert fingerprint([two_tensor.TwoTensor(a.clone(), b.clone())]) == fingerprint([w])
+
+
 def _state(rollout, names):
     kv = rollout.kv_cache
     return (rollout.used_bytes, [kv.pool.chunk_indices(ns) for ns in names], rollout.committed_frames(),

@@ -18,6 +18,7 @@ import functools
 from collections.abc import Iterable
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = ["fingerprint"]
 
@@ -46,12 +47,25 @@ def _one(t: torch.Tensor) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
 
 
+def _leaves(t: torch.Tensor, path: str = ""):
+    """``(path, plain tensor)`` pairs holding ``t``'s bits: ``t`` itself, or the inner tensors
+    of a wrapper subclass (a quantized weight: its data and scales), with its type and
+    metadata in the path."""
+    if is_traceable_wrapper_subclass(t):
+        attrs, ctx = t.__tensor_flatten__()
+        for a in attrs:
+            yield from _leaves(getattr(t, a), f"{path}/{type(t).__qualname__}({ctx!r}).{a}")
+    else:
+        yield path, t
+
+
 def fingerprint(tensors: Iterable[torch.Tensor]) -> tuple[tuple, ...]:
-    """``(dtype, shape, device, bits fingerprint)`` of each of ``tensors``, in order: one
-    device-to-host copy per device. Works under ``torch.inference_mode()``."""
-    tensors = list(tensors)
+    """``(dtype, shape, device, bits fingerprint)`` of each of ``tensors``, in order (a
+    wrapper subclass: one entry per inner tensor): one device-to-host copy per device.
+    Works under ``torch.inference_mode()``."""
+    leaves = [(f"{i}{path}", leaf) for i, t in enumerate(tensors) for path, leaf in _leaves(t)]
     sums: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
+    for _, t in leaves:
         sums.setdefault(t.device, []).append(_one(t))
     values = {dev: iter(torch.stack(v).cpu().tolist()) for dev, v in sums.items()}
-    return tuple((str(t.dtype), tuple(t.shape), str(t.device), next(values[t.device])) for t in tensors)
+    return tuple((path, str(t.dtype), tuple(t.shape), str(t.device), next(values[t.device])) for path, t in leaves)
