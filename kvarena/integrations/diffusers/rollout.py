@@ -317,11 +317,11 @@ class CausalWanRollout:
         call = check_call(self._geom, args, kwargs, self.batch_size, module)
         shape = call.shape
         self._check_chunk(step, shape)
-        kv = self._kv
-        if kv is None or (shape.height, shape.width) != self._grid:
-            kv = self._build_cache((shape.height, shape.width))
         rotary = self._chunk_rotary(step.start_frame, shape)
         prompt = self._prompts.keys_for(call.encoder_hidden_states)
+        kv = self._kv  # built (or rebuilt for another latent size) after everything that may raise
+        if kv is None or (shape.height, shape.width) != self._grid:
+            kv = self._build_cache((shape.height, shape.width))
         start_token = step.start_frame * shape.frame_tokens
         names = [(step.branch, r) for r in range(shape.batch)]
         layers = kv.step(names, clean=step.clean)
