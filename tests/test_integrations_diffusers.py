@@ -278,6 +278,20 @@ def test_fingerprint_sees_one_bit_and_ignores_strides(seed, dtype):
     assert fingerprint([x.reshape(19, 37)]) != base  # the shape is part of it
 
 
+def test_fingerprint_is_the_same_hashed_together_alone_or_in_chunks(seed, monkeypatch):
+    """Tensors of one shape are hashed together, a big one in row chunks: each value is
+    what it is hashed alone (so a key never depends on what else a call holds)."""
+    from kvarena.integrations.diffusers import _fingerprint as fp
+
+    ts = [torch.randn(5, 7).bfloat16(), torch.randn(5, 7).bfloat16(), torch.randn(7), torch.randn(5, 7),
+          torch.randn(3, 4, 7).half(), torch.randn(0, 3), torch.randn(7, 5).bfloat16().t()]
+    together = [v[1:] for v in fp.fingerprint(ts)]
+    alone = [fp.fingerprint([t])[0][1:] for t in ts]
+    assert together == alone
+    monkeypatch.setattr(fp, "_CHUNK", 40)  # 5 x 7 alone per chunk, 12 x 7 in row chunks
+    assert [v[1:] for v in fp.fingerprint(ts)] == together
+
+
 def test_fingerprint_reads_a_wrapper_subclass_through_its_inner_tensors(seed):
     """A quantized weight is a tensor subclass (torchao's hold data and scales inside): the
     fingerprint flattens it, so a write to an inner tensor is a new value (it raised)."""
