@@ -244,6 +244,26 @@ def test_a_model_call_that_raises_is_rolled_back(clean: bool, seed) -> None:
                              f"chunk {c} layer {layer}")
 
 
+def test_a_rolled_back_step_that_claimed_nothing_keeps_other_steps_fresh(seed) -> None:
+    """A failed step that only re-planned chunks the namespace already held (a second
+    denoising call of a chunk) has nothing to undo: the roll-back must not stale the
+    metadata of the step before it, which a checkpoint recompute still reads (bit-equal)."""
+    dtype = torch.float64
+    kv = CausalKVCache(num_layers=LAYERS, num_kv_heads=H_KV, head_dim=D, frame_tokens=FT, frames_per_chunk=FPC,
+                       max_frames=3 * FPC, dtype=dtype)
+    n = FPC * FT
+    q, k, v = (torch.randn(1, n, h, D, dtype=dtype) for h in (H_Q, H_KV, H_KV))
+    with kv.step(clean=True) as layers:
+        for layer in range(LAYERS):
+            layers[layer](q, k, v, current_start=0)
+    earlier = kv.step(clean=False)
+    first = earlier[1](q, k, v, current_start=n)  # plans chunk 1
+    with pytest.raises(RuntimeError, match="injected"), kv.step(clean=False) as layers:
+        layers[0](q, k, v, current_start=n)  # the same chunk: nothing new claimed
+        raise RuntimeError("injected failure after layer 0")
+    assert torch.equal(earlier[1](q, k, v, current_start=n), first), "the earlier step's recompute differs"
+
+
 @pytest.mark.parametrize(("kw", "exc", "text"), [
     pytest.param(dict(local_attn_size=2), ValueError,
                  r"^local_attn_size: expected -1 \(global attention\) or at least sink_size \+ num_frame_per_block "

@@ -173,6 +173,15 @@ class CausalKVCache:
         return self.pool.free_bytes
 
 
+def _holding(info) -> tuple | None:
+    """What a namespace holds (chunk records and slots, retired ones, the newest chunk): equal
+    before and after a plan that claimed nothing."""
+    if info is None:
+        return None
+    return (info.last_chunk, tuple((c.index, c.slot, c.serial) for c in info.chunks),
+            tuple((c.index, c.slot, c.serial) for c in info.retired))
+
+
 class _LayerKV:
     """What block ``layer`` receives as its ``kv_cache``: call it instead of the cache dict logic."""
 
@@ -231,7 +240,7 @@ class CausalStep(Sequence):
             names = self._namespaces = tuple(range(_check_int("batch", batch, 1)))
         pool = self._cache.pool
         batch = {ns: pool.chunks_for_tokens(ns, current_start, n_tokens) for ns in names}
-        undo = {ns: pool.snapshot(ns) if ns in pool else None for ns in names}
+        undo = {ns: (pool.snapshot(ns), _holding(pool.rollout_info(ns))) if ns in pool else None for ns in names}
         self.meta = pool.plan(batch)
         self._tokens, self._undo = (current_start, n_tokens), undo
         return self.meta
@@ -244,12 +253,15 @@ class CausalStep(Sequence):
         chunk stays planned, as a retry of the same chunk plans it. The step is spent
         after it. Called by ``__exit__`` when the ``with`` block raises."""
         pool = self._cache.pool
-        for ns, snap in self._undo.items():
-            if snap is None:
+        for ns, before in self._undo.items():
+            if before is None:
                 pool.clear_namespace(ns)
-            else:
-                with contextlib.suppress(ValueError):  # a recycled slab: see above
-                    pool.restore(ns, snap)
+                continue
+            snap, held = before
+            if _holding(pool.rollout_info(ns)) == held:
+                continue  # the plan claimed nothing here: a restore would only stale other steps' metadata
+            with contextlib.suppress(ValueError):  # a recycled slab: see above
+                pool.restore(ns, snap)
         self._undo = {}
 
     def attend(self, layer: int, q, k, v, current_start: int, **options):
