@@ -4,7 +4,7 @@ The one home of the tests' tolerances (``TOL``, ``LSE_TOL`` and the named except
 of the comparators (``assert_close``, ``assert_lse_close``, ``assert_attention_close``),
 of the NaN-poisoned paged-attention case builder (``paged_case``, ``paged_case_ref``) and
 of the kernel lane (``DEVICE``, ``kernel_lane``, ``GPU``, ``TRITON``, ``gpu_test``: the
-tests ``-m gpu`` selects).
+tests ``-m gpu`` selects) and of the run-again-under-inference-mode fixture (``grad_mode``).
 
 A fixture here applies only to a module that imports it; ``per_test_seed`` (fixture name
 ``seed``) then overrides conftest's fixed ``seed`` in that module.

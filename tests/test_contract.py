@@ -548,6 +548,80 @@ def test_store_kv_refuses_overlapping_written_memory(case, text) -> None:
     assert torch.equal(buf, before), f"{case}: a refused store wrote {int((buf != before).sum())} elements"
 
 
+def _out_aliasing(case: str, q, kc, vc):
+    """``(q, kc, vc, out)`` for ``case``: ``out`` placed in the memory of one input."""
+    n_out = q.numel()
+    if case == "k-cache-view":
+        return q, kc, vc, kc.view(-1)[:n_out].view(q.shape)
+    if case == "v-cache-offset-view":
+        return q, kc, vc, vc.view(-1)[vc.numel() - n_out:].view(q.shape)
+    if case == "q-itself":
+        return q, kc, vc, q
+    if case == "q-one-element-apart":
+        buf = torch.randn(n_out + 1)
+        q = buf[:n_out].view(q.shape)
+        return q, kc, vc, buf[1:].view(q.shape)
+    if case == "q-expanded-input":  # an input that aliases itself, its span meeting out's
+        buf = torch.randn(n_out)
+        return buf[: q.shape[2]].view(1, 1, -1).expand(q.shape), kc, vc, buf.view(q.shape)
+    # "beside-k-cache": one buffer, out right after the cache: no element shared, accepted
+    buf = torch.randn(kc.numel() + n_out)
+    return q, buf[: kc.numel()].view(kc.shape), vc, buf[kc.numel():].view(q.shape)
+
+
+OUT_ALIASING = [("k-cache-view", "^out: overlaps k_cache's memory"),
+                ("v-cache-offset-view", "^out: overlaps v_cache's memory"),
+                ("q-itself", "^out: overlaps q's memory"), ("q-one-element-apart", "^out: overlaps q's memory"),
+                ("q-expanded-input", "^out: overlaps q's memory"), ("beside-k-cache", None)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("case", "text"), OUT_ALIASING, ids=[c for c, _ in OUT_ALIASING])
+def test_out_sharing_an_inputs_memory_is_refused(case, text, backend) -> None:
+    """Issue 41 #10: an ``out`` inside k_cache / v_cache (or q) was accepted; the Triton path
+    wrote its output while reading it (garbage), the torch path overwrote the cache. Now a
+    ValueError naming out and the input, before anything is written; an out beside the
+    cache in one buffer (no shared element) is accepted and gives the op's result."""
+    q, kc, vc, table, lens, cu = _functional_case()
+    q, kc, vc, out = _out_aliasing(case, q, kc, vc)
+    want = kvarena.paged_attention(q.clone(), kc.clone(), vc.clone(), table, lens, cu, backend="torch")
+    before = [t.clone() for t in (q, kc, vc)]
+    call = lambda: kvarena.paged_attention(q, kc, vc, table, lens, cu, out=out, backend=backend)  # noqa: E731
+    if text is None:
+        got = call()
+        assert got is out and torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
+        return
+    with pytest.raises(ValueError, match=text):
+        call()
+    changed = [name for name, t, b in zip(("q", "k_cache", "v_cache"), (q, kc, vc), before) if not torch.equal(t, b)]
+    assert not changed, f"{case}: the refused call wrote into {changed}"
+
+
+STORE_READS_WRITTEN = [("k-inside-k-cache", "^k_cache: overlaps k's memory"),
+                       ("v-inside-k-cache", "^k_cache: overlaps v's memory"),
+                       ("k-inside-v-cache", "^v_cache: overlaps k's memory")]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("case", "text"), STORE_READS_WRITTEN, ids=[c for c, _ in STORE_READS_WRITTEN])
+def test_store_kv_refuses_new_rows_inside_the_caches(case, text, backend) -> None:
+    """The same rule for store_kv (found by the issue 41 sweep): k / v read from memory the
+    store writes (a view of a cache) were accepted; the kernel would read rows it had
+    already overwritten. A ValueError naming both, before anything is written."""
+    kc, vc = torch.randn(3, BS, H_KV, D), torch.randn(3, BS, H_KV, D)
+    k, v = torch.randn(2, H_KV, D), torch.randn(2, H_KV, D)
+    if case == "k-inside-k-cache":
+        k = kc[1, :2]
+    elif case == "v-inside-k-cache":
+        v = kc[2, 1:3]
+    else:
+        k = vc[0, 2:]
+    before = (kc.clone(), vc.clone())
+    with pytest.raises(ValueError, match=text):
+        kvarena.store_kv(k, v, kc, vc, torch.tensor([1, 6]), backend=backend)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1]), f"{case}: a refused store wrote"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_huge_and_infinite_options_mean_no_limit(backend) -> None:
     """Bug 7: window_left / chunk_size of 2**64 raised OverflowError; softcap=inf gave an

@@ -13,10 +13,11 @@ import sys
 
 import pytest
 import torch
-from _helpers import assert_close, one_torch_thread  # noqa: F401 - autouse fixture
+from _helpers import assert_close, grad_mode, one_torch_thread  # noqa: F401 - fixtures
 
 from kvarena.integrations.causal_wan import CausalKVCache
 
+pytestmark = pytest.mark.usefixtures("grad_mode")  # each test as written and under torch.inference_mode()
 FT, FPC, LAYERS, H_Q, H_KV, D = 2, 3, 2, 4, 2, 16  # frame tokens, frames per chunk, ...
 
 
@@ -79,6 +80,7 @@ def test_rollout_equals_the_rolling_kv_cache(seed, first_frames, sink, local_att
         start += n
 
 
+@pytest.mark.parametrize("grad_mode", ["as_is"], indirect=True)  # a backward pass: needs autograd
 def test_checkpoint_recompute_uses_its_own_step(seed) -> None:
     """A training rollout: chunk c's loss is backpropagated after chunk c+1 was planned and
     committed; the recompute inside torch.utils.checkpoint reads chunk c's step, so the
@@ -155,6 +157,7 @@ def test_misuse_is_a_clear_error() -> None:
         CausalKVCache(num_layers=1, num_kv_heads=1, head_dim=8, frame_tokens=1, frames_per_chunk=3, window_frames=2)
 
 
+@pytest.mark.parametrize("grad_mode", ["as_is"], indirect=True)  # a subprocess: the grad mode does not reach it
 def test_integrations_import_nothing_heavy() -> None:
     code = ("import sys, kvarena, kvarena.integrations; "
             "bad = [m for m in ('transformers', 'diffusers', 'kvarena.integrations.causal_wan') if m in sys.modules]; "
@@ -209,6 +212,56 @@ def test_a_refused_first_call_plans_nothing(case: str, seed) -> None:
     got = kv.step(names, clean=False)[1](q, k, k, current_start=4 * n)
     want = twin.step(names, clean=False)[1](q, k, k, current_start=4 * n)
     assert torch.equal(got, want), f"{case}: the next call differs by {(got - want).abs().max().item():.3e}"
+
+
+@pytest.mark.parametrize("clean", [False, True], ids=["denoising", "clean-pass"])
+def test_a_model_call_that_raises_is_rolled_back(clean: bool, seed) -> None:
+    """Issue 41 sweep: an exception inside the model after layer 0 attended (an OOM in its
+    MLP, Ctrl-C) left the step planned: a first chunk of 1 frame stayed pinned at 1 frame,
+    so the first chunk of 3 frames was then refused. The ``with`` block's exit rolls the
+    plan back; the rollout then runs as on an untouched cache (vs the rolling reference)."""
+    dtype = torch.float64
+    kv = CausalKVCache(num_layers=LAYERS, num_kv_heads=H_KV, head_dim=D, frame_tokens=FT, frames_per_chunk=FPC,
+                       sink_frames=1, window_frames=2 * FPC, max_rollouts=1, dtype=dtype)
+    refs = [RollingCache(1, (1 + 2 * FPC) * FT, FT, dtype) for _ in range(LAYERS)]
+    short = torch.randn(1, FT, H_Q, D, dtype=dtype), torch.randn(1, FT, H_KV, D, dtype=dtype)
+    with pytest.raises(RuntimeError, match="injected"), kv.step(clean=clean) as layers:
+        layers[0](short[0], short[1], short[1], current_start=0)
+        raise RuntimeError("injected failure after layer 0")
+    assert kv.pool.namespaces() == [] and kv.used_bytes == 0, kv.pool.namespaces()
+    n = FPC * FT
+    for c in range(3):
+        q, k, v = (torch.randn(1, n, h, D, dtype=dtype) for h in (H_Q, H_KV, H_KV))
+        if c == 2:  # chunk 2 fails once, after layer 0 attended, then runs
+            before = [kv.pool.chunk_indices(0), kv.used_bytes]
+            with pytest.raises(RuntimeError, match="injected"), kv.step(clean=clean) as layers:
+                layers[0](q, k, v, current_start=c * n)
+                raise RuntimeError("injected failure after layer 0")
+            assert [kv.pool.chunk_indices(0), kv.used_bytes] == before, "the failed step stayed planned"
+        with kv.step(clean=True) as layers:
+            for layer in range(LAYERS):
+                assert_close(layers[layer](q, k, v, current_start=c * n), refs[layer](q, k, v, c * n), dtype,
+                             f"chunk {c} layer {layer}")
+
+
+def test_a_rolled_back_step_that_claimed_nothing_keeps_other_steps_fresh(seed) -> None:
+    """A failed step that only re-planned chunks the namespace already held (a second
+    denoising call of a chunk) has nothing to undo: the roll-back must not stale the
+    metadata of the step before it, which a checkpoint recompute still reads (bit-equal)."""
+    dtype = torch.float64
+    kv = CausalKVCache(num_layers=LAYERS, num_kv_heads=H_KV, head_dim=D, frame_tokens=FT, frames_per_chunk=FPC,
+                       max_frames=3 * FPC, dtype=dtype)
+    n = FPC * FT
+    q, k, v = (torch.randn(1, n, h, D, dtype=dtype) for h in (H_Q, H_KV, H_KV))
+    with kv.step(clean=True) as layers:
+        for layer in range(LAYERS):
+            layers[layer](q, k, v, current_start=0)
+    earlier = kv.step(clean=False)
+    first = earlier[1](q, k, v, current_start=n)  # plans chunk 1
+    with pytest.raises(RuntimeError, match="injected"), kv.step(clean=False) as layers:
+        layers[0](q, k, v, current_start=n)  # the same chunk: nothing new claimed
+        raise RuntimeError("injected failure after layer 0")
+    assert torch.equal(earlier[1](q, k, v, current_start=n), first), "the earlier step's recompute differs"
 
 
 @pytest.mark.parametrize(("kw", "exc", "text"), [

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import one_torch_thread  # noqa: F401 - autouse fixture
+from _helpers import grad_mode, one_torch_thread  # noqa: F401 - fixtures
 
 pytest.importorskip("diffusers", reason="the diffusers extra is not installed (pip install 'kvarena[diffusers]')")
 
@@ -30,6 +30,7 @@ from kvarena.integrations.diffusers import (  # noqa: E402
 )
 from kvarena.integrations.diffusers.convert import BLOCK_NAMES, TOP_NAMES  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("grad_mode")  # each test as written and under torch.inference_mode()
 ROOT = Path(__file__).resolve().parents[1]
 C, TEXT, LAT_H, LAT_W = 4, 24, 6, 10  # latent channels, text width, latent size (3 x 5 patches)
 FS = (LAT_H // 2) * (LAT_W // 2)
@@ -112,11 +113,12 @@ def test_cfg_two_branches_equal_one_batched_plan(model, seed):
     """CFG: cond/uncond as two branches (two calls a step) and as one [cond; uncond] batch."""
     cond, uncond = torch.randn(1, 7, TEXT), torch.randn(1, 7, TEXT)
     ref = SelfForcingReference(model, local_attn_size=3, sink_size=1, frame_tokens=FS)
-    one = CausalWanRollout(copy.deepcopy(model), num_frame_per_block=2, local_attn_size=3, sink_size=1, batch_size=2)
-    two = CausalWanRollout(model, num_frame_per_block=2, local_attn_size=3, sink_size=1, branches=2)
     history: list = []
     errs = []
-    with torch.no_grad():
+    with torch.no_grad(), \
+            CausalWanRollout(copy.deepcopy(model), num_frame_per_block=2, local_attn_size=3, sink_size=1,
+                             batch_size=2) as one, \
+            CausalWanRollout(model, num_frame_per_block=2, local_attn_size=3, sink_size=1, branches=2) as two:
         for start in (0, 2, 4):
             for clean in (False, True):
                 x, t = lat(1, 2), torch.full((1,), 0.0 if clean else 700.0)
@@ -130,8 +132,6 @@ def test_cfg_two_branches_equal_one_batched_plan(model, seed):
                 errs.append(rel_err(outs[0], ref(history, x, t, cond)))
             history.append((x, t))
     assert max(errs) < TOL, errs
-    two.close()
-    one.close()
 
 
 def test_fused_projections(model, seed):
@@ -151,6 +151,24 @@ def test_fused_projections(model, seed):
                 with b.step(start_frame=start, clean=clean):
                     errs.append(rel_err(call(fused, x, t, emb), want))
     assert max(errs) < TOL, errs
+
+
+@pytest.mark.parametrize("grad_mode", ["as_is"], indirect=True)  # the test switches modes itself
+def test_a_rollout_begun_under_inference_mode_goes_on_outside_it(model, seed):
+    """The arena (and RoPE tables) built at a first step under torch.inference_mode() were
+    inference tensors: the next step under no_grad died writing them ("Inplace update to
+    inference tensor outside InferenceMode"). The mixed rollout equals a no_grad one."""
+    emb = torch.randn(1, 7, TEXT)
+    chunks = [(lat(1, 2), torch.tensor([300.0])) for _ in range(4)]
+    outs = []
+    for first_mode in (torch.no_grad, torch.inference_mode):
+        got = []
+        with CausalWanRollout(model, num_frame_per_block=2, local_attn_size=4, sink_size=1) as r:
+            for i, (x, t) in enumerate(chunks):
+                with (first_mode() if i == 0 else torch.no_grad()), r.step(start_frame=2 * i, clean=True):
+                    got.append(call(model, x, t, emb).clone())
+        outs.append(torch.stack(got))
+    assert torch.equal(outs[0], outs[1]), f"{rel_err(outs[1], outs[0]):.2e} off the no_grad rollout"
 
 
 def test_outside_a_step_the_transformer_is_unchanged_and_close_restores(model, seed):
@@ -190,6 +208,104 @@ def test_prompt_kv_projected_once_per_prompt_and_weights(model, seed):
         assert cache.misses == 3 * layers
 
 
+def _assign_other_weights(m, emb):
+    """load_state_dict(..., assign=True): new Parameter objects (another model's attn2 K/V)."""
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    other = tiny_wan(seed=5).state_dict()
+    sd.update({k: other[k].clone() for k in sd if ".attn2.to_k." in k or ".attn2.to_v." in k})
+    m.load_state_dict(sd, assign=True)
+    return emb
+
+
+def _peft_fuse(m, emb):
+    """A LoRA merged as PEFT merges it: ``base_layer.weight.data += B @ A * scale`` (no version bump)."""
+    g = torch.Generator().manual_seed(3)
+    for block in m.blocks:
+        for lin in (block.attn2.to_k, block.attn2.to_v):
+            out_f, in_f = lin.weight.shape
+            delta = torch.randn(out_f, 2, generator=g) @ torch.randn(2, in_f, generator=g) * 0.1
+            lin.weight.data += delta.to(lin.weight.dtype)
+    return emb
+
+
+def _edit_prompt(m, emb):
+    """The same embedding object, edited through ``.data`` (no version bump)."""
+    emb.data[:, 2:5] += 1.0
+    return emb
+
+
+FRESHNESS = [("load_state_dict-assign", _assign_other_weights), ("peft-fuse-data", _peft_fuse),
+             ("prompt-edited-through-data", _edit_prompt)]
+
+
+@pytest.mark.parametrize("change", [c for _, c in FRESHNESS], ids=[n for n, _ in FRESHNESS])
+def test_prompt_kv_fresh_after_writes_no_version_counter_sees(model, seed, change):
+    """The prompt K/V after each write is what the changed model computes, never the cached
+    K/V of before (the stale answer is shown to differ, so the check can fail)."""
+    m = copy.deepcopy(model)
+    emb = torch.randn(1, 7, TEXT)
+    x, t = lat(1, 2), torch.tensor([300.0])
+    with torch.no_grad(), CausalWanRollout(m, num_frame_per_block=2, max_frames=4) as rollout:
+        with rollout.step(start_frame=0, clean=False):
+            before = call(m, x, t, emb)  # projects and caches the prompt's K/V
+        emb = change(m, emb)
+        with rollout.step(start_frame=0, clean=False):
+            got = call(m, x, t, emb)
+    with torch.no_grad():
+        want = SelfForcingReference(m, local_attn_size=-1, sink_size=0, frame_tokens=FS)([], x, t, emb)
+    assert rel_err(before, want) > 1e-2, "the change does not move the output: the test could not fail"
+    err = rel_err(got, want)
+    assert err < TOL, f"{err:.2e} off the changed model (stale prompt K/V?); before the change: {rel_err(before, want):.2e}"
+
+
+FINGERPRINT_CASES = [("bf16-subnormal-bit", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)]
+
+
+@pytest.mark.parametrize("dtype", [d for _, d in FINGERPRINT_CASES], ids=[n for n, _ in FINGERPRINT_CASES])
+def test_fingerprint_sees_one_bit_and_ignores_strides(seed, dtype):
+    """The prompt key's fingerprint: one flipped low bit (here of a tiny value) anywhere is a
+    new value; the same values in another layout, or a copy, are the same value."""
+    from kvarena.integrations.diffusers._fingerprint import fingerprint
+
+    x = (torch.randn(37, 19) * 1e-39).to(dtype) if dtype == torch.bfloat16 else torch.randn(37, 19, dtype=dtype)
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32}[x.element_size()]
+    base = fingerprint([x])
+    for i, j in ((0, 0), (36, 18), (17, 4)):
+        y = x.clone()
+        y.view(bits)[i, j] ^= 1
+        assert fingerprint([y]) != base, f"a flipped bit at {(i, j)} kept the fingerprint"
+    assert fingerprint([x.t().contiguous().t()]) == base == fingerprint([x.clone()])
+    assert fingerprint([x.reshape(19, 37)]) != base  # the shape is part of it
+
+
+def test_fingerprint_is_the_same_hashed_together_alone_or_in_chunks(seed, monkeypatch):
+    """Tensors of one shape are hashed together, a big one in row chunks: each value is
+    what it is hashed alone (so a key never depends on what else a call holds)."""
+    from kvarena.integrations.diffusers import _fingerprint as fp
+
+    ts = [torch.randn(5, 7).bfloat16(), torch.randn(5, 7).bfloat16(), torch.randn(7), torch.randn(5, 7),
+          torch.randn(3, 4, 7).half(), torch.randn(0, 3), torch.randn(7, 5).bfloat16().t()]
+    together = [v[1:] for v in fp.fingerprint(ts)]
+    alone = [fp.fingerprint([t])[0][1:] for t in ts]
+    assert together == alone
+    monkeypatch.setattr(fp, "_CHUNK", 40)  # 5 x 7 alone per chunk, 12 x 7 in row chunks
+    assert [v[1:] for v in fp.fingerprint(ts)] == together
+
+
+def test_fingerprint_reads_a_wrapper_subclass_through_its_inner_tensors(seed):
+    """A quantized weight is a tensor subclass (torchao's hold data and scales inside): the
+    fingerprint flattens it, so a write to an inner tensor is a new value (it raised)."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    from kvarena.integrations.diffusers._fingerprint import fingerprint
+
+    a, b = torch.randn(5, 7), torch.randn(5, 7)
+    w = two_tensor.TwoTensor(a, b)
+    base = fingerprint([w])
+    b.data[2, 3] += 1.0
+    assert fingerprint([w]) != base, "a write to an inner tensor kept the fingerprint"
+    assert fingerprint([two_tensor.TwoTensor(a.clone(), b.clone())]) == fingerprint([w])
+
+
 def _state(rollout, names):
     kv = rollout.kv_cache
     return (rollout.used_bytes, [kv.pool.chunk_indices(ns) for ns in names], rollout.committed_frames(),
@@ -202,10 +318,19 @@ BAD_CALLS = [
     ("hidden_states", lambda x, t, e: (x[..., :5], t, e)),             # width not a patch multiple
     ("timestep", lambda x, t, e: (x, t[:, None].expand(1, 2), e)),     # Self-Forcing's [B, F]
     ("encoder_hidden_states", lambda x, t, e: (x, t, e[..., :5])),
+    ("hidden_states", lambda x, t, e: (x.double(), t, e)),             # dtype: the transformer's is fp32
+    ("encoder_hidden_states", lambda x, t, e: (x, t, e.double())),
+    ("hidden_states", lambda x, t, e: (x.to("meta"), t, e)),           # device: the transformer's is cpu
+    ("timestep", lambda x, t, e: (x, t.to("meta"), e)),
+    ("encoder_hidden_states", lambda x, t, e: (x, t, e.to("meta"))),
 ]
 
 
-@pytest.mark.parametrize("name,bad", BAD_CALLS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(BAD_CALLS)])
+BAD_CALL_IDS = ["frames", "batch", "width", "timestep-2d", "text-dim", "latent-fp64", "emb-fp64", "latent-device",
+                "timestep-device", "emb-device", "timestep-bool"]
+
+
+@pytest.mark.parametrize("name,bad", BAD_CALLS, ids=[f"{n}-{i}" for n, i in zip([n for n, _ in BAD_CALLS], BAD_CALL_IDS)])
 def test_bad_call_names_the_argument_and_leaves_the_cache(model, seed, name, bad):
     emb = torch.randn(1, 7, TEXT)
     ref = SelfForcingReference(model, local_attn_size=4, sink_size=1, frame_tokens=FS)
@@ -222,6 +347,119 @@ def test_bad_call_names_the_argument_and_leaves_the_cache(model, seed, name, bad
         with rollout.step(start_frame=2, clean=False):  # the rollout goes on as if nothing happened
             got = call(model, x, t, emb)
         assert rel_err(got, ref([(x0, t0)], x, t, emb)) < TOL
+
+
+REFUSED_DTYPES = [("latent-fp64", lambda x, e: (x.double(), e), "hidden_states"),
+                  ("latent-fp16", lambda x, e: (x.half(), e), "hidden_states"),
+                  ("emb-fp64", lambda x, e: (x, e.double()), "encoder_hidden_states")]
+
+
+@pytest.mark.parametrize("bad,name", [c[1:] for c in REFUSED_DTYPES], ids=[c[0] for c in REFUSED_DTYPES])
+def test_a_refused_dtype_recycles_no_slab(model, seed, bad, name):
+    """Past the window (chunks [0, 2, 3] resident, chunk 1 recycled), a call of the next chunk
+    refused for its dtype names the argument and leaves the chunks as they were; the valid
+    call after it gives what it gives without the refused one."""
+    emb, t = torch.randn(1, 7, TEXT), torch.tensor([400.0])
+    x = lat(1, 2)
+    outs, chunks = [], []
+    for refuse in (False, True):
+        torch.manual_seed(seed)
+        with torch.no_grad(), CausalWanRollout(model, num_frame_per_block=2, local_attn_size=4, sink_size=1) as r:
+            for start in (0, 2, 4, 6):
+                with r.step(start_frame=start, clean=True):
+                    call(model, lat(1, 2), torch.zeros(1), emb)
+            before = _state(r, [(0, 0)])
+            if refuse:
+                with pytest.raises((TypeError, ValueError), match=f"{name}.*dtype"), \
+                        r.step(start_frame=8, clean=False):
+                    call(model, *bad(x, emb)[:1], t, bad(x, emb)[1])
+                assert _state(r, [(0, 0)]) == before, f"the refused call changed {before} to {_state(r, [(0, 0)])}"
+            chunks.append(before[1])
+            with r.step(start_frame=8, clean=False):
+                outs.append(call(model, x, t, emb))
+    assert chunks[0] == [[0, 2, 3]], chunks
+    assert torch.equal(outs[0], outs[1]), f"{rel_err(outs[1], outs[0]):.2e} off the rollout without the refused call"
+
+
+def test_a_transformer_moved_to_another_dtype_is_refused_before_planning(model, seed):
+    """The cache was made for fp32: after ``.double()`` the call is refused naming the
+    transformer (not a dtype error from inside the kernels), and nothing is planned."""
+    m = copy.deepcopy(model)
+    emb = torch.randn(1, 7, TEXT)
+    with torch.no_grad(), CausalWanRollout(m, num_frame_per_block=2, max_frames=4, latent_size=(LAT_H, LAT_W)) as r:
+        m.double()
+        with pytest.raises(ValueError, match="transformer.*float64"), r.step(start_frame=0, clean=True):
+            call(m, lat(1, 2).double(), torch.zeros(1), emb.double())
+        assert r.used_bytes == 0 and r.kv_cache.pool.namespaces() == []
+
+
+def test_fp32_inputs_under_autocast_are_accepted(seed):
+    """The dtype rule defers to autocast (it casts the convolution's and the projections'
+    inputs itself): a bf16 transformer fed fp32 latents and prompt under autocast runs, and
+    agrees with bf16 inputs without autocast (bf16 tolerance)."""
+    m = tiny_wan().to(torch.bfloat16)
+    emb, x = torch.randn(1, 7, TEXT), lat(1, 2)
+    outs = []
+    for auto in (False, True):
+        with torch.no_grad(), CausalWanRollout(m, num_frame_per_block=2, max_frames=4) as r, \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=auto), r.step(start_frame=0, clean=True):
+            outs.append(call(m, x if auto else x.bfloat16(), torch.zeros(1), emb if auto else emb.bfloat16()))
+    assert rel_err(outs[1], outs[0]) < 1e-2, rel_err(outs[1], outs[0])
+
+
+def test_a_refused_short_first_call_pins_no_chunk(model, seed):
+    """A first call of 1 frame refused for its dtype must not hold chunk 0 at 1 frame: the
+    valid first chunk of 2 frames then runs and matches the reference."""
+    emb, t = torch.randn(1, 7, TEXT), torch.tensor([400.0])
+    ref = SelfForcingReference(model, local_attn_size=-1, sink_size=0, frame_tokens=FS)
+    with torch.no_grad(), CausalWanRollout(model, num_frame_per_block=2, max_frames=4) as r:
+        with pytest.raises((TypeError, ValueError), match="hidden_states.*dtype"), r.step(start_frame=0, clean=False):
+            call(model, lat(1, 1).double(), t, emb)
+        held = [] if r.kv_cache is None else r.kv_cache.pool.namespaces()
+        assert r.used_bytes == 0 and held == [], f"the refused call left {held} planned"
+        x = lat(1, 2)
+        with r.step(start_frame=0, clean=False):
+            got = call(model, x, t, emb)
+    with torch.no_grad():
+        want = ref([], x, t, emb)
+    assert rel_err(got, want) < TOL, rel_err(got, want)
+
+
+def _raise_once_in_block(m, layer: int):
+    """A failure inside the model after the step was planned (an OOM in block ``layer``'s
+    MLP, a user's hook, Ctrl-C): a forward hook that raises on its first call."""
+    def hook(module, args, output):
+        handle.remove()
+        raise RuntimeError("injected failure after attention")
+    handle = m.blocks[layer].ffn.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("clean", [False, True], ids=["denoising", "clean-pass"])
+def test_a_call_failing_inside_the_model_leaves_nothing_planned(model, seed, clean):
+    """A first call of 1 frame dies in block 1 (block 0 attended, and committed in a clean
+    pass): nothing stays planned, so the first chunk of 2 frames runs after it; then chunk 1
+    dies the same way and its retry matches the reference."""
+    m = copy.deepcopy(model)
+    emb, t = torch.randn(1, 7, TEXT), torch.tensor([0.0 if clean else 400.0])
+    x0, x1 = lat(1, 2), lat(1, 2)
+    ref = SelfForcingReference(m, local_attn_size=-1, sink_size=0, frame_tokens=FS)
+    with torch.no_grad(), CausalWanRollout(m, num_frame_per_block=2, max_frames=6) as r:
+        _raise_once_in_block(m, 1)
+        with pytest.raises(RuntimeError, match="injected"), r.step(start_frame=0, clean=clean):
+            call(m, lat(1, 1), t, emb)
+        assert r.used_bytes == 0 and r.kv_cache.pool.namespaces() == [], r.kv_cache.pool.namespaces()
+        with r.step(start_frame=0, clean=True):
+            call(m, x0, torch.zeros(1), emb)
+        before = _state(r, [(0, 0)])
+        _raise_once_in_block(m, 1)
+        with pytest.raises(RuntimeError, match="injected"), r.step(start_frame=2, clean=clean):
+            call(m, lat(1, 2), t, emb)
+        assert _state(r, [(0, 0)]) == before, f"the failed call changed {before} to {_state(r, [(0, 0)])}"
+        with r.step(start_frame=2, clean=False):
+            got = call(m, x1, t, emb)
+    with torch.no_grad():
+        want = ref([(x0, torch.zeros(1))], x1, t, emb)
+    assert rel_err(got, want) < TOL, rel_err(got, want)
 
 
 def test_bad_start_frame_and_step_misuse(model, seed):
@@ -372,8 +610,38 @@ def test_converter_maps_self_forcing_names_back_exactly(model):
     assert "ffn.0" in BLOCK_NAMES and "head.head" in TOP_NAMES
 
 
+BAD_CONVERT_ARGS = [
+    ("use_ema-str", dict(use_ema="false"), TypeError, "use_ema"),
+    ("use_ema-int", dict(use_ema=0), TypeError, "use_ema"),
+    ("strict-none", dict(strict=None), TypeError, "strict"),
+]
+BAD_CONFIG_ARGS = [
+    ("head_dim-0", dict(attention_head_dim=0), ValueError, "attention_head_dim"),
+    ("head_dim-neg", dict(attention_head_dim=-16), ValueError, "attention_head_dim"),
+    ("head_dim-float", dict(attention_head_dim=16.0), TypeError, "attention_head_dim"),
+    ("head_dim-bool", dict(attention_head_dim=True), TypeError, "attention_head_dim"),
+    ("head_dim-not-divisor", dict(attention_head_dim=24), ValueError, "attention_head_dim"),
+]
+
+
+@pytest.mark.parametrize("kw,err,name", [c[1:] for c in BAD_CONVERT_ARGS], ids=[c[0] for c in BAD_CONVERT_ARGS])
+def test_converter_refuses_bad_flags_naming_them(model, kw, err, name):
+    """A string "false" is truthy: it must not silently pick the EMA weights."""
+    ckpt = {"generator": dict(_to_original(model.state_dict())), "generator_ema": {}}
+    with pytest.raises(err, match=name):
+        convert_self_forcing_state_dict(ckpt, **kw)
+
+
+@pytest.mark.parametrize("kw,err,name", [c[1:] for c in BAD_CONFIG_ARGS], ids=[c[0] for c in BAD_CONFIG_ARGS])
+def test_config_reader_refuses_a_bad_head_dim_naming_it(model, kw, err, name):
+    """0 was a ZeroDivisionError and -16 a config with -2 heads."""
+    with pytest.raises(err, match=name):
+        wan_config_from_state_dict(model.state_dict(), **kw)
+
+
 # ---------------------------------------------------------------------------- the example
 
+@pytest.mark.parametrize("grad_mode", ["as_is"], indirect=True)  # a subprocess: the grad mode does not reach it
 def test_example_runs():
     """The example end to end on its tiny model: every chunk generated, memory flat after the
     window (no timing assertion: the time is what CI's log reports)."""
@@ -388,6 +656,7 @@ def test_example_runs():
 
 # ---------------------------------------------------------------------------- Self-Forcing's own code
 
+@pytest.mark.parametrize("grad_mode", ["as_is"], indirect=True)  # Self-Forcing's own model: as it runs
 @pytest.mark.skipif(not os.environ.get("KVARENA_SELF_FORCING_SRC"),
                     reason="set KVARENA_SELF_FORCING_SRC to a Self-Forcing checkout (github.com/guandeh17/Self-Forcing)")
 @pytest.mark.parametrize("local,sink,wrong", [(-1, 0, 6), (4, 1, 5)], ids=["global", "window4-sink1"])

@@ -121,10 +121,30 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("lens", "q_lens", "kv_start", "opts", "mode"), [pytest.param(*c[1:], id=c[0]) for c in CASES])
 def test_backward_kernels_match_dense_fp64_autograd(seed, dtype, lens, q_lens, kv_start, opts, mode):
+    _check_backward(seed, dtype, lens, q_lens, kv_start, opts, mode)
+
+
+# bf16 subnormals (below 2**-126) on one side of the dot, scaled up on the other so the
+# scores are O(1): (q_scale, kv_scale). The gradient that carries the huge side checks it.
+# Mostly subnormal (|randn| < 1.18: 76%) against 4e36 at scale 1: gradients stay below fp32 max.
+BWD_SUBNORMAL = {"q-subnormal": (1e-38, 4e36), "k-subnormal": (4e36, 1e-38)}
+
+
+@gpu_test
+@pytest.mark.parametrize("name", list(BWD_SUBNORMAL))
+def test_backward_reads_bf16_subnormals(seed, name):
+    """Issue 41 sweep (the #9 pattern in the backward): the interpreter widened bf16 q, dO,
+    K and V with its plain cast, wrong for subnormals."""
+    q_scale, kv_scale = BWD_SUBNORMAL[name]
+    _check_backward(seed, torch.bfloat16, [9, 23], [9, 6], None, dict(scale=1.0), OWN_AT_QUERIES, q_scale=q_scale,
+                    kv_scale=kv_scale)
+
+
+def _check_backward(seed, dtype, lens, q_lens, kv_start, opts, mode, q_scale=1.0, kv_scale=1.0):
     group = 4 if mode == OWN_AT_QUERIES and not kv_start else 1
     h_kv = 1 if group == 4 else 2
     case = paged_case(lens, q_lens, dtype=dtype, group=group, h_kv=h_kv, head_dim=40, block_size=5 if group == 4 else 7,
-                      seed=seed, kv_start=kv_start)
+                      seed=seed, kv_start=kv_start, q_scale=q_scale, kv_scale=kv_scale)
     spec = AttentionSpec(**opts)
     gen = torch.Generator().manual_seed(seed + 1)
     q = case["q"]

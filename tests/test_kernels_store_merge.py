@@ -77,6 +77,27 @@ def test_merge_matches_reference(dtype, d):
     assert torch.equal(out[2, 0], torch.zeros_like(out[2, 0]))
 
 
+@pytest.mark.parametrize("scale", [6e-39, 1.0], ids=["subnormal", "normal"])
+def test_merge_bf16_subnormal_and_rounding(scale):
+    """Issue 41 sweep (the #9 pattern): the interpreter widened bf16 parts with a plain cast
+    (wrong below 2**-126) and narrowed the result by truncation; subnormal parts came out
+    ~100% off. Each element within one bf16 ulp of the oracle (2**-133 for subnormals: the
+    relative-norm check alone cannot see values this small), NaN where it has NaN."""
+    out_a, lse_a, out_b, lse_b = _merge_inputs(13, 3, 40, torch.float32, seed=5)
+    out_a, out_b = (out_a * scale).bfloat16(), (out_b * scale).bfloat16()
+    if scale < 1:
+        live = out_a[out_a.isfinite() & (out_a != 0)]
+        assert (live.abs() < 2.0**-126).float().mean() > 0.5, "the parts are not mostly subnormal"
+    out, lse = merge_attention_states(out_a, lse_a, out_b, lse_b, backend="triton")
+    ref_out, _ = merge_attention_states_ref(out_a, lse_a, out_b, lse_b)
+    assert_close(out, ref_out, torch.bfloat16, f"merge x{scale}", tol=MERGE_TOL[torch.bfloat16])
+    g, r = out.double().cpu(), ref_out.double().cpu()
+    ulp = torch.maximum(r.abs() * 2.0**-7, torch.full_like(r, 2.0**-133))
+    wrong = ((g - r).abs() > ulp) & ~(g.isnan() & r.isnan()) & ~(g == r)
+    assert not wrong.any(), (f"{int(wrong.sum())} elements more than one bf16 ulp off, e.g. got "
+                             f"{g[wrong][:3].tolist()}, ref {r[wrong][:3].tolist()}")
+
+
 def test_merge_strided_and_fp64_lse():
     """Transposed/strided inputs and fp64 lse (allowed by the op) are read correctly."""
     out_a, lse_a, out_b, lse_b = _merge_inputs(7, 5, 48, torch.float32, seed=3)

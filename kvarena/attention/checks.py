@@ -58,18 +58,24 @@ def check_no_overlap(name: str, t: torch.Tensor) -> None:
     of a non-overlapping layout: sorted by stride, each dimension steps past the whole
     extent of the smaller ones (size-1 dimensions are ignored).
     """
+    if not is_non_overlapping(t):
+        raise ValueError(
+            f"{name}: overlapping memory (strides {t.stride()} for shape {tuple(t.shape)}, "
+            "e.g. an expand()ed view); pass a tensor whose elements do not alias"
+        )
+
+
+def is_non_overlapping(t: torch.Tensor) -> bool:
+    """Whether no two elements of ``t`` share an address (the sufficient test above)."""
     if t.is_contiguous():
-        return None  # the common case, answered in C
+        return True  # the common case, answered in C
     dims = sorted((t.stride(i), t.shape[i]) for i in range(t.dim()) if t.shape[i] > 1)
     extent = 1
     for stride, size in dims:
         if stride < extent:
-            raise ValueError(
-                f"{name}: overlapping memory (strides {t.stride()} for shape {tuple(t.shape)}, "
-                "e.g. an expand()ed view); pass a tensor whose elements do not alias"
-            )
+            return False
         extent = stride * size
-    return None
+    return True
 
 
 def _layout(t: torch.Tensor) -> list[tuple[int, int]]:
@@ -114,11 +120,7 @@ def check_disjoint(name: str, t: torch.Tensor, other_name: str, other: torch.Ten
     """
     if t.numel() == 0 or other.numel() == 0 or t.device != other.device:
         return
-    spans = []
-    for x in (t, other):
-        lo = x.data_ptr()
-        spans.append((lo, lo + (sum((n - 1) * st for st, n in _layout(x)) + 1) * x.element_size()))
-    (a0, a1), (b0, b1) = spans
+    (a0, a1), (b0, b1) = _span(t), _span(other)
     if a1 <= b0 or b1 <= a0:
         return
     dims, odims = _layout(t), _layout(other)
@@ -148,6 +150,33 @@ def check_disjoint(name: str, t: torch.Tensor, other_name: str, other: torch.Ten
             f"{name}: overlaps {other_name}'s memory (the same tensor, or views of one buffer sharing elements); "
             f"a write to one would change the other: pass separate memory"
         )
+
+
+def check_written_apart(name: str, t: torch.Tensor, inputs: dict) -> None:
+    """Reject a written tensor ``t`` (``out``, a cache) sharing memory with any of ``inputs``
+    (name -> tensor or None): a kernel writing ``t`` while it reads an input would read its
+    own output. ``t`` must have passed :func:`check_no_overlap`; an input that aliases itself
+    (an expanded view) is refused when its byte span meets ``t``'s."""
+    if t.numel() == 0:
+        return
+    a0, a1 = _span(t)
+    for other_name, other in inputs.items():
+        if not isinstance(other, torch.Tensor) or other.numel() == 0 or other.device != t.device:
+            continue
+        b0, b1 = _span(other)
+        if a1 <= b0 or b1 <= a0:
+            continue  # the common case: two data_ptr reads and a few multiplications
+        if is_non_overlapping(other):
+            check_disjoint(name, t, other_name, other)
+        else:
+            raise ValueError(f"{name}: overlaps {other_name}'s memory (an aliasing view of the same buffer); "
+                             "a write to one would change the other: pass separate memory")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """``[first byte, last byte + 1)`` of ``t`` (strides are non-negative in torch)."""
+    lo = t.data_ptr()
+    return lo, lo + (sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 1) + 1) * t.element_size()
 
 
 # One int32 ``arange`` per device, sliced for the implicit ``cu_seqlens_q`` of decode calls
@@ -397,6 +426,8 @@ def validate_store(k, v, k_cache, v_cache, slot_mapping) -> None:
     check_no_overlap("v_cache", v_cache)
     check_disjoint("v_cache", v_cache, "k_cache", k_cache)
     require_int_tensor("slot_mapping", slot_mapping, (k.shape[0],), k_cache.device, (torch.int32, torch.int64))
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):  # the kernel reads k, v while it writes
+        check_written_apart(name, cache, {"k": k, "v": v, "slot_mapping": slot_mapping})
     if check_values(k_cache) and slot_mapping.numel():
         check_slots(slot_mapping.long().cpu(), k_cache.shape[0] * k_cache.shape[1])
 

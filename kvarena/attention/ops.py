@@ -101,7 +101,8 @@ def paged_attention(
     max_seqlen_q, max_seqlen_k : int, optional
         Host bounds of the query / key lengths (None = read from the device: a sync).
     out : Tensor ``[total_q, H_q, D]``, optional
-        Output buffer (q's shape, dtype and device; no aliasing elements).
+        Output buffer (q's shape, dtype and device; no aliasing elements, and no element
+        shared with any input: q, the caches, the tables, the scales, the RoPE tables).
 
     Returns
     -------
@@ -138,6 +139,12 @@ def paged_attention(
     rope_q_pos, rope_k_shift = checks.check_rope(spec, q, block_table, rope_q_pos, rope_k_shift)
     if spec.rope_mode and checks.check_values(q):
         checks.check_rope_values(spec, rope_q_pos, rope_k_shift, seq_lens, cu, k_cache.shape[1], kv_start)
+    if out is not None:  # the kernels write out while they read every input
+        checks.check_written_apart("out", out, {
+            "q": q, "k_cache": k_cache, "v_cache": v_cache, "block_table": block_table, "seq_lens": seq_lens,
+            "cu_seqlens_q": cu_seqlens_q, "kv_start": kv_start, "sink_logits": spec.sink_logits,
+            "k_scale": k_scale, "v_scale": v_scale, "rope_cos": spec.rope_cos, "rope_sin": spec.rope_sin,
+            "rope_q_pos": rope_q_pos, "rope_k_shift": rope_k_shift})
     cache_grad = needs_grad(k_cache, v_cache, spec.sink_logits)
     what = "k_cache/v_cache/sink_logits" if cache_grad else ("q (RoPE on read)" if spec.rope_mode else "q")
     chosen = resolve_backend(spec.backend, q.device, q.dtype, cache_grad or needs_grad(q), what,
@@ -166,7 +173,8 @@ def store_kv(
     k, v : Tensor ``[N, H_kv, D]``
         In the caches' dtype (stored detached: the cache never joins autograd).
     k_cache, v_cache : Tensor ``[num_blocks, block_size, H_kv, D]``
-        Strided views are fine; elements must not alias.
+        Strided views are fine; elements must not alias, nor share memory with ``k``,
+        ``v``, ``slot_mapping`` or static scales (the store reads them while it writes).
     slot_mapping : Tensor, int32/int64 ``[N]``
         Token i goes to block ``s // block_size``, row ``s % block_size``; ``s < 0`` is
         skipped. Nothing is written unless every slot is valid (in range, no
@@ -196,6 +204,10 @@ def store_kv(
         for sname, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
             for cname, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
                 checks.check_disjoint(sname, sc, cname, cache)
+            checks.check_written_apart(sname, sc, {"k": k, "v": v, "slot_mapping": slot_mapping})
+    elif kv_scales is not None:  # static scales are read while the caches are written
+        for cname, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            checks.check_written_apart(cname, cache, {"k_scale": k_scale, "v_scale": v_scale})
     dispatch.store(k, v, CacheView(k_cache, v_cache, kv_scales), slot_mapping,
                    resolve_backend(backend, k_cache.device, k.dtype, False, "k"))
 

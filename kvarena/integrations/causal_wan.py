@@ -27,6 +27,7 @@ handed, so an activation-checkpoint recompute after later steps uses its own ste
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Hashable, Sequence
 
@@ -172,6 +173,15 @@ class CausalKVCache:
         return self.pool.free_bytes
 
 
+def _holding(info) -> tuple | None:
+    """What a namespace holds (chunk records and slots, retired ones, the newest chunk): equal
+    before and after a plan that claimed nothing."""
+    if info is None:
+        return None
+    return (info.last_chunk, tuple((c.index, c.slot, c.serial) for c in info.chunks),
+            tuple((c.index, c.slot, c.serial) for c in info.retired))
+
+
 class _LayerKV:
     """What block ``layer`` receives as its ``kv_cache``: call it instead of the cache dict logic."""
 
@@ -202,6 +212,7 @@ class CausalStep(Sequence):
         self.clean = clean
         self.meta: SlabMetadata | None = None
         self._tokens: tuple[int, int] | None = None
+        self._undo: dict = {}  # namespace -> its snapshot before the plan (None: the plan made it)
         self._done = [False] * cache.pool.layout.num_layers
         self._layers = tuple(_LayerKV(self, i) for i in range(cache.pool.layout.num_layers))
 
@@ -228,9 +239,30 @@ class CausalStep(Sequence):
         if names is None:
             names = self._namespaces = tuple(range(_check_int("batch", batch, 1)))
         pool = self._cache.pool
-        self.meta = pool.plan({ns: pool.chunks_for_tokens(ns, current_start, n_tokens) for ns in names})
-        self._tokens = (current_start, n_tokens)
+        batch = {ns: pool.chunks_for_tokens(ns, current_start, n_tokens) for ns in names}
+        undo = {ns: (pool.snapshot(ns), _holding(pool.rollout_info(ns))) if ns in pool else None for ns in names}
+        self.meta = pool.plan(batch)
+        self._tokens, self._undo = (current_start, n_tokens), undo
         return self.meta
+
+    def roll_back(self) -> None:
+        """Undo the step's plan after a model call that raised (an OOM, a hook, Ctrl-C):
+        a rollout the plan started is dropped (a short first chunk is not pinned at its
+        length), an older one goes back to where it was before the plan. One thing cannot
+        come back: a slab the plan recycled (its bytes are taken over in place); that
+        chunk stays planned, as a retry of the same chunk plans it. The step is spent
+        after it. Called by ``__exit__`` when the ``with`` block raises."""
+        pool = self._cache.pool
+        for ns, before in self._undo.items():
+            if before is None:
+                pool.clear_namespace(ns)
+                continue
+            snap, held = before
+            if _holding(pool.rollout_info(ns)) == held:
+                continue  # the plan claimed nothing here: a restore would only stale other steps' metadata
+            with contextlib.suppress(ValueError):  # a recycled slab: see above
+                pool.restore(ns, snap)
+        self._undo = {}
 
     def attend(self, layer: int, q, k, v, current_start: int, **options):
         """``q [B, T, H_q, D]``, ``k, v [B, T, H_kv, D]`` of tokens ``current_start ..``."""
@@ -255,7 +287,10 @@ class CausalStep(Sequence):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None and self.clean and self.meta is not None and not all(self._done):
+        if exc_type is not None:
+            self.roll_back()
+            return
+        if self.clean and self.meta is not None and not all(self._done):
             missing = [i for i, d in enumerate(self._done) if not d]
             raise RuntimeError(
                 f"clean step: layers {missing} never attended, so their K/V were not committed; the next "

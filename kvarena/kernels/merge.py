@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from kvarena.kernels._common import row_tile
+from kvarena.kernels.widen import narrow, to_fp32
 
 
 @triton.jit
@@ -50,9 +51,9 @@ def _merge_states_kernel(
     b_live = (r_ok & (wb > 0.0))[:, None] & d_ok
     oa = tl.load(oa_ptr + (n * stride_oan + h * stride_oah)[:, None] + d64[None, :] * stride_oad, mask=a_live, other=0.0)
     ob = tl.load(ob_ptr + (n * stride_obn + h * stride_obh)[:, None] + d64[None, :] * stride_obd, mask=b_live, other=0.0)
-    o = (oa.to(tl.float32) * (wa * inv)[:, None]) + (ob.to(tl.float32) * (wb * inv)[:, None])
+    o = (to_fp32(oa) * (wa * inv)[:, None]) + (to_fp32(ob) * (wb * inv)[:, None])  # exact, bf16 subnormals too
     o_off = (n * stride_on + h * stride_oh)[:, None] + d64[None, :] * stride_od
-    tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok)
+    tl.store(o_ptr + o_off, narrow(o, o_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok)
     lse = tl.where(has_key, m_safe + tl.log(tl.where(has_key, tot, 1.0)), float("-inf"))
     tl.store(l_ptr + n * stride_ln + h * stride_lh, lse, mask=r_ok)
 

@@ -64,6 +64,7 @@ from kvarena.kernels.attn_configs import short_context_config as _short_context_
 from kvarena.kernels.fp8 import _f16_queries, _fp8e4m3_decode
 from kvarena.kernels.key_range import row_bounds, sees, tile_key_range, virtual_tile
 from kvarena.kernels.occupancy import ctas_per_sm, launch_kind
+from kvarena.kernels.widen import narrow, to_fp32
 
 # ----------------------------------------------------------------------------- constants
 
@@ -152,7 +153,16 @@ def _rotate(x, xp, pos, fi, sg, ok, cos_ptr, sin_ptr, stride_rp, n_pos):
     row = tl.minimum(tl.maximum(pos, 0), n_pos - 1).to(tl.int64) * stride_rp
     c = tl.load(cos_ptr + row + fi, mask=ok, other=0.0)
     sn = tl.load(sin_ptr + row + fi, mask=ok, other=0.0)
-    return x.to(tl.float32) * c + sg * xp.to(tl.float32) * sn
+    return to_fp32(x) * c + sg * to_fp32(xp) * sn
+
+
+@triton.jit
+def _upcast(x, UPCAST: tl.constexpr):
+    """``x`` widened to fp32 under ``UPCAST`` (the interpreter lane; False when compiled),
+    exactly: bf16 subnormals through their bits (:func:`kernels.widen.to_fp32`); else ``x``."""
+    if UPCAST:
+        x = to_fp32(x)
+    return x
 
 
 @triton.jit
@@ -221,8 +231,8 @@ def _dot_operand(x, dot_dtype: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.const
     under ``UPCAST``."""
     if FP8:
         x = _fp8_to(x, dot_dtype, FP8_NATIVE)
-    elif UPCAST:
-        x = x.to(tl.float32)
+    else:
+        x = _upcast(x, UPCAST=UPCAST)
     return x
 
 
@@ -292,9 +302,7 @@ def _load_tile(blk, rel, stride_t, d, d_ok, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD
         x = tl.load(ptrs, mask=d_ok[:, None], other=0.0)
     else:
         x = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
-    if UPCAST:
-        x = x.to(tl.float32)
-    return x
+    return _upcast(x, UPCAST=UPCAST)
 
 
 @triton.jit
@@ -745,8 +753,8 @@ def _paged_attn_kernel(
         q = _rotate(q, qp, (rope_q0 + pos_idx)[:, None], fi[None, :], sg[None, :], q_ok, cos_ptr, sin_ptr,
                     stride_rp, n_pos)
         q = q.to(tl.float32 if UPCAST else q_ptr.dtype.element_ty)
-    elif UPCAST:
-        q = q.to(tl.float32)
+    else:
+        q = _upcast(q, UPCAST=UPCAST)
     # fp8 caches under bf16 queries take fp16 dots (the fp8 tiles widen to fp16 at a quarter
     # of bf16's cost); the own keys are bf16, so a launch with them keeps bf16 dots.
     F16_DOTS: tl.constexpr = KV_FP8 and (not HAS_OWN) and q_ptr.dtype.element_ty == tl.bfloat16
@@ -903,7 +911,7 @@ def _paged_attn_kernel(
         o = tl.where(bad_w[:, None] > 0.0, float("nan"), o)
     o_base = o_ptr + split_id.to(tl.int64) * stride_os + tok0 * stride_ot + head0 * stride_oh
     o_off = local[:, None] * stride_ot + head_in[:, None] * stride_oh + d[None, :] * stride_od
-    tl.store(o_base + o_off, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(o_base + o_off, narrow(o, o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if WRITE_LSE:
         lse2 = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("-inf"))
         if not SPLIT:
@@ -984,7 +992,7 @@ def _split_reduce_kernel(
     # int64 head_dim offsets: out may be a permuted view whose head_dim stride times D
     # passes 2**31 (the unsplit path copes through _tile_span; this path must itself).
     o_off = tok[:, None] * stride_ot + head[:, None] * stride_oh + d.to(tl.int64)[None, :] * stride_od
-    tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+    tl.store(o_ptr + o_off, narrow(o, o_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
     if WRITE_LSE:
         lse = tl.where(has_key, (m_safe + tl.log2(tl.where(has_key, tot, 1.0))) * 0.6931471805599453, float("-inf"))
         # Written once per row: by the programs of the first head-dim block.

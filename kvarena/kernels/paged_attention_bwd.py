@@ -34,8 +34,9 @@ import triton.language as tl
 from kvarena.kernels._common import LOG2E, head_dim_pad, interpreting
 from kvarena.kernels.arch import Arch
 from kvarena.kernels.key_range import row_bounds, sees, tile_key_range, virtual_tile
-from kvarena.kernels.paged_attention import _NO_WINDOW, _arch, _device_index, _tanh
+from kvarena.kernels.paged_attention import _NO_WINDOW, _arch, _device_index, _tanh, _upcast
 from kvarena.kernels.placement import OWN_AFTER_HISTORY, OWN_AT_QUERIES
+from kvarena.kernels.widen import narrow
 
 
 @triton.jit
@@ -76,9 +77,7 @@ def _load_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, j, n_rows, q_start, kvh, num_k
     lm = row_ok[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + row_off[:, None] + d[None, :], mask=lm, other=0.0)
     do = tl.load(do_ptr + row_off[:, None] + d[None, :], mask=lm, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    q, do = _upcast(q, UPCAST=UPCAST), _upcast(do, UPCAST=UPCAST)
     stat_off = tok * (num_kv_heads * GROUP) + head  # into the contiguous [total_q, H_q] lse / Delta
     lse = tl.load(lse_ptr + stat_off, mask=row_ok, other=float("-inf"))
     # A row that saw no key: lse = -inf; +inf makes every recomputed P exactly 0.
@@ -161,9 +160,7 @@ def _attn_bwd_dq_kernel(
         km = key_ok[None, :] & d_ok[:, None]
         kt = tl.load(k_head + k_off[None, :] + d[:, None], mask=km, other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
         vt = tl.load(v_head + v_off[None, :] + d[:, None], mask=km, other=0.0)
-        if UPCAST:
-            kt = kt.to(tl.float32)
-            vt = vt.to(tl.float32)
+        kt, vt = _upcast(kt, UPCAST=UPCAST), _upcast(vt, UPCAST=UPCAST)
         vis = key_ok[None, :] & sees(t, row_hi, row_lo, sink_tokens)
         p, th = _probs(q, kt, lse2, vis, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP)
         ds = _dscores(p, th, do, vt, delta, HAS_SOFTCAP)
@@ -178,15 +175,13 @@ def _attn_bwd_dq_kernel(
             off = t.to(tl.int64) * stride_own_t
             kt = tl.load(own_k_head + off[None, :] + d[:, None], mask=km, other=0.0)
             vt = tl.load(own_v_head + off[None, :] + d[:, None], mask=km, other=0.0)
-            if UPCAST:
-                kt = kt.to(tl.float32)
-                vt = vt.to(tl.float32)
+            kt, vt = _upcast(kt, UPCAST=UPCAST), _upcast(vt, UPCAST=UPCAST)
             vis = key_ok[None, :] & row_ok[:, None]
             p, th = _probs(q, kt, lse2, vis, scale_log2, softcap_inv, softcap_log2, HAS_SOFTCAP)
             ds = _dscores(p, th, do, vt, delta, HAS_SOFTCAP)
             dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision="ieee")
     dq = dq * scale
-    tl.store(dq_ptr + row_off[:, None] + d[None, :], dq.to(dq_ptr.dtype.element_ty),
+    tl.store(dq_ptr + row_off[:, None] + d[None, :], narrow(dq, dq_ptr.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
 
 
@@ -247,9 +242,7 @@ def _attn_bwd_dkdv_kernel(
     km = key_ok[None, :] & d_ok[:, None]
     kt = tl.load(own_k_ptr + key_off[None, :] + d[:, None], mask=km, other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
     vt = tl.load(own_v_ptr + key_off[None, :] + d[:, None], mask=km, other=0.0)
-    if UPCAST:
-        kt = kt.to(tl.float32)
-        vt = vt.to(tl.float32)
+    kt, vt = _upcast(kt, UPCAST=UPCAST), _upcast(vt, UPCAST=UPCAST)
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
@@ -272,8 +265,8 @@ def _attn_bwd_dkdv_kernel(
     # Every own key gets a row, zeros for one no query sees (a seq_len-0 padding row of a
     # CUDA-graph batch, a key below kv_start): dk/dv are allocated uninitialized.
     om = (n < k_len)[:, None] & d_ok[None, :]
-    tl.store(dk_ptr + out_off, dk.to(dk_ptr.dtype.element_ty), mask=om)
-    tl.store(dv_ptr + out_off, dv.to(dv_ptr.dtype.element_ty), mask=om)
+    tl.store(dk_ptr + out_off, narrow(dk, dk_ptr.dtype.element_ty), mask=om)
+    tl.store(dv_ptr + out_off, narrow(dv, dv_ptr.dtype.element_ty), mask=om)
 
 
 def pick_bwd_config(head_dim: int, elem_bytes: int, arch: Arch | None = None) -> dict:

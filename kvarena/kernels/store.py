@@ -11,7 +11,8 @@ amax (``max(amax * fp32(1/448), 2**-126)``, NaN for a row holding a NaN) and sto
 the bytes; 2 = one static scale read from a 0-dim tensor. Values are divided by the scale
 (IEEE division) and rounded by ``kernels.fp8``'s explicit helper, bit-equal to torch's
 cast of the clamped quotient. Under the interpreter bf16 rows are widened to fp32 through
-their bits (its own cast is wrong for subnormals); compiled kernels cast as before.
+their bits (its own cast is wrong for subnormals: ``kernels.widen``); compiled kernels cast
+as before.
 """
 
 from __future__ import annotations
@@ -20,27 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kvarena.kernels._common import interpreting, row_tile
+from kvarena.kernels._common import row_tile
 from kvarena.kernels.fp8 import _fp8e4m3_bits
+from kvarena.kernels.widen import to_fp32 as _to_fp32
 
 # What a store does to the values (QUANT): copy them, or quantize to fp8 with per-(token,
 # kv head) scales computed here, or with one static scale. The scale rule's constants
 # (fp32(1/448), 2**-126) are kvarena.attention.fp8's, so both paths store equal bytes.
 QUANT_NONE, QUANT_TOKEN, QUANT_STATIC = 0, 1, 2
-# Triton's interpreter widens bf16 to fp32 wrongly below 2**-126 (subnormals come out as
-# other values), so under it bf16 rows are widened through their bits: the 16 bits are the
-# top half of the fp32, exactly what a GPU's conversion gives. Compiled kernels (this is
-# False there) keep the plain cast.
-_BF16_BITS = tl.constexpr(interpreting())
-
-
-@triton.jit
-def _to_fp32(x):
-    """``x`` widened to fp32 exactly (bf16 subnormals included, also in the interpreter)."""
-    if _BF16_BITS:  # noqa: SIM102 - two static branches (constexprs), kept apart for the compiler
-        if x.dtype == tl.bfloat16:
-            x = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    return x.to(tl.float32)
 
 
 @triton.jit

@@ -89,8 +89,39 @@ def _shape(t: Any) -> str:
     return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-def check_call(geom: WanGeometry, args: tuple, kwargs: dict, batch: int) -> CallArgs:
-    """The call's chunk shape; ValueError / TypeError naming the argument that does not fit."""
+def _check_placed(name: str, t: torch.Tensor, dtype: torch.dtype | None, device: torch.device, what: str) -> None:
+    """``t`` on ``device`` with ``dtype`` (None: any real number type; under autocast on the
+    device, any floating type: autocast casts the inputs of the convolution and the
+    projections itself); TypeError / ValueError."""
+    if dtype is not None and torch.is_autocast_enabled(device.type):
+        if not t.is_floating_point():
+            raise TypeError(f"{name}: expected a floating-point dtype, got {t.dtype}")
+    elif dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype} ({what}), got {t.dtype}")
+    if dtype is None and (t.dtype == torch.bool or t.is_complex()):
+        raise TypeError(f"{name}: expected a real number dtype, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (the transformer's device), got {t.device}")
+
+
+def _check_dtypes(geom: WanGeometry, transformer: Any, x: torch.Tensor, t: torch.Tensor, emb: torch.Tensor) -> None:
+    """Dtypes and devices as the transformer's weights are now (read at each call), and the
+    self-attention's as the rollout's cache was made for."""
+    attn = next(transformer.blocks[0].attn1.parameters())
+    if (attn.dtype, attn.device) != (geom.dtype, geom.device):
+        raise ValueError(f"transformer: its attention weights are {attn.dtype} on {attn.device} now, the rollout's "
+                         f"cache was made for {geom.dtype} on {geom.device}; build a new CausalWanRollout after .to()")
+    patch = transformer.patch_embedding.weight
+    text = transformer.condition_embedder.text_embedder.linear_1.weight
+    _check_placed("hidden_states", x, patch.dtype, patch.device, "patch_embedding's weights")
+    _check_placed("timestep", t, None, patch.device, "")
+    _check_placed("encoder_hidden_states", emb, text.dtype, text.device, "the text embedder's weights")
+
+
+def check_call(geom: WanGeometry, args: tuple, kwargs: dict, batch: int, transformer: Any) -> CallArgs:
+    """The call's chunk shape; ValueError / TypeError naming the argument that does not fit
+    (shape, dtype, device: everything the transformer would refuse mid-call, checked before
+    the step is planned)."""
     x = _arg(args, kwargs, 0, "hidden_states")
     t = _arg(args, kwargs, 1, "timestep")
     emb = _arg(args, kwargs, 2, "encoder_hidden_states")
@@ -110,6 +141,7 @@ def check_call(geom: WanGeometry, args: tuple, kwargs: dict, batch: int) -> Call
     if not isinstance(emb, torch.Tensor) or emb.dim() != 3 or emb.shape[0] != b or emb.shape[2] != geom.text_dim:
         raise ValueError(f"encoder_hidden_states: expected a [B, L, text_dim] = [{b}, L, {geom.text_dim}] tensor, "
                          f"got {_shape(emb)}")
+    _check_dtypes(geom, transformer, x, t, emb)
     if kwargs.get("encoder_hidden_states_image") is not None or len(args) > 3 and args[3] is not None:
         raise ValueError("encoder_hidden_states_image: not supported inside a rollout step (text-to-video only)")
     return CallArgs(shape=ChunkShape(batch=b, frames=f, height=h // ph, width=w // pw), encoder_hidden_states=emb)

@@ -1,12 +1,13 @@
-"""Cross-attention K/V per prompt: a :class:`~kvarena.FeatureCache` keyed by content and weights.
+"""Cross-attention K/V per prompt: a :class:`~kvarena.FeatureCache` keyed by content.
 
-A key is the content hash of the call's ``encoder_hidden_states`` (the raw embedding the
-pipeline passes; padding included) and a version of every weight between it and the
-K/V (diffusers' text MLP and each block's ``attn2.to_k`` / ``to_v`` / ``norm_k``). The
-weights version is read from the parameters' storage address and in-place version
-counter, so a ``load_state_dict`` or a LoRA fuse is a new key without hashing weights.
-The embedding is hashed once per transformer call (one copy to the host), or not at
-all when the call passes the same, unmodified tensor object as the previous one.
+A key is the content fingerprint (:mod:`._fingerprint`: every bit, the dtype and the
+shape) of the call's ``encoder_hidden_states`` (the raw embedding the pipeline passes;
+padding included) and of every weight between it and the K/V (diffusers' text MLP and
+each block's ``attn2.to_k`` / ``to_v`` / ``to_kv`` / ``norm_k``, looked up on the
+transformer at each call, so a replaced module or parameter is seen). Both are read at
+every transformer call in one device pass and one small device-to-host copy: no version
+counter (``.data`` writes and ``load_state_dict(..., assign=True)`` bypass it; inference
+tensors have none) and no object identity is trusted.
 """
 
 from __future__ import annotations
@@ -16,13 +17,20 @@ from typing import Any
 import torch
 
 from kvarena import CacheKey, CachePolicy, FeatureCache, content_hash
+from kvarena.integrations.diffusers._fingerprint import fingerprint
 from kvarena.integrations.diffusers._processors import PromptKeys
 
 __all__ = ["PromptCache"]
 
+#: The modules of a block's ``attn2`` between the embedding and the K/V.
+KV_MODULES = ("to_k", "to_v", "to_kv", "norm_k")
 
-def _params(module: torch.nn.Module) -> list[torch.Tensor]:
-    return list(module.parameters()) if module is not None else []
+
+def kv_weights(transformer: Any) -> list[torch.Tensor]:
+    """Every parameter and buffer the prompt's K/V depend on, as the transformer holds them now."""
+    mods = [transformer.condition_embedder.text_embedder]
+    mods += [getattr(block.attn2, name, None) for block in transformer.blocks for name in KV_MODULES]
+    return [t for m in mods if m is not None for t in (*m.parameters(), *m.buffers())]
 
 
 class PromptCache:
@@ -30,32 +38,15 @@ class PromptCache:
 
     def __init__(self, transformer: Any, max_bytes: int) -> None:
         self.cache = FeatureCache(CachePolicy("feature", max_bytes=max_bytes))
-        tracked = _params(transformer.condition_embedder.text_embedder)
-        for block in transformer.blocks:
-            a = block.attn2
-            for name in ("to_k", "to_v", "to_kv", "norm_k"):
-                tracked += _params(getattr(a, name, None))
-        self._tracked = tracked
+        self._transformer = transformer
         self._dtype = str(next(transformer.parameters()).dtype)
         self._layers = len(transformer.blocks)
-        self._last: tuple[torch.Tensor, int, str] | None = None
         self._keys: dict[tuple[str, str], PromptKeys] = {}
-
-    def weights_version(self) -> str:
-        """Changes whenever a tracked parameter is replaced or modified in place."""
-        return content_hash(tuple((p.data_ptr(), p._version, tuple(p.shape)) for p in self._tracked))
-
-    def _digest(self, emb: torch.Tensor) -> str:
-        last = self._last
-        if last is not None and last[0] is emb and last[1] == emb._version:
-            return last[2]
-        digest = content_hash(emb.detach())
-        self._last = (emb, emb._version, digest)
-        return digest
 
     def keys_for(self, emb: torch.Tensor) -> PromptKeys:
         """The keys of this embedding's K/V, one per block."""
-        ident = (self._digest(emb), self.weights_version())
+        prints = fingerprint([emb, *kv_weights(self._transformer)])
+        ident = (content_hash(prints[0]), content_hash(prints[1:]))
         got = self._keys.get(ident)
         if got is None:
             keys = tuple(CacheKey(f"wan.blocks.{i}.attn2.kv", ident[0], ident[1], dtype=self._dtype)
@@ -69,4 +60,3 @@ class PromptCache:
         """Drop every prompt's K/V."""
         self.cache.clear()
         self._keys.clear()
-        self._last = None

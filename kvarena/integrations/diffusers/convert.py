@@ -27,6 +27,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from kvarena._checks import check_bool, check_int
+
 __all__ = ["BLOCK_NAMES", "TOP_NAMES", "convert_self_forcing_state_dict", "wan_config_from_state_dict"]
 
 #: Module paths inside ``blocks.<i>.``: original name -> diffusers name.
@@ -125,13 +127,14 @@ def convert_self_forcing_state_dict(state_dict: Mapping[str, Any], *, use_ema: b
     Raises
     ------
     TypeError
-        ``state_dict`` is not a mapping.
+        ``state_dict`` is not a mapping, or ``use_ema`` / ``strict`` is not a bool.
     ValueError
         ``strict`` and a name has no diffusers counterpart, or two names map to one.
     """
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict: expected a mapping of names to tensors, got {type(state_dict).__name__}")
-    source = _pick(state_dict, use_ema)
+    source = _pick(state_dict, check_bool("use_ema", use_ema))  # "false" is truthy: a str must not pick the EMA
+    check_bool("strict", strict)
     out: dict[str, Any] = {}
     unknown: list[str] = []
     for name, value in source.items():
@@ -153,8 +156,12 @@ def wan_config_from_state_dict(state_dict: Mapping[str, Any], *, attention_head_
     """``WanTransformer3DModel(**config)`` arguments read off a diffusers-named state dict.
 
     The head count is not stored in the weights: it is ``dim // attention_head_dim``
-    (128 for every Wan 2.1 model: 12 heads at 1.3B, 40 at 14B).
+    (128 for every Wan 2.1 model: 12 heads at 1.3B, 40 at 14B). ``attention_head_dim``
+    must be an int >= 1 that divides the width (else ``TypeError`` / ``ValueError``).
     """
+    check_int("attention_head_dim", attention_head_dim, 1)
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict: expected a mapping of names to tensors, got {type(state_dict).__name__}")
     sd = state_dict
     for need in ("patch_embedding.weight", "proj_out.weight", "blocks.0.ffn.net.0.proj.weight",
                  "condition_embedder.text_embedder.linear_1.weight", "condition_embedder.time_embedder.linear_1.weight"):

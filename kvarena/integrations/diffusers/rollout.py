@@ -10,6 +10,8 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import torch
+
 from kvarena._checks import is_int
 from kvarena.integrations.causal_wan import CausalKVCache
 from kvarena.integrations.diffusers._checks import (
@@ -164,6 +166,12 @@ class CausalWanRollout:
         return originals
 
     def _build_cache(self, grid: tuple[int, int]) -> CausalKVCache:
+        # Normal tensors even when the first step runs under torch.inference_mode(): an
+        # inference-tensor arena could not be written by a later step outside it.
+        with torch.inference_mode(False), torch.no_grad():
+            return self._make_cache(grid)
+
+    def _make_cache(self, grid: tuple[int, int]) -> CausalKVCache:
         g = self._geom
         self._kv = CausalKVCache.from_self_forcing(
             local_attn_size=self.local_attn_size, sink_size=self.sink_size,
@@ -259,6 +267,8 @@ class CausalWanRollout:
             step._layers.__exit__(None, None, None)  # a clean step: every layer committed
             if step.clean:
                 self._committed[step.branch] = step.start_frame + step.frames
+        else:
+            step._layers.roll_back()  # a call that raised inside the model: forget its plan
 
     def _check_chunk(self, step: RolloutStep, shape: ChunkShape) -> None:
         b, start, f, fpc = step.branch, step.start_frame, shape.frames, self.num_frame_per_block
@@ -289,7 +299,8 @@ class CausalWanRollout:
         if rot is None:
             if len(self._rotary) >= 8:
                 self._rotary.clear()
-            rot = self._rotary[key] = chunk_rotary(self._transformer.rope, *key)
+            with torch.inference_mode(False), torch.no_grad():  # normal tensors: see _build_cache
+                rot = self._rotary[key] = chunk_rotary(self._transformer.rope, *key)
         return rot
 
     def _before_call(self, module, args: tuple, kwargs: dict) -> None:
@@ -303,16 +314,17 @@ class CausalWanRollout:
             return None
         if step.state != "open":
             raise RuntimeError(f"step: {step!r} already ran its transformer call; one call per step")
-        call = check_call(self._geom, args, kwargs, self.batch_size)
+        call = check_call(self._geom, args, kwargs, self.batch_size, module)
         shape = call.shape
         self._check_chunk(step, shape)
-        kv = self._kv
-        if kv is None or (shape.height, shape.width) != self._grid:
-            kv = self._build_cache((shape.height, shape.width))
         rotary = self._chunk_rotary(step.start_frame, shape)
         prompt = self._prompts.keys_for(call.encoder_hidden_states)
+        kv = self._kv  # built (or rebuilt for another latent size) after everything that may raise
+        if kv is None or (shape.height, shape.width) != self._grid:
+            kv = self._build_cache((shape.height, shape.width))
         start_token = step.start_frame * shape.frame_tokens
-        layers = kv.step([(step.branch, r) for r in range(shape.batch)], clean=step.clean)
+        names = [(step.branch, r) for r in range(shape.batch)]
+        layers = kv.step(names, clean=step.clean)
         layers.plan(start_token, shape.frames * shape.frame_tokens, shape.batch)  # last: it may recycle a slab
         self._live.call = LiveCall(layers=layers, current_start=start_token, rotary=rotary, prompt=prompt)
         step.state, step.frames, step._layers = "called", shape.frames, layers
