@@ -61,6 +61,8 @@ commit=$(git rev-parse HEAD 2>/dev/null || echo "${KVARENA_COMMIT:-$(cat bench/C
   echo "mode: $([ "$dry" = 1 ] && echo 'dry run (CPU, interpreter, tiny shapes)' || echo GPU)"
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
   timeout -k 2 10 "$py" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
+  # The architecture record the launchers plan with (the device's; KVARENA_ARCH's on CPU).
+  timeout -k 2 10 "$py" -c "import torch; from kvarena.kernels.arch import arch_for_device; a = arch_for_device(torch.cuda.current_device() if torch.cuda.is_available() else None); print('kvarena arch', a.name, '(' + a.gpus + ')', a.sm_count, 'SMs', a.mma)"
 } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
 bench=("$py" -m kvarena bench --device "$dev" --set "$set" --backend "$backend" --no-progress)

@@ -76,9 +76,6 @@ def pick_config(arch: Arch, head_dim: int, group: int, elem_bytes: int, q_len_ma
     return cfg
 
 
-# ----------------------------------------------------------------- NVIDIA: sm_80 and sm_90a
-
-
 def _nvidia(arch: Arch, d_pad: int, rows: int | None, elem_bytes: int, *, lean: bool, rope: bool,
             kv_fp8: bool, own: bool) -> dict:
     """The sm_80 (mma.sync) and sm_90a (wgmma) tiles; sm_100a starts from the wgmma ones."""
@@ -191,9 +188,6 @@ def rope_config(cfg: dict) -> dict:
     return dict(cfg, num_stages=2)
 
 
-# ------------------------------------------------------- NVIDIA: 99 KiB targets and sm_100a
-
-
 def _small_smem(cfg: dict, rows: int | None, elem_bytes: int, *, rope: bool, kv_fp8: bool, own: bool) -> dict:
     """sm_86, sm_89 and sm_120a: 99 KiB of shared memory per block, mma.sync; the sm_80 tiles
     except where they need more (``kvarena check --target sm_89``, Triton 3.9):
@@ -238,9 +232,6 @@ def _blackwell(cfg: dict, lean: bool, elem_bytes: int, *, own: bool) -> dict:
     return cfg
 
 
-# ------------------------------------------------------------------------ AMD: mfma (wave64)
-
-
 def _amd(arch: Arch, d_pad: int, rows: int | None, elem_bytes: int, *, lean: bool, rope: bool, kv_fp8: bool,
          own: bool) -> dict:
     """gfx942 (64 KiB LDS) and gfx950 (160 KiB): wave64, 4 waves per CTA (256 threads).
@@ -273,9 +264,6 @@ def _amd(arch: Arch, d_pad: int, rows: int | None, elem_bytes: int, *, lean: boo
     if not lean:
         return _make(d_pad, 128, 64, 4, 1, maxnreg=None)
     return _make(d_pad, 128, 32 if (kv_fp8 or rope) else 64, 4, 2, maxnreg=None)
-
-
-# ---------------------------------------------------------------- per-launch adjustments
 
 
 def path_config(cfg: dict, large: bool, arch: Arch, kv_fp8: bool = False) -> dict:
