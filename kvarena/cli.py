@@ -46,13 +46,13 @@ _COMMANDS = {
              [("kvarena demo", "5-20 s on a 2-core CPU (depending on load), seconds on a GPU"),
               ("kvarena demo --backend triton", "the Triton kernels through the interpreter on CPU, about 1 min")]),
     "check": ("kvarena.check",
-              "compile the Triton kernels for sm_80/sm_90a without a GPU; report registers, spills, shared memory",
+              "compile the Triton kernels for eight GPU targets without a GPU; report registers, spills, shared memory",
               "Compiles every kernel configuration the pools launch ahead of time (ptxas included)\n"
               "and fails on a register spill or a shared-memory overflow. Progress goes to stderr;\n"
               "results are cached on disk, so a second run takes seconds.",
-              [("kvarena check", "about 6 min on a 2-core CPU the first time"),
-               ("kvarena check --perf", "adds occupancy, MMA kind and main-loop SASS, about 8 min"),
-               ("kvarena check --only decode --target 90", "a subset, under a minute")]),
+              [("kvarena check", "all eight targets, about 15 min on a 2-core CPU the first time"),
+               ("kvarena check --perf", "adds occupancy, MMA kind and main-loop SASS (the same cache)"),
+               ("kvarena check --only decode --target sm_89", "a subset, under a minute")]),
     "bench": ("kvarena.benchmark.cli",
               "run the kernel and cache benchmarks against same-run baselines; write results and a plot",
               "Times kvarena as the pools launch it next to same-run baselines (SDPA, a shift-left\n"

@@ -95,8 +95,8 @@ def test_compiled_code_meets_the_speed_structure(perf_run):
         # Tensor cores on every bf16/fp16 tile: MFMA on AMD, wgmma in sm_90a's chunks, the
         # target's warp MMA (or wgmma / tcgen05 on sm_100a where Triton emits them) elsewhere.
         want_mma = ("mfma",) if amd else ("mma.sync", "wgmma", "tcgen05")
-        if r["target"] == "sm_90a" and name.startswith("chunk"):
-            want_mma = ("wgmma",)
+        if r["target"] == "sm_90a" and name.startswith("chunk") and " BM32 " not in r["config"]:
+            want_mma = ("wgmma",)  # a warpgroup MMA takes 64 rows: 32-row tiles run mma.sync
         if r["mma"] not in want_mma:
             problems.append(f"{where}: {r['mma'] or 'no'} MMA, want {' or '.join(want_mma)}")
         if amd:
@@ -121,7 +121,9 @@ def test_compiled_code_meets_the_speed_structure(perf_run):
             want = 3 if r["target"] == "sm_90a" and "+fp8-kv" not in r["config"] else 2
             if r["kv_buffers"] < want:
                 problems.append(f"{where}: {r['kv_buffers']} K/V buffers in the chunk loop, want >= {want}")
-            if not 0 < r["loop_sass"] <= 1.25 * r["ref_loop_sass"]:
+            # The SASS loop finder and the yardstick are read on sm_80 and sm_90a (the targets
+            # the loop metrics were calibrated on); elsewhere the structure checks above hold.
+            if r["target"] in ("sm_80", "sm_90a") and not 0 < r["loop_sass"] <= 1.25 * r["ref_loop_sass"]:
                 problems.append(f"{where}: main loop {r['loop_sass']} SASS vs {r['ref_loop_sass']} for the "
                                 "contiguous reference, want <= 1.25x")
     assert not problems, "\n".join(problems)

@@ -65,14 +65,14 @@ def pick_config(arch: Arch, head_dim: int, group: int, elem_bytes: int, q_len_ma
         cfg = _amd(arch, d_pad, rows, elem_bytes, lean=lean, rope=rope, kv_fp8=kv_fp8, own=own)
     else:
         cfg = _nvidia(arch, d_pad, rows, elem_bytes, lean=lean, rope=rope, kv_fp8=kv_fp8, own=own)
-        if (kv_fp8 or own) and TRITON_VERSION < (3, 9):
-            cfg = older_triton_config(cfg, arch, lean=lean, kv_fp8=kv_fp8, own=own)
         if rope:
             cfg = rope_config(cfg)
         if arch.smem_per_block < 128 * 1024:
             cfg = _small_smem(cfg, rows, elem_bytes, rope=rope, kv_fp8=kv_fp8, own=own)
         if arch.mma == "tcgen05":
             cfg = _blackwell(cfg, lean, elem_bytes, own=own)
+        if TRITON_VERSION < (3, 9):
+            cfg = older_triton_config(cfg, arch, lean=lean, kv_fp8=kv_fp8, own=own)
     return cfg
 
 
@@ -161,7 +161,7 @@ def _d256_config(d_pad: int, rows: int | None, wide_mma: bool, *, lean: bool, ro
 
 
 def older_triton_config(cfg: dict, arch: Arch, *, lean: bool, kv_fp8: bool, own: bool) -> dict:
-    """The config of an fp8-cache or own-keys launch under Triton < 3.9, where two of them spill.
+    """The config of a launch under Triton < 3.9 where the newest's spills there.
 
     Measured with ``kvarena check`` under triton 3.6.0 (ptxas 12.8) and 3.9.0 (ptxas 12.9), D =
     128; every other config fits under both, and 3.9 keeps :func:`pick_config`'s:
@@ -172,11 +172,19 @@ def older_triton_config(cfg: dict, arch: Arch, *, lean: bool, kv_fp8: bool, own:
       16 B on sm_90a and 8 B on sm_80 (groups 2-7 spill 16-20 B on sm_90a), Wan with an fp8
       history 4 B on each. 2 stages: MAGI 240 / 255 registers (sm_90a / sm_80), Wan fp8 248 /
       255, groups 4 and 7 239-255; one K/V buffer fewer.
+    * the Wan step with own keys over fp8 on sm_120a (128 x 16, 2 stages): 8 B; 64 x 16
+      (176 registers).
+    * lean D = 256 chunks on sm_100a (64 x 32, 2 stages): 16-20 B; 32 x 32 at 3 stages (117).
     """
+    small = arch.mma == "mma.sync" and arch.smem_per_block < 128 * 1024
     if kv_fp8 and arch.mma in ("wgmma", "tcgen05") and cfg["BLOCK_M"] == 128 and not lean:
         cfg = dict(cfg, BLOCK_N=32)
     if own:
         cfg = dict(cfg, num_stages=min(cfg["num_stages"], 2))
+    if own and kv_fp8 and small and cfg["BLOCK_M"] == 128:
+        cfg = dict(cfg, BLOCK_M=64)
+    if arch.mma == "tcgen05" and lean and not own and cfg["HEAD_DIM_PAD"] >= 256 and cfg["BLOCK_M"] == 64:
+        cfg = dict(cfg, BLOCK_M=32, num_stages=3)
     return cfg
 
 
@@ -270,11 +278,11 @@ def path_config(cfg: dict, large: bool, arch: Arch, kv_fp8: bool = False) -> dic
     """``cfg`` as the block path it runs on needs it: a decode tile (16 rows, 5 stages: the
     page loop's block-id gather takes a stage of its own) over large blocks takes 3 stages,
     which keep the two K/V buffers in flight (4 spilt 8-12 bytes at 255 registers). Over an
-    fp8 cache widened natively by mma.sync targets (sm_89, sm_120a) that tile spills 4 B at
-    255 registers on sm_89: 32-key tiles (198 registers, still 2 buffers)."""
+    fp8 cache on the 99 KiB mma.sync targets that tile spills 4 B at 255 registers (sm_89
+    under Triton 3.9, sm_86 under 3.6): 32-key tiles (198-242 registers, still 2 buffers)."""
     if large and cfg["BLOCK_M"] == 16 and cfg["num_stages"] == 5:
         cfg = dict(cfg, num_stages=3)
-        if kv_fp8 and arch.mma == "mma.sync" and arch.fp8_native():
+        if kv_fp8 and arch.mma == "mma.sync" and arch.smem_per_block < 128 * 1024:
             cfg = dict(cfg, BLOCK_N=32)
     return cfg
 
