@@ -26,6 +26,9 @@ ATTENTION_CASES = [
     ("prefill 32q/8kv page48", 128, 4, "bf16", 2048, 48, False, False, _PREFILL),
     ("chunk MAGI 24q/8kv", 128, 3, "bf16", 12150, 12150, False, False, _SLAB),
     ("chunk Wan split", 128, 1, "fp16", 4680, 4680, True, False, _SLAB),
+    # Wan-14B's 40 heads fill the waves unsplit: the unsplit form of the Wan step (its own keys
+    # over an fp8 history spilt there while the split form fitted).
+    ("chunk Wan-14B", 128, 1, "bf16", 4680, 4680, False, False, _SLAB),
     ("chunk GQA5 split", 128, 5, "bf16", 4096, 4096, True, False, _SLAB),
     ("chunk D256 GQA7 split", 256, 7, "bf16", 4096, 4096, True, False, _SLAB),
     ("spec-decode 4x8 split", 128, 8, "bf16", 4, 16, True, False, _PREFILL),
@@ -38,13 +41,13 @@ _FLAG_NAMES = ("causal", "kv_start", "lse", "softcap")
 # Slab cases also compiled as a denoising step launches them: the cached history and the
 # step's own keys as two key sources of one launch (commit=False). Head dim 256 takes its
 # own tiles for own keys, fp8 and RoPE (paged_attention._d256_config): compiled too.
-OWN_CASES = ("chunk MAGI 24q/8kv", "chunk Wan split", "chunk D256 GQA7 split")
+OWN_CASES = ("chunk MAGI 24q/8kv", "chunk Wan split", "chunk Wan-14B", "chunk D256 GQA7 split")
 # Cases also compiled with a float8_e4m3fn cache (bytes decoded in registers, per-key fp32
 # scales on the score and probability columns): decode (paged, and over 64-token pages on
 # the block loop), prefill through the guarded page path, and a slab chunk on the
 # large-block path with the step's own keys (never fp8).
 FP8_CASES = ("decode 32q/8kv split", "decode D256 GQA8 split", "decode page64 split", "prefill 32q/8kv page48",
-             "chunk Wan split", "chunk D256 GQA7 split")
+             "chunk Wan split", "chunk Wan-14B", "chunk D256 GQA7 split")
 # Cases also compiled with RoPE on read (queries and keys rotated by table rows as loaded,
 # per-block position shifts): decode with half-split pairs, the slab chunk (own keys,
 # interleaved pairs as Wan's); with an fp8 cache too under --all-variants.

@@ -65,6 +65,8 @@ def pick_config(arch: Arch, head_dim: int, group: int, elem_bytes: int, q_len_ma
         cfg = _amd(arch, d_pad, rows, elem_bytes, lean=lean, rope=rope, kv_fp8=kv_fp8, own=own)
     else:
         cfg = _nvidia(arch, d_pad, rows, elem_bytes, lean=lean, rope=rope, kv_fp8=kv_fp8, own=own)
+        if own and kv_fp8 and (rows is None or rows > 64) and d_pad <= 128:
+            cfg = own_over_fp8_config(cfg, arch)
         if rope:
             cfg = rope_config(cfg)
         if arch.smem_per_block < 128 * 1024:
@@ -172,20 +174,28 @@ def older_triton_config(cfg: dict, arch: Arch, *, lean: bool, kv_fp8: bool, own:
       16 B on sm_90a and 8 B on sm_80 (groups 2-7 spill 16-20 B on sm_90a), Wan with an fp8
       history 4 B on each. 2 stages: MAGI 240 / 255 registers (sm_90a / sm_80), Wan fp8 248 /
       255, groups 4 and 7 239-255; one K/V buffer fewer.
-    * the Wan step with own keys over fp8 on sm_120a (128 x 16, 2 stages): 8 B; 64 x 16
-      (176 registers).
     * lean D = 256 chunks on sm_100a (64 x 32, 2 stages): 16-20 B; 32 x 32 at 3 stages (117).
     """
-    small = arch.mma == "mma.sync" and arch.smem_per_block < 128 * 1024
     if kv_fp8 and arch.mma in ("wgmma", "tcgen05") and cfg["BLOCK_M"] == 128 and not lean:
         cfg = dict(cfg, BLOCK_N=32)
     if own:
         cfg = dict(cfg, num_stages=min(cfg["num_stages"], 2))
-    if own and kv_fp8 and small and cfg["BLOCK_M"] == 128:
-        cfg = dict(cfg, BLOCK_M=64)
     if arch.mma == "tcgen05" and lean and not own and cfg["HEAD_DIM_PAD"] >= 256 and cfg["BLOCK_M"] == 64:
         cfg = dict(cfg, BLOCK_M=32, num_stages=3)
     return cfg
+
+
+def own_over_fp8_config(cfg: dict, arch: Arch) -> dict:
+    """A denoising step's own keys over an fp8 history (three key loops, the fp8 one
+    widening in registers). The chunk tiles sit at 255 registers there and spill as soon as
+    the flags change the code a little: the unsplit Wan launch (the Wan-14B grid) spilt
+    12-36 B on sm_90a (128 x 64) and 284-360 B on sm_80 (128 x 16) under Triton 3.9, where
+    the split form fitted, and 2 stages do not cure it (8 B on sm_90a, 272-308 B on sm_80).
+    Half the keys per tile with wgmma / tcgen05 (128 x 32: 225-238 registers) and half the
+    rows with mma.sync (64 x 16: 162-200) keep the stages and the 2 fp8 K/V buffers."""
+    if arch.mma in ("wgmma", "tcgen05"):
+        return dict(cfg, BLOCK_N=min(cfg["BLOCK_N"], 32))
+    return dict(cfg, BLOCK_M=min(cfg["BLOCK_M"], 64))
 
 
 def rope_config(cfg: dict) -> dict:
