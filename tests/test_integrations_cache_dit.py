@@ -9,9 +9,11 @@ asserts the damage is large, so an upstream fix shows up as a failing test here.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -318,3 +320,15 @@ def test_import_kvarena_never_imports_cache_dit():
     code = "import sys, kvarena, kvarena.integrations; print('cache_dit' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_example_prints_the_gap_and_the_scoped_zero():
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, str(root / "examples" / "cache_dit_interleave.py")],
+                         capture_output=True, text=True, timeout=300, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = [ln for ln in res.stdout.splitlines() if "interleaved vs alone" in ln]
+    assert len(lines) == 2 and all(ln.endswith("CacheDiTScope 0") for ln in lines), res.stdout
+    gaps = [float(ln.split("unscoped cache-dit ")[1].split(",")[0]) for ln in lines]
+    assert min(gaps) > 0.1, res.stdout
