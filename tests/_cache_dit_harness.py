@@ -124,3 +124,22 @@ def first_mismatch(a: list[torch.Tensor], b: list[torch.Tensor]) -> str:
         if not torch.equal(x, y):
             return f"call {i} differs first, max abs {(x - y).abs().max().item():.3g}"
     return ""
+
+
+def fbc_wan(threshold: float = 0.5) -> WanTransformer3DModel:
+    """A fresh tiny Wan with diffusers' own FirstBlockCache hook (no cache-dit). At 0.5 a
+    request caches most steps after the first, and unscoped interleaving reads the other
+    request's residuals."""
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    model = tiny_wan()
+    model.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+    return model
+
+
+def resets(model, turns: int) -> Iterator[list | None]:
+    """Another pipeline's ends, one per turn: diffusers resets every hook state of the model."""
+    for _ in range(turns):
+        model._reset_stateful_cache()
+        yield None
+    yield []

@@ -27,9 +27,11 @@ from _cache_dit_harness import (  # noqa: E402
     cached_wan,
     call,
     drive,
+    fbc_wan,
     first_mismatch,
     interleave,
     max_gap,
+    resets,
     run,
     tiny_wan,
 )
@@ -290,9 +292,11 @@ def test_request_takes_the_branch_from_cache_context():
     assert [k[1] for k in entry_keys(cache) if k[0] == "n"] == ["default"]
 
 
-def test_requests_on_threads_interleaved_by_a_barrier_are_bitwise_independent():
+@pytest.mark.parametrize("kind", ["cache-dit", "first-block-cache"])
+def test_requests_on_threads_interleaved_by_a_barrier_are_bitwise_independent(kind):
     reqs = INTERLEAVINGS["two-cfg"]
-    model = cached_wan()
+    model = cached_wan() if kind == "cache-dit" else fbc_wan()
+    ref = reference if kind == "cache-dit" else fbc_reference
     scope = CacheDiTScope(model, big_cache())
     barrier, outs, errors = threading.Barrier(len(reqs)), [None] * len(reqs), []
 
@@ -313,7 +317,7 @@ def test_requests_on_threads_interleaved_by_a_barrier_are_bitwise_independent():
         th.join()
     assert not errors, errors
     for i, req in enumerate(reqs):
-        assert not first_mismatch(outs[i], reference(req)), f"thread {i}: {first_mismatch(outs[i], reference(req))}"
+        assert not first_mismatch(outs[i], ref(req)), f"thread {i}: {first_mismatch(outs[i], ref(req))}"
 
 
 def test_import_kvarena_never_imports_cache_dit():
@@ -332,3 +336,72 @@ def test_example_prints_the_gap_and_the_scoped_zero():
     assert len(lines) == 2 and all(ln.endswith("CacheDiTScope 0") for ln in lines), res.stdout
     gaps = [float(ln.split("unscoped cache-dit ")[1].split(",")[0]) for ln in lines]
     assert min(gaps) > 0.1, res.stdout
+
+
+# -- (4) diffusers' own stateful cache hooks (FirstBlockCache) ---------------------------------
+_FBC_REFS: dict[Request, list[torch.Tensor]] = {}
+
+
+def fbc_reference(req: Request) -> list[torch.Tensor]:
+    """diffusers' FirstBlockCache on ``req`` alone, as one pipeline call runs it."""
+    key = Request(req.seed, req.steps, req.cfg)
+    if key not in _FBC_REFS:
+        model = fbc_wan()
+        _FBC_REFS[key] = run(model, key, named(model))
+    return _FBC_REFS[key]
+
+
+FBC_INTERLEAVINGS = ("two-cfg", "cfg-with-no-cfg", "three-requests")
+
+
+@pytest.mark.parametrize("how", ["call", "request"])
+@pytest.mark.parametrize("name", FBC_INTERLEAVINGS)
+def test_first_block_cache_interleaved_is_bitwise_independent(name, how):
+    reqs = INTERLEAVINGS[name]
+    model, cache = fbc_wan(), big_cache()
+    scope = CacheDiTScope(model, cache)
+    drivers = []
+    for i, req in enumerate(reqs):
+        if how == "call":
+            drivers.append(drive(model, req, scoped(scope, f"r{i}")))
+        else:
+            drivers.append(_in_request(scope, f"r{i}", drive(model, req, named(model))))
+    outs = interleave([*drivers, resets(model, 8)])  # and another pipeline's ends between calls
+    for i, req in enumerate(reqs):
+        assert not first_mismatch(outs[i], fbc_reference(req)), f"request {i}: {first_mismatch(outs[i], fbc_reference(req))}"
+    stored_states = [k for k in entry_keys(cache) if k[2].startswith("diffusers:")]
+    assert len(stored_states) == sum(2 if r.cfg else 1 for r in reqs), stored_states
+
+
+def _in_request(scope, request_id, gen):
+    """Advance ``gen`` one call at a time, each inside ``scope.request(request_id)``."""
+    while True:
+        with scope.request(request_id):
+            got = next(gen)
+        yield got
+        if got is not None:
+            return
+
+
+@pytest.mark.parametrize("name", ["two-cfg", "b-starts-3-calls-later"])
+def test_negative_control_first_block_cache_interleaved_is_far_off(name):
+    reqs = INTERLEAVINGS[name]
+    model = fbc_wan()
+    outs = interleave([drive(model, r, named(model)) for r in reqs])
+    gap = max_gap(outs[0], fbc_reference(reqs[0]))
+    no_cache = max_gap(run(tiny_wan(), reqs[0]), fbc_reference(reqs[0]))
+    assert gap > max(0.1, 1.2 * no_cache), f"{name}: gap {gap:.3f}, FirstBlockCache's own error {no_cache:.3f}"
+
+
+def test_first_block_cache_state_is_charged_and_ended_with_the_request():
+    model, cache = fbc_wan(), big_cache()
+    scope = CacheDiTScope(model, cache)
+    run(model, A, scoped(scope, "a"))
+    states = [cache.get(*k) for k in entry_keys(cache)]
+    tensors = {id(v): v for s in states for v in s.values() if isinstance(v, torch.Tensor)}
+    tensors.update({id(t): t for s in states for v in s.values() if isinstance(v, tuple) for t in v
+                    if t is not None})
+    assert cache.used_bytes >= sum(t.untyped_storage().nbytes() for t in tensors.values()) > 0
+    assert scope.end_request("a") == 2 and len(cache) == 0
+    scope.close()
+    assert not first_mismatch(run(model, A, named(model)), fbc_reference(A))  # the module's own state

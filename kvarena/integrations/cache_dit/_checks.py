@@ -23,19 +23,23 @@ def check_cache(cache: Any) -> ResidualCache:
     return cache
 
 
-def check_module(module: Any) -> Any:
-    """The context manager of a transformer cache-dit was enabled on, transformer-only."""
+def check_module(module: Any, has_diffusers_hooks: bool) -> Any:
+    """cache-dit's context manager on ``module`` (``None`` when only diffusers' hooks are)."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(
             "kvarena: module must be the torch.nn.Module transformer that "
             f"cache_dit.enable_cache(transformer, ...) was called on, got {type(module).__qualname__}"
         )
+    if getattr(module, _SCOPED, None) is not None:
+        raise ValueError("kvarena: module already has an open CacheDiTScope; close() it first")
     manager = getattr(module, "_context_manager", None)
     names = getattr(module, "_context_names", None)
     if manager is None or not names or not getattr(module, "_is_cached", False):
+        if has_diffusers_hooks:
+            return None
         raise ValueError(
-            f"kvarena: module: cache-dit is not enabled on this {type(module).__name__}; call "
-            "cache_dit.enable_cache(module, cache_config=...) first"
+            f"kvarena: module: cache-dit is not enabled on this {type(module).__name__} (nor a "
+            "stateful diffusers cache hook); call cache_dit.enable_cache(module, cache_config=...) first"
         )
     if not getattr(manager, "persistent_context", False):
         raise ValueError(
@@ -43,8 +47,6 @@ def check_module(module: Any) -> Any:
             "on the pipeline class) resets the shared contexts at every pipeline call; enable it "
             "on the transformer instead: cache_dit.enable_cache(pipe.transformer, ...)"
         )
-    if getattr(module, _SCOPED, None) is not None:
-        raise ValueError("kvarena: module already has an open CacheDiTScope; close() it first")
     return manager
 
 

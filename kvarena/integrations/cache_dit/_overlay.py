@@ -1,13 +1,14 @@
-"""A per-thread view of one cache-dit context manager's mutable slots.
+"""A per-thread view of some mutable attributes ("slots") of one object.
 
 cache-dit keeps a transformer's state on one ``CachedContextManager``: a dict of named
 contexts and ONE current-context slot. Swapping the dict for a request's contexts would
 be seen by every thread, so a pipeline wrapper resetting contexts on thread B during
-thread A's call would write into A's request. The overlay gives the manager's three
-slots a per-thread value while a thread is inside :meth:`ThreadOverlay.installed`, and
-leaves them the manager's own everywhere else. It works by swapping the instance's class
+thread A's call would write into A's request. The overlay gives the manager's
+slots (and those of diffusers' hook ``StateManager`` objects, which have the same shape of
+problem) a per-thread value while a thread is inside :meth:`ThreadOverlay.installed`, and
+leaves them the object's own everywhere else. It works by swapping the instance's class
 for a subclass with data descriptors on those slots (undone by :meth:`ThreadOverlay.close`),
-because cache-dit reads them as plain attributes from many places.
+because both libraries read them as plain attributes from many places.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-SLOTS = ("_current_context", "_cached_context_manager", "_current_step_refreshed")
+#: cache-dit's CachedContextManager: its named contexts and the current one
+MANAGER_SLOTS = ("_current_context", "_cached_context_manager", "_current_step_refreshed")
 
 
 class _Slot:
@@ -42,33 +44,31 @@ class _Slot:
 
 
 class ThreadOverlay:
-    """Install per-thread slots on ``manager`` until :meth:`close`."""
+    """Install per-thread ``slots`` on ``obj`` until :meth:`close`."""
 
-    def __init__(self, manager: Any) -> None:
-        self.manager = manager
-        self.original = type(manager)
+    def __init__(self, obj: Any, slots: tuple[str, ...]) -> None:
+        self.obj = obj
+        self.slots = slots
+        self.original = type(obj)
         self.local = threading.local()
-        slots = {name: _Slot(name, self.local) for name in SLOTS}
-        view_cls = type(f"KVArenaScoped{self.original.__name__}", (self.original,), slots)
-        manager.__class__ = view_cls
+        descriptors = {name: _Slot(name, self.local) for name in slots}
+        obj.__class__ = type(f"KVArenaScoped{self.original.__name__}", (self.original,), descriptors)
 
     def active(self) -> bool:
         """Whether this thread is inside :meth:`installed`."""
         return getattr(self.local, "view", None) is not None
 
     @contextmanager
-    def installed(self, contexts: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        """Make ``contexts`` the manager's named contexts, for this thread only."""
-        self.local.view = {
-            "_current_context": None,
-            "_cached_context_manager": contexts,
-            "_current_step_refreshed": False,
-        }
+    def installed(self, view: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """Give the slots the values in ``view`` (one per slot), for this thread only."""
+        if set(view) != set(self.slots):
+            raise ValueError(f"view must set exactly the slots {self.slots}, got {sorted(view)}")
+        self.local.view = view
         try:
-            yield contexts
+            yield view
         finally:
             self.local.view = None
 
     def close(self) -> None:
-        """Give the manager its own class back (its own slots were never touched)."""
-        self.manager.__class__ = self.original
+        """Give the object its own class back (its own slots were never touched)."""
+        self.obj.__class__ = self.original
