@@ -405,3 +405,20 @@ def test_first_block_cache_state_is_charged_and_ended_with_the_request():
     assert scope.end_request("a") == 2 and len(cache) == 0
     scope.close()
     assert not first_mismatch(run(model, A, named(model)), fbc_reference(A))  # the module's own state
+
+
+def test_cache_dit_enabled_through_a_pipeline_is_refused():
+    """cache-dit's pipeline wrapper lives on the pipeline CLASS and resets the shared contexts
+    at every call of every instance: the scope asks for cache-dit on the transformer instead."""
+    import cache_dit
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=None, transformer=tiny_wan())
+    cache_dit.enable_cache(pipe, cache_config=cache_dit.DBCacheConfig(max_warmup_steps=1))
+    try:
+        with pytest.raises(ValueError, match=r"^kvarena: module: cache-dit was enabled through a pipeline"):
+            CacheDiTScope(pipe.transformer, big_cache())
+        with pytest.raises(TypeError, match="^kvarena: module must be the torch.nn.Module transformer"):
+            CacheDiTScope(pipe, big_cache())
+    finally:
+        cache_dit.disable_cache(pipe)  # gives WanPipeline.__call__ back to every other test
