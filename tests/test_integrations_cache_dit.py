@@ -56,6 +56,13 @@ def no_grad():
         yield
 
 
+@pytest.fixture(params=["no_grad", "inference_mode"])
+def serving_mode(request):
+    """The parity tests run again under ``torch.inference_mode()``, where servers run."""
+    with torch.inference_mode(request.param == "inference_mode"):
+        yield request.param
+
+
 def big_cache() -> ResidualCache:
     return ResidualCache(CachePolicy("residual", max_bytes=1 << 26))
 
@@ -86,7 +93,7 @@ def stored(cache: ResidualCache, request_id: str, branch: str):
 
 # -- (1) parity and independence --------------------------------------------------------------
 @pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "no-cfg"])
-def test_one_request_equals_unmodified_cache_dit_bitwise(cfg):
+def test_one_request_equals_unmodified_cache_dit_bitwise(cfg, serving_mode):
     req = Request(seed=1, cfg=cfg)
     ref_model = cached_wan(separate_cfg=cfg)
     want = run(ref_model, req)
@@ -102,7 +109,7 @@ def test_one_request_equals_unmodified_cache_dit_bitwise(cfg):
 
 
 @pytest.mark.parametrize("name", list(INTERLEAVINGS))
-def test_interleaved_requests_are_bitwise_independent(name):
+def test_interleaved_requests_are_bitwise_independent(name, serving_mode):
     reqs = INTERLEAVINGS[name]
     model = cached_wan()
     scope = CacheDiTScope(model, big_cache())
@@ -293,16 +300,18 @@ def test_request_takes_the_branch_from_cache_context():
 
 
 @pytest.mark.parametrize("kind", ["cache-dit", "first-block-cache"])
-def test_requests_on_threads_interleaved_by_a_barrier_are_bitwise_independent(kind):
+def test_requests_on_threads_interleaved_by_a_barrier_are_bitwise_independent(kind, serving_mode):
     reqs = INTERLEAVINGS["two-cfg"]
     model = cached_wan() if kind == "cache-dit" else fbc_wan()
     ref = reference if kind == "cache-dit" else fbc_reference
     scope = CacheDiTScope(model, big_cache())
     barrier, outs, errors = threading.Barrier(len(reqs)), [None] * len(reqs), []
 
+    inference = torch.is_inference_mode_enabled()  # thread-local: each worker enters it
+
     def worker(i):
         try:
-            with scope.request(f"t{i}"):
+            with torch.no_grad(), torch.inference_mode(inference), scope.request(f"t{i}"):
                 for got in drive(model, reqs[i], named(model)):
                     barrier.wait(timeout=60)  # every thread makes one call per round
                     outs[i] = got
@@ -356,7 +365,7 @@ FBC_INTERLEAVINGS = ("two-cfg", "cfg-with-no-cfg", "three-requests")
 
 @pytest.mark.parametrize("how", ["call", "request"])
 @pytest.mark.parametrize("name", FBC_INTERLEAVINGS)
-def test_first_block_cache_interleaved_is_bitwise_independent(name, how):
+def test_first_block_cache_interleaved_is_bitwise_independent(name, how, serving_mode):
     reqs = INTERLEAVINGS[name]
     model, cache = fbc_wan(), big_cache()
     scope = CacheDiTScope(model, cache)
