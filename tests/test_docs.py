@@ -274,11 +274,15 @@ def test_readme_python_blocks_run_as_written(tmp_path):
     assert len(blocks) >= 3, f"expected the HF, API-tour and context-parallel blocks, found {len(blocks)}"
     hf = importlib.util.find_spec("transformers") is not None
     diffusers = importlib.util.find_spec("diffusers") is not None
+    cache_dit = importlib.util.find_spec("cache_dit") is not None
     parts = ["import warnings\nwarnings.simplefilter('always')\nimport torch\n"]
     skipped = 0
     for i, block in enumerate(blocks):
         if "from kvarena.integrations.diffusers import" in block and not diffusers:
             skipped += 1  # the [diffusers] extra is not installed here
+            continue
+        if "from kvarena.integrations.cache_dit import" in block and not cache_dit:
+            skipped += 1  # the [cache-dit] extra is not installed here
             continue
         if "from kvarena.integrations import hf" in block:
             if not hf:

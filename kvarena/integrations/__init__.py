@@ -10,6 +10,8 @@ heavy (no transformers, no diffusers):
   transformers decoders, and :class:`~kvarena.integrations.hf.KVArenaCache`.
 * :mod:`kvarena.integrations.diffusers`: Self-Forcing-style causal rollouts of diffusers'
   ``WanTransformer3DModel`` on the slab cache.
+* :mod:`kvarena.integrations.cache_dit`: cache-dit's step caches scoped per request and per
+  CFG branch, their state stored in a :class:`~kvarena.ResidualCache`.
 """
 
 __all__: list[str] = []
