@@ -1,0 +1,206 @@
+"""``kvarena.integrations.diffusers.cache_prompts``: a pipeline's ``encode_prompt`` from a FeatureCache.
+
+The reference of every result is the pipeline's own, uncached ``encode_prompt`` (the class's
+method, bound to the same pipeline, called with the same arguments in the same state); results
+must equal it bitwise. "The encoder ran" is read from a forward hook on the text encoder.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers", reason="the diffusers extra is not installed (pip install 'kvarena[diffusers]')")
+
+from _tiny_pipelines import tiny_wan_pipeline  # noqa: E402
+
+from kvarena import CachePolicy, FeatureCache  # noqa: E402
+from kvarena.integrations.diffusers import cache_prompts  # noqa: E402
+
+BASE = dict(prompt="a red fox", negative_prompt="blue cat", do_classifier_free_guidance=True,
+            num_videos_per_prompt=1, max_sequence_length=8)
+
+
+def uncached(pipe, **kwargs):
+    """The pipeline's own encode_prompt (the class's method: no handle in between)."""
+    return type(pipe).encode_prompt(pipe, **kwargs)
+
+
+def assert_same(got, want, what=""):
+    assert len(got) == len(want), f"{what}: {len(got)} outputs, want {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        if w is None:
+            assert g is None, f"{what}: output {i} is {type(g)}, want None"
+            continue
+        assert g.dtype == w.dtype and g.shape == w.shape, f"{what}: output {i} {g.dtype}{tuple(g.shape)} " \
+                                                          f"vs {w.dtype}{tuple(w.shape)}"
+        assert torch.equal(g, w), f"{what}: output {i} differs, max |diff| {(g - w).abs().max().item()}"
+
+
+class Runs:
+    """Counts the text encoder's forward calls (public: a forward hook)."""
+
+    def __init__(self, module):
+        self.n = 0
+        module.register_forward_hook(lambda *_: setattr(self, "n", self.n + 1))
+
+
+@pytest.fixture
+def pipe():
+    return tiny_wan_pipeline(seed=0)
+
+
+def new_cache(max_bytes=1 << 22):
+    return FeatureCache(CachePolicy("feature", max_bytes=max_bytes))
+
+
+# ---------------------------------------------------------------------- item 1: hits, bits, key
+def test_a_repeated_prompt_runs_the_encoder_once_and_equals_the_uncached_call(pipe):
+    runs = Runs(pipe.text_encoder)
+    with torch.no_grad():
+        want = uncached(pipe, **BASE)
+        before = runs.n
+        with cache_prompts(pipe, new_cache()) as handle:
+            first = pipe.encode_prompt(**BASE)
+            second = pipe.encode_prompt(**BASE)
+    assert runs.n - before == 2, "the miss encodes prompt and negative prompt once each; the hit encodes nothing"
+    assert_same(first, want, "miss")
+    assert_same(second, want, "hit")
+    s = handle.stats()
+    assert (s["hits"], s["misses"], s["encoder_calls"], s["entries"]) == (1, 1, 1, 1), s
+    assert s["used_bytes"] == sum(t.numel() * t.element_size() for t in want), s
+
+
+def _variants():
+    emb = torch.linspace(-1, 1, 8 * 32).reshape(1, 8, 32)
+    return [
+        pytest.param({"prompt": "a red dog"}, None, id="prompt"),
+        pytest.param({"negative_prompt": "green forest"}, None, id="negative_prompt"),
+        pytest.param({"prompt": ["a red fox"], "negative_prompt": ["blue cat"]}, None, id="prompt_as_list"),
+        pytest.param({"do_classifier_free_guidance": False}, None, id="cfg_off"),
+        pytest.param({"num_videos_per_prompt": 2}, None, id="num_videos_per_prompt"),
+        pytest.param({"max_sequence_length": 12}, None, id="max_sequence_length"),
+        pytest.param({"dtype": torch.bfloat16}, None, id="dtype"),
+        pytest.param({"device": torch.device("cpu")}, None, id="device_given"),
+        pytest.param({"prompt": None, "prompt_embeds": emb}, None, id="prompt_embeds"),
+        pytest.param({"negative_prompt": None, "negative_prompt_embeds": emb}, None, id="negative_prompt_embeds"),
+        pytest.param({}, "grad", id="grad_mode"),
+        pytest.param({}, "autocast", id="autocast_bf16"),
+    ]
+
+
+def _mode(mode):
+    if mode == "grad":
+        return torch.enable_grad()
+    if mode == "autocast":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return torch.no_grad()
+
+
+@pytest.mark.parametrize("change, mode", _variants())
+def test_each_key_ingredient_changed_alone_misses_and_equals_the_uncached_call(pipe, change, mode):
+    args = {**BASE, **change}
+    with torch.no_grad(), cache_prompts(pipe, new_cache()) as handle:
+        pipe.encode_prompt(**BASE)
+        pipe.encode_prompt(**BASE)
+        with _mode(mode):
+            got = pipe.encode_prompt(**args)
+            again = pipe.encode_prompt(**args)
+            want = uncached(pipe, **args)
+    s = handle.stats()
+    assert (s["misses"], s["hits"]) == (2, 2), f"{change} {mode}: expected its own entry (a miss, then a hit): {s}"
+    assert_same(got, want, f"{change} {mode} miss")
+    assert_same(again, want, f"{change} {mode} hit")
+
+
+def test_prompt_embeds_are_keyed_by_content_not_by_buffer(pipe):
+    emb = torch.linspace(-1, 1, 8 * 32).reshape(1, 8, 32)
+    args = {**BASE, "prompt": None, "prompt_embeds": emb}
+    with torch.no_grad(), cache_prompts(pipe, new_cache()) as handle:
+        pipe.encode_prompt(**args)
+        emb.mul_(2)  # the same buffer, another prompt
+        got = pipe.encode_prompt(**args)
+        want = uncached(pipe, **args)
+    assert handle.stats()["misses"] == 2, handle.stats()
+    assert_same(got, want, "after the in-place edit of prompt_embeds")
+
+
+def test_a_call_that_builds_a_graph_runs_uncached(pipe):
+    pipe.text_encoder.requires_grad_(True)
+    with cache_prompts(pipe, new_cache()) as handle:
+        got = pipe.encode_prompt(**BASE)
+        pipe.encode_prompt(**BASE)
+    assert got[0].requires_grad, "the caller asked for a graph"
+    s = handle.stats()
+    assert (s["uncached"], s["hits"], s["entries"]) == (2, 0, 0), s
+
+
+def test_a_caller_editing_a_result_in_place_never_changes_the_cache(pipe):
+    with torch.no_grad(), cache_prompts(pipe, new_cache()) as handle:
+        want = uncached(pipe, **BASE)
+        miss = pipe.encode_prompt(**BASE)
+        miss[0].add_(1.0)
+        hit = pipe.encode_prompt(**BASE)
+        assert_same(hit, want, "hit after the caller edited the miss's result")
+        hit[1].zero_()
+        assert_same(pipe.encode_prompt(**BASE), want, "hit after the caller edited a hit's result")
+    assert handle.stats()["hits"] == 2
+
+
+def test_pipe_call_uses_the_cache_and_equals_the_uncached_pipeline(pipe):
+    runs = Runs(pipe.text_encoder)
+    kw = dict(prompt="a red fox", negative_prompt="blue cat", height=16, width=16, num_frames=1,
+              num_inference_steps=1, max_sequence_length=8, output_type="latent")
+    want = pipe(**kw, generator=torch.Generator().manual_seed(0)).frames
+    with cache_prompts(pipe, new_cache()):
+        before = runs.n
+        pipe(**kw, generator=torch.Generator().manual_seed(0))
+        got = pipe(**kw, generator=torch.Generator().manual_seed(0)).frames
+    assert runs.n - before == 2, f"expected the two encodings of the first call only, got {runs.n - before}"
+    assert torch.equal(got, want), f"max |diff| {(got - want).abs().max().item()}"
+
+
+def test_close_restores_the_pipeline(pipe):
+    handle = cache_prompts(pipe, new_cache())
+    with pytest.raises(ValueError, match="pipe: already served"):
+        cache_prompts(pipe, new_cache())
+    handle.close()
+    assert "encode_prompt" not in vars(pipe) and "fuse_lora" not in vars(pipe)
+    assert pipe.encode_prompt.__func__ is type(pipe).encode_prompt
+    runs = Runs(pipe.text_encoder)
+    with torch.no_grad():
+        pipe.encode_prompt(**BASE)
+        pipe.encode_prompt(**BASE)
+    assert runs.n == 4 and handle.stats()["hits"] == 0
+    cache_prompts(pipe, new_cache()).close()  # a closed pipeline takes a new handle
+
+
+@pytest.mark.parametrize("call, err, match", [
+    pytest.param(lambda p: cache_prompts(p, {}), TypeError, "cache: expected a kvarena.FeatureCache", id="cache"),
+    pytest.param(lambda p: cache_prompts(object(), new_cache()), TypeError, "pipe: expected", id="pipe"),
+    pytest.param(lambda p: cache_prompts(p, new_cache(), components=["tokenizer"]), ValueError, "components: no text",
+                 id="components_without_encoder"),
+    pytest.param(lambda p: cache_prompts(p, new_cache(), components=["nope"]), ValueError, "components: ",
+                 id="components_unknown"),
+    pytest.param(lambda p: cache_prompts(p, new_cache(), components="text_encoder"), TypeError, "components must",
+                 id="components_str"),
+])
+def test_bad_arguments_name_the_argument_and_install_nothing(pipe, call, err, match):
+    with pytest.raises(err, match=match):
+        call(pipe)
+    assert "encode_prompt" not in vars(pipe)
+
+
+@pytest.mark.parametrize("call, err, match", [
+    pytest.param(lambda h: h.invalidate_weights(3), TypeError, "version: expected a str", id="version"),
+    pytest.param(lambda h: h.invalidate_components("text_encoder"), TypeError, "names must", id="names_str"),
+    pytest.param(lambda h: h.invalidate_components({"nope"}), ValueError, "names: ", id="names_unknown"),
+])
+def test_a_refused_invalidation_changes_nothing(pipe, call, err, match):
+    with torch.no_grad(), cache_prompts(pipe, new_cache()) as handle:
+        pipe.encode_prompt(**BASE)
+        with pytest.raises(err, match=match):
+            call(handle)
+        pipe.encode_prompt(**BASE)
+    s = handle.stats()
+    assert (s["hits"], s["entries"]) == (1, 1), s
