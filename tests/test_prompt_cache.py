@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("diffusers", reason="the diffusers extra is not installed (pip install 'kvarena[diffusers]')")
 
-from _tiny_pipelines import tiny_wan_pipeline  # noqa: E402
+from _tiny_pipelines import tiny_umt5, tiny_wan_pipeline  # noqa: E402
 
 from kvarena import CachePolicy, FeatureCache  # noqa: E402
 from kvarena.integrations.diffusers import cache_prompts  # noqa: E402
@@ -204,3 +204,137 @@ def test_a_refused_invalidation_changes_nothing(pipe, call, err, match):
         pipe.encode_prompt(**BASE)
     s = handle.stats()
     assert (s["hits"], s["entries"]) == (1, 1), s
+
+
+# ---------------------------------------------------------------------- item 2: weights versions
+def _norm(pipe):
+    return pipe.text_encoder.encoder.final_layer_norm
+
+
+def _in_place(pipe):
+    _norm(pipe).weight.mul_(1.5)
+
+
+def _load_state_dict(pipe):
+    sd = {k: v * 1.5 for k, v in pipe.text_encoder.state_dict().items()}
+    pipe.text_encoder.load_state_dict(sd)
+
+
+def _load_state_dict_assign(pipe):
+    sd = {k: v * 1.5 for k, v in pipe.text_encoder.state_dict().items()}
+    pipe.text_encoder.load_state_dict(sd, assign=True)
+
+
+def _replaced_parameter(pipe):
+    _norm(pipe).weight = torch.nn.Parameter(_norm(pipe).weight * 1.5, requires_grad=False)
+
+
+def _data_assigned(pipe):
+    _norm(pipe).weight.data = _norm(pipe).weight.data * 1.5
+
+
+def _replaced_encoder(pipe):
+    pipe.text_encoder = tiny_umt5(seed=1)
+
+
+@pytest.mark.parametrize("write", [_in_place, _load_state_dict, _load_state_dict_assign, _replaced_parameter,
+                                   _data_assigned, _replaced_encoder],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_a_visible_weight_change_misses_without_any_call(pipe, write):
+    with torch.no_grad(), cache_prompts(pipe, new_cache()) as handle:
+        old = pipe.encode_prompt(**BASE)
+        write(pipe)
+        got = pipe.encode_prompt(**BASE)
+        want = uncached(pipe, **BASE)
+    assert not torch.equal(want[0], old[0]), "the write must change the embedding (else the test proves nothing)"
+    assert handle.stats()["misses"] == 2, handle.stats()
+    assert_same(got, want, f"after {write.__name__}")
+
+
+def test_a_data_write_needs_invalidate_weights_and_then_misses(pipe):
+    with torch.no_grad(), cache_prompts(pipe, new_cache()) as handle:
+        old = pipe.encode_prompt(**BASE)
+        _norm(pipe).weight.data.mul_(1.5)  # bumps no version counter (PEFT's merge, an RL sync)
+        stale = pipe.encode_prompt(**BASE)
+        dropped = handle.invalidate_weights("step-1")
+        got = pipe.encode_prompt(**BASE)
+        want = uncached(pipe, **BASE)
+    assert_same(stale, old, "documented limit: an unseen .data write before invalidate_weights")
+    assert dropped == 1
+    assert not torch.equal(want[0], old[0])
+    assert_same(got, want, "after invalidate_weights")
+    assert handle.cache.keys()[0].weights_version == "step-1"
+
+
+def test_inference_tensor_weights_are_keyed_by_content(pipe):
+    with torch.inference_mode():
+        pipe.text_encoder = tiny_umt5(seed=0)  # parameters are inference tensors: no version counter
+        assert _norm(pipe).weight.is_inference()
+        with cache_prompts(pipe, new_cache()) as handle:
+            old = pipe.encode_prompt(**BASE)
+            hit = pipe.encode_prompt(**BASE)
+            _norm(pipe).weight.mul_(1.5)
+            got = pipe.encode_prompt(**BASE)
+            want = uncached(pipe, **BASE)
+    assert (handle.stats()["hits"], handle.stats()["misses"]) == (1, 2), handle.stats()
+    assert_same(hit, old, "hit")
+    assert not torch.equal(want[0], old[0])
+    assert_same(got, want, "after the in-place write under inference mode")
+
+
+def test_a_pipeline_lora_call_is_an_event_even_when_it_writes_through_data(pipe):
+    def fuse_lora(**_):  # what PEFT's merge does to a text encoder: a .data write
+        _norm(pipe).weight.data.add_(0.25)
+
+    def unfuse_lora(**_):
+        _norm(pipe).weight.data.sub_(0.25)
+
+    pipe.fuse_lora, pipe.unfuse_lora = fuse_lora, unfuse_lora
+    with torch.no_grad(), cache_prompts(pipe, new_cache()) as handle:
+        before = pipe.encode_prompt(**BASE)
+        pipe.fuse_lora()
+        fused = pipe.encode_prompt(**BASE)
+        want_fused = uncached(pipe, **BASE)
+        pipe.unfuse_lora()
+        after = pipe.encode_prompt(**BASE)
+        want_after = uncached(pipe, **BASE)
+    assert not torch.equal(want_fused[0], before[0])
+    assert_same(fused, want_fused, "after fuse_lora")
+    assert_same(after, want_after, "after unfuse_lora (an event, not a snapshot: no hit on the pre-fuse entry)")
+    assert handle.stats()["misses"] == 3 and handle.stats()["hits"] == 0, handle.stats()
+    assert pipe.fuse_lora is fuse_lora, "close() restores the pipeline's own methods"
+
+
+def test_a_transformer_only_invalidation_keeps_the_embeddings(pipe):
+    with torch.no_grad(), cache_prompts(pipe, new_cache()) as handle:
+        pipe.encode_prompt(**BASE)
+        assert handle.invalidate_components({"transformer"}) == 0
+        pipe.encode_prompt(**BASE)
+        assert handle.stats()["hits"] == 1
+        assert handle.invalidate_components({"tokenizer"}) == 1
+        pipe.encode_prompt(**BASE)
+    assert (handle.stats()["hits"], handle.stats()["misses"]) == (1, 2), handle.stats()
+
+
+def test_negative_control_diffusers_pointer_keyed_text_kv_cache_serves_a_stale_prompt():
+    """diffusers' TextKVCache keys by ``data_ptr()``: a new prompt written into the same buffer
+    gets the old prompt's K/V (this test proves the comparison sees staleness); the same edit
+    through kvarena's handle is a miss."""
+    from diffusers import NucleusMoEImageTransformer2DModel
+    from diffusers.hooks import TextKVCacheConfig
+
+    torch.manual_seed(0)
+    model = NucleusMoEImageTransformer2DModel(
+        patch_size=2, in_channels=8, num_layers=1, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=16, axes_dims_rope=(2, 2, 4), moe_enabled=False, num_experts=2,
+        moe_intermediate_dim=16).eval()
+    x, emb, other = torch.randn(1, 16, 8), torch.randn(1, 5, 16), torch.randn(1, 5, 16)
+    kw = dict(hidden_states=x, img_shapes=[(1, 4, 4)], timestep=torch.tensor([500.0]), return_dict=False)
+    with torch.no_grad():
+        want = model(encoder_hidden_states=other, **kw)[0]
+        model.enable_cache(TextKVCacheConfig())
+        old = model(encoder_hidden_states=emb, **kw)[0]
+        emb.copy_(other)
+        stale = model(encoder_hidden_states=emb, **kw)[0]
+    assert torch.equal(stale, old), "diffusers served the old prompt's K/V"
+    assert not torch.equal(stale, want), f"and it is wrong by {(stale - want).abs().max().item():.4f}"

@@ -95,6 +95,8 @@ def is_training(module: torch.nn.Module) -> bool:
 
 def component_state(component: Any) -> tuple:
     """The state of one text encoder (a module) or tokenizer, as the cache key holds it."""
+    if component is None:  # removed from the pipeline since the handle was made
+        return ("none",)
     if isinstance(component, torch.nn.Module):
         return _module_state(component)
     return _tokenizer_state(component)

@@ -142,17 +142,16 @@ def cache_prompts(pipe: Any, cache: FeatureCache, *, components: Iterable[str] |
                         f"{type(pipe).__qualname__}")
     if hasattr(pipe.encode_prompt, _MARK):
         raise ValueError("pipe: already served by a prompt cache; close() that handle first")
-    return PromptCacheHandle(pipe, cache, _tracked(pipe, components))
+    return PromptCacheHandle(pipe, cache, list(_tracked(pipe, components)))
 
 
 class PromptCacheHandle:
     """The installed prompt cache of one pipeline (made by :func:`cache_prompts`)."""
 
-    def __init__(self, pipe: Any, cache: FeatureCache, tracked: dict[str, Any]) -> None:
+    def __init__(self, pipe: Any, cache: FeatureCache, tracked: list[str]) -> None:
         self.cache = cache
-        self._pipe, self._tracked = pipe, tracked
-        self._modules = [c for c in tracked.values() if isinstance(c, torch.nn.Module)]
-        self.component_id = "+".join(n for n, c in tracked.items() if isinstance(c, torch.nn.Module))
+        self._pipe, self._tracked = pipe, tuple(tracked)
+        self.component_id = "+".join(n for n in tracked if isinstance(getattr(pipe, n), torch.nn.Module))
         self._lock = threading.Lock()  # misses and uncached calls, one at a time
         self._count_lock = threading.Lock()  # the counters (a hit does not wait for a miss)
         self._counts = {"hits": 0, "misses": 0, "uncached": 0, "encoder_calls": 0}
@@ -191,6 +190,12 @@ class PromptCacheHandle:
         self._saved = {}
 
     @property
+    def _modules(self) -> list[torch.nn.Module]:
+        """The tracked text encoders as the pipeline holds them now (a replaced one is seen)."""
+        found = (getattr(self._pipe, n, None) for n in self._tracked)
+        return [m for m in found if isinstance(m, torch.nn.Module)]
+
+    @property
     def closed(self) -> bool:
         return not self._saved
 
@@ -207,7 +212,7 @@ class PromptCacheHandle:
             raise _Uncacheable("an encoder is in training mode")
         if torch.is_grad_enabled() and self._builds_graph(bound.arguments.values()):
             raise _Uncacheable("the call builds an autograd graph")
-        states = tuple((n, component_state(c)) for n, c in self._tracked.items())
+        states = tuple((n, component_state(getattr(self._pipe, n, None))) for n in self._tracked)
         where = str(getattr(self._pipe, "_execution_device", None))
         content = content_hash((type(self._pipe).__qualname__, call, where, _numerics(), states))
         return CacheKey(self.component_id, content, self._label())
@@ -218,7 +223,7 @@ class PromptCacheHandle:
         return any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
 
     def _label(self) -> str:
-        return epoch_of(self._modules[0])[0]
+        return "+".join(sorted({epoch_of(m)[0] for m in self._modules}))
 
     # ------------------------------------------------------------------ the call
     def _encode_prompt(self, *args: Any, **kwargs: Any) -> Any:
