@@ -7,6 +7,8 @@ must equal it bitwise. "The encoder ran" is read from a forward hook on the text
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -338,3 +340,83 @@ def test_negative_control_diffusers_pointer_keyed_text_kv_cache_serves_a_stale_p
         stale = model(encoder_hidden_states=emb, **kw)[0]
     assert torch.equal(stale, old), "diffusers served the old prompt's K/V"
     assert not torch.equal(stale, want), f"and it is wrong by {(stale - want).abs().max().item():.4f}"
+
+
+# ---------------------------------------------------------------------- item 3: sharing, threads, budget
+PROMPTS = ("a red fox", "blue cat sits on mat", "green forest river", "city street rain", "lazy dog", "snow at night")
+
+
+def test_two_pipelines_share_entries_only_through_the_same_encoder_objects():
+    a = tiny_wan_pipeline(seed=0)
+    other = tiny_wan_pipeline(seed=1)                  # another encoder
+    twin = tiny_wan_pipeline(seed=0)                   # equal weights, other objects
+    same = tiny_wan_pipeline(seed=2, text_encoder=a.text_encoder, tokenizer=a.tokenizer)
+    cache = new_cache()
+    handles = [cache_prompts(p, cache) for p in (a, other, twin, same)]
+    with torch.no_grad():
+        got = [p.encode_prompt(**BASE) for p in (a, other, twin, same)]
+        want = [uncached(p, **BASE) for p in (a, other, twin, same)]
+        _norm(a).weight.mul_(1.5)                     # a's encoder changes: so does same's
+        after = same.encode_prompt(**BASE)
+        want_after = uncached(same, **BASE)
+    for name, g, w in zip(("a", "other", "twin", "same"), got, want):
+        assert_same(g, w, name)
+    assert not torch.equal(want[0][0], want[1][0])
+    hits = [h.stats()["hits"] for h in handles]
+    assert hits == [0, 0, 0, 1], f"only the pipeline holding a's encoder and tokenizer hits a's entry: {hits}"
+    assert_same(after, want_after, "same, after a's encoder changed")
+    assert handles[3].stats()["misses"] == 1 and cache.stats()["entries"] == 4, cache.stats()
+    for h in handles:
+        h.close()
+
+
+def test_concurrent_calls_on_one_handle_are_right_and_encode_each_key_once(pipe):
+    calls = [dict(BASE, prompt=p, max_sequence_length=n) for p in PROMPTS[:3] for n in (8, 12)]
+    with torch.no_grad():
+        want = [uncached(pipe, **c) for c in calls]
+    results, errors = {}, []
+
+    def worker(t):
+        try:
+            with torch.no_grad():
+                for r in range(4):
+                    for i in range(len(calls)):
+                        j = (i * (t + 1) + r) % len(calls)
+                        results[(t, r, i)] = j, pipe.encode_prompt(**calls[j])
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    with cache_prompts(pipe, new_cache()) as handle:
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    assert not errors, errors
+    assert len(results) == 4 * 4 * len(calls)
+    for (t, r, _), (j, got) in results.items():
+        assert_same(got, want[j], f"thread {t} round {r} call {j}")
+    s = handle.stats()
+    assert s["encoder_calls"] == len(calls) and s["hits"] + s["misses"] == len(results), s
+
+
+def test_the_byte_budget_holds(pipe):
+    entry = 2 * 8 * 32 * 4  # prompt and negative embeddings, [1, 8, 32] fp32 each
+    cache = new_cache(max_bytes=3 * entry)
+    with torch.no_grad(), cache_prompts(pipe, cache) as handle:
+        for rnd in range(2):
+            for p in PROMPTS:
+                got = pipe.encode_prompt(**dict(BASE, prompt=p))
+                assert cache.used_bytes <= cache.max_bytes, cache.stats()
+                assert_same(got, uncached(pipe, **dict(BASE, prompt=p)), f"round {rnd} {p!r}")
+    s = cache.stats()
+    assert s["entries"] == 3 and s["used_bytes"] == 3 * entry and s["evictions"] == 9, s
+    assert handle.stats()["hits"] == 0, "LRU over 6 prompts cycling through 3 slots never hits"
+
+
+def test_a_value_over_the_budget_is_not_stored_and_still_right(pipe):
+    cache = new_cache(max_bytes=100)
+    with torch.no_grad(), cache_prompts(pipe, cache) as handle:
+        for _ in range(2):
+            assert_same(pipe.encode_prompt(**BASE), uncached(pipe, **BASE), "over budget")
+    assert (cache.stats()["entries"], cache.stats()["rejected"], handle.stats()["misses"]) == (0, 2, 2)
