@@ -420,3 +420,21 @@ def test_a_value_over_the_budget_is_not_stored_and_still_right(pipe):
         for _ in range(2):
             assert_same(pipe.encode_prompt(**BASE), uncached(pipe, **BASE), "over budget")
     assert (cache.stats()["entries"], cache.stats()["rejected"], handle.stats()["misses"]) == (0, 2, 2)
+
+
+# ---------------------------------------------------------------------- the example
+def test_the_example_runs_offline_and_shows_hits_a_weight_change_and_the_weight_sync():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run([sys.executable, str(root / "examples" / "prompt_cache.py")], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stdout.splitlines()
+    assert lines[0] == "repeated prompt: hit, bitwise equal True, encoder runs 2", res.stdout
+    assert lines[1].endswith("embedding changed True"), res.stdout
+    assert "served the old entry True until invalidate_weights dropped 2; then fresh True" in lines[2], res.stdout
