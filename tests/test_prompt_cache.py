@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("diffusers", reason="the diffusers extra is not installed (pip install 'kvarena[diffusers]')")
 
-from _tiny_pipelines import tiny_umt5, tiny_wan_pipeline  # noqa: E402
+from _tiny_pipelines import clip_lora, tiny_umt5, tiny_wan_pipeline  # noqa: E402
 
 from kvarena import CachePolicy, FeatureCache  # noqa: E402
 from kvarena.integrations.diffusers import cache_prompts  # noqa: E402
@@ -438,3 +438,42 @@ def test_the_example_runs_offline_and_shows_hits_a_weight_change_and_the_weight_
     assert lines[0] == "repeated prompt: hit, bitwise equal True, encoder runs 2", res.stdout
     assert lines[1].endswith("embedding changed True"), res.stdout
     assert "served the old entry True until invalidate_weights dropped 2; then fresh True" in lines[2], res.stdout
+
+
+# ---------------------------------------------------------------------- LoRA through Flux's pipeline API
+def _lora_steps():
+    """(label, action on the pipeline, call arguments): each a new state of the CLIP encoder's LoRA."""
+    return [
+        ("load_lora_weights", lambda p: p.load_lora_weights(clip_lora(), adapter_name="style"), {}),
+        ("lora_scale", lambda p: None, {"lora_scale": 0.5}),
+        ("set_adapters", lambda p: p.set_adapters(["style"], adapter_weights=[0.3]), {}),
+        ("fuse_lora", lambda p: p.fuse_lora(components=["text_encoder"]), {}),
+        ("unfuse_lora", lambda p: p.unfuse_lora(components=["text_encoder"]), {}),
+        ("disable_lora", lambda p: p.disable_lora(), {}),
+        ("enable_lora", lambda p: p.enable_lora(), {}),
+        ("delete_adapters", lambda p: p.delete_adapters("style"), {}),
+    ]
+
+
+def test_flux_text_encoder_lora_events_each_miss_and_equal_the_uncached_call():
+    pytest.importorskip("peft", reason="a text-encoder LoRA through the pipeline's API needs peft")
+    from _tiny_pipelines import tiny_flux_pipeline
+
+    pipe = tiny_flux_pipeline()
+    args = dict(prompt="a red fox", prompt_2=None, max_sequence_length=8)
+    with torch.no_grad(), cache_prompts(pipe, new_cache()) as handle:
+        seen = [("base", pipe.encode_prompt(**args))]
+        for label, action, extra in _lora_steps():
+            action(pipe)
+            got = pipe.encode_prompt(**args, **extra)
+            again = pipe.encode_prompt(**args, **extra)
+            want = uncached(pipe, **args, **extra)
+            assert_same(got, want, f"{label}: miss")
+            assert_same(again, want, f"{label}: hit")
+            seen.append((label, want))
+    s = handle.stats()
+    assert (s["misses"], s["hits"]) == (9, 8), f"every LoRA step is its own entry: {s}"
+    by = dict(seen)
+    assert not torch.equal(by["load_lora_weights"][1], by["base"][1]), "the LoRA changes the pooled embedding"
+    assert not torch.equal(by["unfuse_lora"][1], by["set_adapters"][1]), \
+        "fuse then unfuse is not bitwise the state before: a snapshot of the adapter state would serve stale bits"
