@@ -146,7 +146,17 @@ def cache_prompts(pipe: Any, cache: FeatureCache, *, components: Iterable[str] |
 
 
 class PromptCacheHandle:
-    """The installed prompt cache of one pipeline (made by :func:`cache_prompts`)."""
+    """The installed prompt cache of one pipeline (made by :func:`cache_prompts`).
+
+    Attributes
+    ----------
+    cache : kvarena.FeatureCache
+    component_id : str
+        The entries' ``CacheKey.component_id``: the tracked text encoders' names joined by
+        ``+`` (``"text_encoder"``; ``"text_encoder+text_encoder_2"`` for Flux).
+    closed : bool
+        Whether :meth:`close` restored the pipeline.
+    """
 
     def __init__(self, pipe: Any, cache: FeatureCache, tracked: list[str]) -> None:
         self.cache = cache
