@@ -477,3 +477,25 @@ def test_flux_text_encoder_lora_events_each_miss_and_equal_the_uncached_call():
     assert not torch.equal(by["load_lora_weights"][1], by["base"][1]), "the LoRA changes the pooled embedding"
     assert not torch.equal(by["unfuse_lora"][1], by["set_adapters"][1]), \
         "fuse then unfuse is not bitwise the state before: a snapshot of the adapter state would serve stale bits"
+
+
+def test_a_two_encoder_pipeline_keys_each_encoder():
+    from _tiny_pipelines import tiny_flux_pipeline
+
+    pipe = tiny_flux_pipeline()
+    args = dict(prompt="a red fox", prompt_2="blue cat", max_sequence_length=8)
+    with torch.no_grad(), cache_prompts(pipe, new_cache()) as handle:
+        assert handle.component_id == "text_encoder+text_encoder_2"
+        old = pipe.encode_prompt(**args)
+        pipe.text_encoder_2.encoder.final_layer_norm.weight.mul_(1.5)  # the second encoder only
+        changed = pipe.encode_prompt(**args)
+        want = uncached(pipe, **args)
+        pipe.text_encoder.final_layer_norm.weight.data.mul_(1.5)  # the first, unseen: the sync call
+        assert handle.invalidate_weights("v2") == 2
+        synced = pipe.encode_prompt(**args)
+        want_synced = uncached(pipe, **args)
+    assert not torch.equal(want[0], old[0]) and torch.equal(want[1], old[1]), "T5 feeds output 0, CLIP output 1"
+    assert_same(changed, want, "after the T5 write")
+    assert not torch.equal(want_synced[1], want[1])
+    assert_same(synced, want_synced, "after the CLIP .data write and invalidate_weights")
+    assert handle.stats()["misses"] == 3 and handle.stats()["hits"] == 0, handle.stats()
