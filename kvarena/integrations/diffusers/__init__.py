@@ -18,18 +18,23 @@ transformer behaves exactly as before:
 :func:`convert_self_forcing_state_dict` maps original Wan / Self-Forcing / CausVid
 checkpoints to diffusers' parameter names; :func:`wan_config_from_state_dict` reads the
 transformer's config off such a state dict. Importing this package does not import
-diffusers (the rollout does, when it is built). See ``docs/diffusers.md``.
+diffusers (the rollout does, when it is built). :func:`cache_prompts` serves a pipeline's
+``encode_prompt`` from a :class:`~kvarena.FeatureCache` (bitwise the uncached result, keyed
+by the call and the text encoders' state). See ``docs/diffusers.md``.
 """
 
 from kvarena.integrations.diffusers.convert import (
     convert_self_forcing_state_dict,
     wan_config_from_state_dict,
 )
+from kvarena.integrations.diffusers.prompt_cache import PromptCacheHandle, cache_prompts
 from kvarena.integrations.diffusers.rollout import CausalWanRollout, RolloutStep
 
 __all__ = [
     "CausalWanRollout",
+    "PromptCacheHandle",
     "RolloutStep",
+    "cache_prompts",
     "convert_self_forcing_state_dict",
     "wan_config_from_state_dict",
 ]
