@@ -175,11 +175,15 @@ def older_triton_config(cfg: dict, arch: Arch, *, lean: bool, kv_fp8: bool, own:
       history 4 B on each. 2 stages: MAGI 240 / 255 registers (sm_90a / sm_80), Wan fp8 248 /
       255, groups 4 and 7 239-255; one K/V buffer fewer.
     * lean D = 256 chunks on sm_100a (64 x 32, 2 stages): 16-20 B; 32 x 32 at 3 stages (117).
+    * own keys over fp8 on sm_100a (128 x 32 at 2 stages, the unsplit Wan step): 60-120 B;
+      128 x 16 (242-246).
     """
     if kv_fp8 and arch.mma in ("wgmma", "tcgen05") and cfg["BLOCK_M"] == 128 and not lean:
         cfg = dict(cfg, BLOCK_N=32)
     if own:
         cfg = dict(cfg, num_stages=min(cfg["num_stages"], 2))
+    if own and kv_fp8 and arch.mma == "tcgen05" and cfg["BLOCK_M"] == 128 and cfg["HEAD_DIM_PAD"] <= 128:
+        cfg = dict(cfg, BLOCK_N=16)
     if arch.mma == "tcgen05" and lean and not own and cfg["HEAD_DIM_PAD"] >= 256 and cfg["BLOCK_M"] == 64:
         cfg = dict(cfg, BLOCK_M=32, num_stages=3)
     return cfg
