@@ -150,7 +150,9 @@ def _closest_cuda(major: int, minor: int) -> str:
     return "sm_86"
 
 
+@functools.lru_cache(maxsize=16)
 def _record(key: tuple) -> Arch:
+    """The record of a device key (memoized: one warning per unknown device)."""
     kind, ident, sm_count = key
     if kind == "hip":
         base = ident.split(":")[0]
@@ -168,14 +170,9 @@ def _record(key: tuple) -> Arch:
     return dataclasses.replace(arch, sm_count=sm_count) if sm_count else arch
 
 
-@functools.lru_cache(maxsize=16)
-def _device_record(key: tuple) -> Arch:
-    return _record(key)
-
-
 def arch_for_device(device_index: int | None) -> Arch:
     """The record of CUDA/ROCm device ``device_index`` (None: the interpreter's,
-    :func:`interpreter_arch`). Memoized per device: it runs per launch."""
+    :func:`interpreter_arch`), read from its properties (the launchers memoize it per device)."""
     if device_index is None:
         return interpreter_arch()
     import torch
@@ -185,4 +182,4 @@ def arch_for_device(device_index: int | None) -> Arch:
         key = ("hip", getattr(props, "gcnArchName", ""), props.multi_processor_count)
     else:
         key = ("cuda", (props.major, props.minor), props.multi_processor_count)
-    return _device_record(key)
+    return _record(key)

@@ -1029,9 +1029,13 @@ def _wants_short_tiles(cfg: dict, programs: int, max_seqlen_k: int, has_sinks: b
 
 def _arch(device_index: int | None) -> Arch:
     """The architecture record a launch on ``device_index`` plans for (None: the
-    interpreter's, ``KVARENA_ARCH``)."""
-    if device_index is None or not torch.cuda.is_available():
-        return interpreter_arch()
+    interpreter's, ``KVARENA_ARCH``, read per launch so a test may set it)."""
+    return interpreter_arch() if device_index is None else _device_arch(device_index)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_arch(device_index: int) -> Arch:
+    """A CUDA/ROCm device's record, read from its properties once: launches run per layer."""
     return arch_for_device(device_index)
 
 
@@ -1086,7 +1090,7 @@ def _pick_num_splits(programs: int, max_seqlen_k: int, sm_count: int, ctas: int 
 def _attn_constexprs(cfg: dict, group: int, head_dim: int, *, causal: bool, has_kv_start: bool,
                      write_lse: bool, split: bool, upcast: bool, guard: bool, softcap: bool,
                      block_size: int, elem_bytes: int, large_ok: bool = True, own: bool = False,
-                     sink_logits: bool = False, kv_fp8: bool = False, arch: Arch | None = None, rope: int = 0,
+                     sink_logits: bool = False, kv_fp8: bool = False, arch: Arch, rope: int = 0,
                      rope_q_pos: bool = False, rope_k_shift: bool = False, wide_offsets: bool = False,
                      same_kv_strides: bool = True, wide_rows: bool = False) -> dict:
     """The constexpr arguments of ``_paged_attn_kernel`` (shared with ``kvarena check``).
@@ -1117,7 +1121,7 @@ def _attn_constexprs(cfg: dict, group: int, head_dim: int, *, causal: bool, has_
         SPLIT=split, UPCAST=upcast, GUARD_NONFINITE=guard, HAS_SOFTCAP=softcap, PAGE_SIZE=page,
         WIDE_OFFSETS=wide_offsets, SAME_KV_STRIDES=same_kv_strides,
         LARGE_BLOCKS=large, HAS_OWN=own and large, HAS_SINK_LOGITS=sink_logits, KV_FP8=kv_fp8,
-        FP8_NATIVE=kv_fp8 and fp8_native(arch or arch_named(DEFAULT_ARCH)), ROPE=rope, ROPE_Q_POS=rope_q_pos and rope != 0,
+        FP8_NATIVE=kv_fp8 and fp8_native(arch), ROPE=rope, ROPE_Q_POS=rope_q_pos and rope != 0,
         ROPE_K_SHIFT=rope_k_shift and rope != 0, PAGE_INTERIOR=interior,
     )
 
