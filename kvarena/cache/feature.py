@@ -16,7 +16,7 @@ from typing import Any
 
 from kvarena.cache._bytes import check_storable, storable
 from kvarena.cache._dictcache import _ByteBudgetCache
-from kvarena.cache.keys import CacheKey, _iter_names
+from kvarena.cache.keys import CacheKey, check_names
 
 __all__ = ["FeatureCache"]
 
@@ -270,7 +270,7 @@ class FeatureCache(_ByteBudgetCache):
         TypeError
             If ``names`` is a str or not an iterable of str.
         """
-        wanted = frozenset(_iter_names("names", names))
+        wanted = frozenset(check_names("names", names))
         return self._drop(lambda k: k.component_id in wanted)
 
     def clear(self) -> int:

@@ -31,7 +31,7 @@ import torch
 
 from kvarena._checks import is_integral
 
-__all__ = ["CacheKey", "CachePolicy", "content_hash"]
+__all__ = ["CacheKey", "CachePolicy", "check_names", "content_hash"]
 
 # Type tags of the canonical encoding. One byte each; never reuse a tag for a
 # different meaning, or digests written by older versions would change meaning.
@@ -516,8 +516,9 @@ class CachePolicy:
         )
 
 
-def _iter_names(name: str, names: Any) -> Iterable[str]:
-    """Validate an iterable of str (not a bare str); used by the caches."""
+def check_names(name: str, names: Any) -> Iterable[str]:
+    """Validate an iterable of str (not a bare str) passed as argument ``name``; used by the
+    caches and the integrations' ``invalidate_components``."""
     if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
         raise TypeError(
             f"{name} must be an iterable of str (e.g. a set), got {type(names).__qualname__}"

@@ -15,11 +15,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from kvarena.cache._bytes import storable
+from kvarena.cache._bytes import check_storable, storable
 from kvarena.cache._dictcache import _ByteBudgetCache
 from kvarena.cache.keys import CachePolicy
 
-__all__ = ["ResidualCache"]
+# check_storable: what a ResidualCache can hold and count, for callers that check before a put.
+__all__ = ["ResidualCache", "check_storable"]
 
 
 def _check_namespace(namespace: Any) -> None:

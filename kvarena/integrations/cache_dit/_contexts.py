@@ -13,7 +13,7 @@ import copy
 import dataclasses
 from typing import Any
 
-from kvarena.cache._bytes import check_storable
+from kvarena.cache.residual import check_storable
 
 KEY_PREFIX = "cache_dit:"
 

@@ -16,7 +16,7 @@ import copy
 from collections.abc import Iterator
 from typing import Any
 
-from kvarena.cache._bytes import check_storable
+from kvarena.cache.residual import check_storable
 from kvarena.integrations.cache_dit._overlay import ThreadOverlay
 
 _SLOTS = ("_state_cache", "_context")

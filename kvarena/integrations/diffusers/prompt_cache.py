@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from kvarena import CacheKey, FeatureCache, content_hash
-from kvarena.cache.keys import _iter_names
+from kvarena.cache.keys import check_names
 from kvarena.integrations.diffusers._encoder_state import (
     bump_epoch,
     component_state,
@@ -99,7 +99,7 @@ def _tracked(pipe: Any, components: Iterable[str] | None) -> dict[str, Any]:
     if components is None:
         names = [n for n, c in comps.items() if c is not None and n.startswith(("text_encoder", "tokenizer"))]
     else:
-        names = _iter_names("components", components)
+        names = check_names("components", components)
         unknown = [n for n in names if comps.get(n) is None]
         if unknown:
             raise ValueError(f"components: {unknown} are not components of this pipeline; it has {sorted(comps)}")
@@ -292,7 +292,7 @@ class PromptCacheHandle:
     def invalidate_components(self, names: Iterable[str]) -> int:
         """Drop this handle's entries if ``names`` includes a tracked text encoder or tokenizer
         (``{"transformer"}`` keeps them). Returns how many were dropped."""
-        names = _iter_names("names", names)
+        names = check_names("names", names)
         comps = self._pipe.components
         unknown = [n for n in names if n not in comps]
         if unknown:
