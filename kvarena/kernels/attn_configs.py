@@ -62,7 +62,7 @@ def pick_config(arch: Arch, head_dim: int, group: int, elem_bytes: int, q_len_ma
     d_pad = head_dim_pad(head_dim)
     rows = None if q_len_max is None else max(1, q_len_max) * group
     if arch.mma == "mfma":
-        cfg = _amd(arch, d_pad, rows, elem_bytes, lean=lean, rope=rope, kv_fp8=kv_fp8, own=own)
+        cfg = _amd(d_pad, rows, elem_bytes, lean=lean, rope=rope, kv_fp8=kv_fp8)
     else:
         cfg = _nvidia(arch, d_pad, rows, elem_bytes, lean=lean, rope=rope, kv_fp8=kv_fp8, own=own)
         if own and kv_fp8 and (rows is None or rows > 64) and d_pad <= 128:
@@ -70,7 +70,7 @@ def pick_config(arch: Arch, head_dim: int, group: int, elem_bytes: int, q_len_ma
         if rope:
             cfg = rope_config(cfg)
         if arch.smem_per_block < 128 * 1024:
-            cfg = _small_smem(cfg, rows, elem_bytes, rope=rope, kv_fp8=kv_fp8, own=own)
+            cfg = _small_smem(cfg, rows, elem_bytes, rope=rope)
         if arch.mma == "tcgen05":
             cfg = _blackwell(cfg, lean, elem_bytes, own=own)
         if TRITON_VERSION < (3, 9):
@@ -210,7 +210,7 @@ def rope_config(cfg: dict) -> dict:
     return dict(cfg, num_stages=2)
 
 
-def _small_smem(cfg: dict, rows: int | None, elem_bytes: int, *, rope: bool, kv_fp8: bool, own: bool) -> dict:
+def _small_smem(cfg: dict, rows: int | None, elem_bytes: int, *, rope: bool) -> dict:
     """sm_86, sm_89 and sm_120a: 99 KiB of shared memory per block, mma.sync; the sm_80 tiles
     except where they need more (``kvarena check --target sm_89``, Triton 3.9):
 
@@ -254,8 +254,7 @@ def _blackwell(cfg: dict, lean: bool, elem_bytes: int, *, own: bool) -> dict:
     return cfg
 
 
-def _amd(arch: Arch, d_pad: int, rows: int | None, elem_bytes: int, *, lean: bool, rope: bool, kv_fp8: bool,
-         own: bool) -> dict:
+def _amd(d_pad: int, rows: int | None, elem_bytes: int, *, lean: bool, rope: bool, kv_fp8: bool) -> dict:
     """gfx942 (64 KiB LDS) and gfx950 (160 KiB): wave64, 4 waves per CTA (256 threads).
 
     A lane of a 4-wave CTA has 512 VGPRs (256 architected + 256 accumulation registers,
