@@ -9,10 +9,12 @@
 #
 # Stages and their hard caps (timeout -k): env 10 s | warm-up compile 45 s | benchmarks
 # 150 s (its own budget 105 s: >= 40 s to write up) | GPU tests 60 s | FlexAttention
-# 25 s | tables 10 s: at most 300 s. A stage that fails or is killed costs only itself.
+# 25 s | tables 10 s: at most 300 s; then vLLM rows 120 s, only where vllm is importable (a
+# second or so otherwise). A stage that fails or is killed costs only itself.
 # Files in $OUT: env.txt, warmup.log, bench.log, results.jsonl (a line per finished row),
 # results.json/.csv/.png, gpu-tests.txt (the selected tests), gpu-tests.log, flex.log,
-# tables.md (markdown of results.jsonl: what goes into bench/RESULTS.md), summary.txt.
+# vllm.log, vllm.md, tables.md (markdown of results.jsonl and vllm.md: what goes into
+# bench/RESULTS.md), summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -38,7 +40,7 @@ if [ "$dry" = 1 ]; then
   # call per row, short caps: it proves the script end to end, not speed.
   export TRITON_INTERPRET=1
   dev=cpu; set=quick; backend=triton; jobs=2; reps=(--cpu-reps 1)
-  cap_warm=40; cap_bench=60; budget=25; cap_tests=60; cap_flex=40
+  cap_warm=40; cap_bench=60; budget=25; cap_tests=60; cap_flex=40; cap_vllm=20
   # The FlexAttention slot's plumbing only: on CPU flex is eager (unfused) and its first
   # import alone outlasts a short cap. 40 s: on a slower 2-core VM the slot's one process
   # took 20-21 s (about 12 s of imports), at the old 20 s cap, on this commit and the last.
@@ -49,7 +51,7 @@ if [ "$dry" = 1 ]; then
   bench_cases=(--cases decode-b2-ctx256,chunk-tiny-w3,train,store --sections kernels)
 else
   dev=cuda; set=gpu; backend=auto; jobs=$(( $(nproc) < 12 ? $(nproc) : 12 )); reps=()
-  cap_warm=45; cap_bench=150; budget=105; cap_tests=60; cap_flex=25
+  cap_warm=45; cap_bench=150; budget=105; cap_tests=60; cap_flex=25; cap_vllm=120
   flex_cases=decode-b16-ctx16k,chunk-wan1.3b-w4-commit; warm_cases=(); bench_cases=()
   flex_providers=sdpa_contiguous,kvarena,gather_flex,flex_contiguous
 fi
@@ -111,24 +113,31 @@ timeout -k 5 "$cap_flex" "${bench[@]}" "${reps[@]}" --out "$out/flex" --sections
 flex_rc=$?
 echo "== FlexAttention slot (rc $flex_rc, $(elapsed) s) =="
 
+# vLLM rows: kvarena's attention backend vs vLLM's Triton backend, one engine each, when vllm is
+# importable here (the table says "not installed" otherwise: the device image has no vllm today).
+timeout -k 5 "$cap_vllm" "$py" bench/vllm_rows.py "$out" > "$out/vllm.log" 2>&1
+vllm_rc=$?
+echo "== vLLM rows (rc $vllm_rc, $(elapsed) s) =="
+
 # 5) Markdown tables of whatever finished (a killed bench still has its results.jsonl).
 {
   echo "# bench/gpu.sh $([ "$dry" = 1 ] && echo '--dry-run ')($(date -u +%FT%TZ))"
   echo
   sed 's/^/    /' "$out/env.txt"
   echo
-  echo "stages: warm-up rc $warm_rc, benchmarks rc $bench_rc, GPU tests rc $tests_rc, flex rc $flex_rc; $(elapsed) s"
+  echo "stages: warm-up rc $warm_rc, benchmarks rc $bench_rc, GPU tests rc $tests_rc, flex rc $flex_rc, vllm rc $vllm_rc; $(elapsed) s"
   echo
   [ -f "$out/results.jsonl" ] && timeout -k 2 10 "$py" -m kvarena bench --report "$out"
   echo
   echo "GPU tests: $(tail -n 1 "$out/gpu-tests.log")"
   [ -f "$out/flex/results.jsonl" ] && { echo; echo "## FlexAttention slot"; timeout -k 2 10 "$py" -m kvarena bench --report "$out/flex"; }
+  echo; if [ -f "$out/vllm.md" ]; then cat "$out/vllm.md"; else echo "## vLLM rows: no table (rc $vllm_rc, see vllm.log)"; fi
 } > "$out/tables.md" 2>&1
-echo "stages: warm-up $warm_rc, bench $bench_rc, tests $tests_rc, flex $flex_rc; $(elapsed) s; tables in $out/tables.md" \
+echo "stages: warm-up $warm_rc, bench $bench_rc, tests $tests_rc, flex $flex_rc, vllm $vllm_rc; $(elapsed) s; tables in $out/tables.md" \
   | tee "$out/summary.txt"
 [ "$dry" = 1 ] && cat "$out/tables.md"  # the dry run's evidence, in the CI log
 # On the GPU the exit code says whether the numbers came (failed tests are in
 # gpu-tests.log and the summary, not a reason to lose them); the dry run (CI) wants every
 # stage green, so that the script cannot rot.
 [ "$bench_rc" -eq 0 ] && [ -s "$out/results.jsonl" ] || exit 1
-[ "$dry" = 0 ] || { [ "$warm_rc" -eq 0 ] && [ "$tests_rc" -eq 0 ] && [ "$flex_rc" -eq 0 ]; }
+[ "$dry" = 0 ] || { [ "$warm_rc" -eq 0 ] && [ "$tests_rc" -eq 0 ] && [ "$flex_rc" -eq 0 ] && [ "$vllm_rc" -eq 0 ]; }
