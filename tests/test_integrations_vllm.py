@@ -169,9 +169,10 @@ class Lane:
         family, backend, kv, workloads = key
         out = self.workdir / f"{family}-{backend}-{kv}-{workloads.replace(',', '+')}-{len(env)}.json"
         proc = subprocess.run([self.python, str(LANE_DIR / "engine.py"), str(self.models / family), backend, kv,
-                               str(out), workloads], env=self._env(env), capture_output=True, text=True, timeout=900)
+                               str(out), workloads], env=self._env(env), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=900)
         result = json.loads(out.read_text()) if proc.returncode == 0 and out.exists() else None
-        return {"returncode": proc.returncode, "stderr": proc.stderr, "result": result}
+        return {"returncode": proc.returncode, "log": proc.stdout, "result": result}  # vLLM logs to stdout
 
     def start(self, family: str, backend: str, kv: str = "auto", workloads: str = "all", **env: str) -> Future:
         key = (family, backend, kv, workloads if workloads != "all" else "mixed,prefix_warm,prefix,preempt")
@@ -183,7 +184,7 @@ class Lane:
     def result(self, *args, **kwargs) -> dict:
         run = self.start(*args, **kwargs).result()
         assert run["returncode"] == 0 and run["result"], (
-            f"engine run {args} failed (exit {run['returncode']}):\n{run['stderr'][-6000:]}")
+            f"engine run {args} failed (exit {run['returncode']}):\n{run['log'][-6000:]}")
         return run
 
 
@@ -251,9 +252,9 @@ def test_engine_runs_exercised_the_scheduler(lane, family):
 
 @pytest.mark.slow
 def test_engine_logs_the_backend_in_vllms_format(lane):
-    stderr = lane.result("llama", "kvarena")["stderr"]
-    line = re.search(r"INFO \d\d-\d\d [\d:]+ \[backend\.py:\d+\] Using KVArenaAttentionBackend \(kvarena .*", stderr)
-    assert line, "no vLLM-format log line names KVArenaAttentionBackend:\n" + stderr[-3000:]
+    log = lane.result("llama", "kvarena")["log"]
+    line = re.search(r"INFO \d\d-\d\d [\d:]+ \[backend\.py:\d+\] Using KVArenaAttentionBackend \(kvarena .*", log)
+    assert line, "no vLLM-format log line names KVArenaAttentionBackend:\n" + log[-3000:]
 
 
 @pytest.mark.slow
@@ -288,4 +289,4 @@ def test_negative_controls_fail_the_comparison(lane, family, broken):
 def test_engine_start_fails_loudly(lane, kv, env, needle):
     run = lane.start("llama", "kvarena", kv, workloads="mixed", **env).result()
     assert run["returncode"] != 0 and run["result"] is None, "the engine started"
-    assert needle in run["stderr"], run["stderr"][-4000:]
+    assert needle in run["log"], run["log"][-4000:]
