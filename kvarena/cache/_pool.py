@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvarena._checks import is_int
+from kvarena.argcheck import is_int
 from kvarena.attention.backend import resolve_backend
 from kvarena.attention.checks import check_head_dim
 from kvarena.attention.spec import AttentionSpec

@@ -25,7 +25,7 @@ from collections.abc import Hashable, Mapping
 
 import torch
 
-from kvarena._checks import check_bool, is_int
+from kvarena.argcheck import check_bool, is_int
 from kvarena.attention.batch import CacheView, KeySet, QueryRows
 from kvarena.attention.dispatch import attend, merge_partials, store
 from kvarena.cache._meta import upload

@@ -18,7 +18,7 @@ from collections.abc import Hashable, Mapping
 
 import torch
 
-from kvarena._checks import check_bool, is_int
+from kvarena.argcheck import check_bool, is_int
 from kvarena.cache._meta import StaleMetadataError, as_device, region_of_arena
 from kvarena.cache._pool import KVPoolBase
 from kvarena.cache.arena import BlockAllocator, KVArena, KVLayout, _check_int

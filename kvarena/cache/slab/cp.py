@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvarena._checks import check_bool, is_int
+from kvarena.argcheck import check_bool, is_int
 from kvarena.attention.backend import resolve_backend
 from kvarena.attention.dispatch import merge_partials
 from kvarena.cache._meta import check_forward_tensor

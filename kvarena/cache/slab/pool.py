@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvarena._checks import check_bool
+from kvarena.argcheck import check_bool
 from kvarena.attention.backend import resolve_backend
 from kvarena.attention.batch import CacheView, OwnKeys
 from kvarena.attention.dispatch import attend, store

@@ -7,7 +7,7 @@ import weakref
 
 import torch
 
-from kvarena._checks import check_bool, check_int, is_int, is_integral
+from kvarena.argcheck import check_bool, check_int, is_int, is_integral
 from kvarena.attention.ops import paged_attention
 from kvarena.integrations.hf._common import (
     _HANDOFF,
