@@ -124,7 +124,7 @@ class SlabCompat:
         """Free every slab of ``namespace`` (unknown: no-op)."""
         with self._lock:
             r = self._rollouts.pop(namespace, None)
-            self._parallel.forget(namespace)
+            self._steps.forget(namespace)
             if r is not None:
                 self._stamp()
             if r is not None and (r.chunks or r.retired):
