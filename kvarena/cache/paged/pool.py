@@ -7,9 +7,11 @@ shapes) gets a block list and a table row per group, all from the one allocator.
 ``free_out_of_window=True`` a group whose layers all slide returns the blocks no future
 query can see at plan time (list entry ``-1``, table entry 0, never read by a kernel).
 
-The pool's steps (``plan`` / ``forward`` and what a namespace's length counts) are an
+The pool's steps (``plan`` / ``forward``, following the pools' template
+:class:`~kvarena.cache._pool.PoolSteps`, and what a namespace's length counts) are an
 object chosen at construction: :class:`~kvarena.cache.paged.local.LocalSteps`, or
-:class:`~kvarena.cache.paged.cp.DecodeContextParallel` under ``context_parallel=``.
+:class:`~kvarena.cache.paged.cp.DecodeContextParallel` under ``context_parallel=``; the
+block changes of a plan, a fork and a truncate are :mod:`~kvarena.cache.paged.claim`'s.
 """
 
 from __future__ import annotations

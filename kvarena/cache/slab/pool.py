@@ -1,10 +1,11 @@
-"""The slab pool: construction, accounting, planning entry and the per-layer forward.
+"""The slab pool: construction, accounting, planning entry, the per-layer forward's entry
+and the public seam (``check_forward``, ``block_table``, ``attend``).
 
 A step is planned once (:meth:`SlabKVCache.plan`, into :class:`SlabMetadata` whose seam
-objects every layer reads as they are); :meth:`SlabKVCache.forward` checks the call, marks
-commits and hands the plan's objects to :func:`kvarena.attention.dispatch.store` and
-:func:`kvarena.attention.dispatch.attend`. Context parallel is the strategy the pool holds
-(:mod:`kvarena.cache.slab.cp`).
+objects every layer reads as they are); :meth:`SlabKVCache.forward` hands the call to the
+steps the pool holds (:class:`~kvarena.cache.slab.local.LocalSteps`, or under context
+parallel the wrappers of :mod:`kvarena.cache.slab.cp`), which follow the pools' template:
+check, store (a commit, its chunks marked committed), attend.
 """
 
 from __future__ import annotations
