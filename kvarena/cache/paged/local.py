@@ -24,6 +24,10 @@ __all__ = ["LocalSteps"]
 class LocalSteps(PoolSteps):
     """The steps of a pool that holds every block of its sequences (no context parallel)."""
 
+    def __init__(self, pool) -> None:
+        super().__init__(pool)
+        self.region = pool.region  # bound at construction, for good (None: bookkeeping only)
+
     # ------------------------------------------------------------------ namespace hooks
     def seq_len(self, namespace: Hashable) -> int:
         return self.pool._get(namespace).seq_len
@@ -61,7 +65,7 @@ class LocalSteps(PoolSteps):
     # ------------------------------------------------------------------ forward (the template's steps)
     def check(self, q, k, v, meta: PagedMetadata, layer, options: dict, commit: bool = True) -> CallCheck:
         pool = self.pool
-        if pool.region is None:
+        if self.region is None:
             raise RuntimeError(
                 "forward: this PagedKVCache has no layout (block bookkeeping only); "
                 "construct it with layout=KVLayout(...) to store and attend"
@@ -77,11 +81,11 @@ class LocalSteps(PoolSteps):
         return call
 
     def store(self, k, v, meta: PagedMetadata, call: CallCheck) -> None:
-        store(k, v, self.pool.region.op_views(call.layer), meta.slot_mappings[call.group], call.backends.store)
+        store(k, v, self.region.op_views(call.layer), meta.slot_mappings[call.group], call.backends.store)
 
     def attend(self, q, k, v, meta: PagedMetadata, call: CallCheck, commit: bool = True):
         b = call.backends
-        return attend(q, self.pool.region.op_views(call.layer), meta.keys[call.group], meta.rows, spec=call.spec,
+        return attend(q, self.region.op_views(call.layer), meta.keys[call.group], meta.rows, spec=call.spec,
                       backend=b.attention, own=OwnKeys(k, v) if b.kv_grad else None)
 
     def check_forward(self, batch, q, k, v, layer, pad_to: int | None, options: dict) -> None:
@@ -110,7 +114,7 @@ class LocalSteps(PoolSteps):
         if options:
             return CallCheck(layer, spec, group, h_q, b)
         # The layer's own spec: one record per (layer, H_q, backends), made once (a hot path).
-        key = (layer, h_q, b)
+        key = (layer, h_q, b.attention, b.store, b.kv_grad)
         call = pool._calls.get(key)
         if call is None:
             call = pool._calls[key] = CallCheck(layer, spec, group, h_q, b)

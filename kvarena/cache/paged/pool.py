@@ -581,8 +581,10 @@ class PagedKVCache(KVPoolBase):
             return self._table.data[group, :, :cols].index_select(0, rows)
 
     def _call_spec(self, layer: int, overrides: dict) -> AttentionSpec:
+        if not overrides:  # the layer's own spec (within any release limits by construction)
+            return self._specs[layer]
         spec = super()._call_spec(layer, overrides)
-        lim = self._limits[self._layer_group[layer]] if overrides else None
+        lim = self._limits[self._layer_group[layer]]
         if lim is not None and (spec.window_left is None or spec.window_left > lim[0] or spec.sink_tokens > lim[1]):
             raise ValueError(f"window_left/sink_tokens: this pool releases layer {layer}'s blocks outside "
                              f"window_left={lim[0]}, sink_tokens={lim[1]} (free_out_of_window); a call cannot see more")

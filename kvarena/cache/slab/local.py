@@ -86,7 +86,8 @@ class LocalSteps(PoolSteps):
         tq = meta.q_tokens or t  # query rows (the whole chunk under context parallel tokens mode)
         call = self.check_call(q, k, v, layer, commit, options, (b, t), tq)
         pool._check_committed(meta._history, call.layer)
-        seam_of(meta, call.spec, call.layer)  # a step past the rotary table: refused before any write
+        if call.spec.rope_mode:
+            seam_of(meta, call.spec, call.layer)  # a step past the rotary table: refused before any write
         bk = call.backends
         if meta.num_chunks != b and (bk.kv_grad or (torch.is_grad_enabled() and q.requires_grad)):
             # Each chunk of a run sees part of the others through the given k/v read as a
