@@ -43,8 +43,9 @@ class Backends:
 @dataclass(frozen=True)
 class CallCheck:
     """What a pool's steps resolved for one layer's call before anything is written: the
-    layer, its spec for the call (per-call overrides applied), the layer's group (0 in a pool
-    without layer groups), ``H_q`` and the call's :class:`Backends`."""
+    layer, the spec its attention runs with (the layer's, per-call overrides applied; the
+    slab pool's in its non-causal form, see ``_attend_spec``), the layer's group (0 in a
+    pool without layer groups), ``H_q`` and the call's :class:`Backends`."""
 
     layer: int
     spec: AttentionSpec

@@ -200,15 +200,15 @@ class DecodeContextParallel(PoolSteps):
         for _ns, n in items:
             cu.append(cu[-1] + n)
         total_q, max_q = cu[-1], max(n for _ns, n in items)
-        cols = max(1, max(cdiv(self._glen[ns], bs * n_ranks) + 1 for ns, _n in items))
-        pool._table.ensure_cols(cols)
-        pool._table.flush()  # a fork's table entries, when this rank stored nothing this step (no local plan)
+        # [B, cols]: this rank's blocks of each row (the pool's public block table, a fork's
+        # queued entries written first), every column a step's slot can name
+        table = pool.block_table([ns for ns, _n in items])
+        cols = table.shape[1]
         # Per row: the first global block this rank holds ((rank - first) mod N).
         mine0 = [(rank - f) % n_ranks for f in firsts]
-        packed = upload([s.row for s in seqs] + hist + olds + mine0 + cu, torch.int32, pool.device)
-        rows, hist_t, olds_t, mine0_t = (packed[i * nseq:(i + 1) * nseq] for i in range(4))
-        cu_t = packed[4 * nseq:]
-        table = pool._table.data[0, :, :cols].index_select(0, rows.long())  # [B, cols]: this rank's blocks
+        packed = upload(hist + olds + mine0 + cu, torch.int32, pool.device)
+        hist_t, olds_t, mine0_t = (packed[i * nseq:(i + 1) * nseq] for i in range(3))
+        cu_t = packed[3 * nseq:]
         dev = pool.device
         q_lens = cu_t[1:] - cu_t[:-1]
         row_of = torch.repeat_interleave(torch.arange(nseq, device=dev), q_lens, output_size=total_q)
