@@ -24,6 +24,7 @@ from kvarena.attention.dispatch import merge_partials
 from kvarena.cache._meta import check_forward_tensor
 from kvarena.cache._pool import layer_specs
 from kvarena.cache.arena import KVLayout, _check_int
+from kvarena.cache.slab.claim import reserve
 from kvarena.cache.slab.local import ChunkSizes, LocalSteps
 from kvarena.cache.slab.meta import SlabMetadata, build_meta
 
@@ -141,7 +142,7 @@ class TokensSteps(LocalSteps):
             if len(sizes) > 1:
                 raise ValueError(f"batch: every rollout of one plan must have the same number of tokens, got "
                                  f"{sorted(sizes)}")
-            meta = build_meta(pool, pool._reserve(local), q_tokens=sizes.pop())
+            meta = build_meta(pool, reserve(pool, local), q_tokens=sizes.pop())
             self.first_chunk.update(new_n0)
         return meta
 

@@ -20,6 +20,7 @@ from kvarena.attention.dispatch import attend, store
 from kvarena.attention.fp8 import fp8_round_trip
 from kvarena.attention.spec import AttentionSpec
 from kvarena.cache._pool import Backends, CallCheck, PoolSteps
+from kvarena.cache.slab.claim import reserve
 from kvarena.cache.slab.meta import SlabKeys, SlabMetadata, build_meta
 
 __all__ = ["ChunkSizes", "LocalSteps", "seam_of"]
@@ -52,7 +53,7 @@ class LocalSteps(PoolSteps):
     def plan(self, batch) -> SlabMetadata:
         pool = self.pool
         with pool._lock:
-            return build_meta(pool, pool._reserve(batch))
+            return build_meta(pool, reserve(pool, batch))
 
     def chunk_sizes(self, namespace: Hashable, r) -> ChunkSizes:
         return ChunkSizes(self.pool.slab_tokens, None if r is None else r.n0)

@@ -21,7 +21,6 @@ from kvarena.attention.spec import AttentionSpec
 from kvarena.cache._meta import StaleMetadataError, as_device, region_of_arena, upload
 from kvarena.cache._pool import KVPoolBase
 from kvarena.cache.arena import ArenaRegion, KVArena, KVLayout, _check_int
-from kvarena.cache.slab.claim import SlabClaims
 from kvarena.cache.slab.compat import SlabCompat
 from kvarena.cache.slab.cp import parallel_share
 from kvarena.cache.slab.meta import SlabMetadata
@@ -53,7 +52,7 @@ def _op_spec(spec: AttentionSpec) -> AttentionSpec:
     return spec.replace(causal=False)
 
 
-class SlabKVCache(SlabClaims, SlabCompat, SlabRollback, KVPoolBase):
+class SlabKVCache(SlabCompat, SlabRollback, KVPoolBase):
     """Arena-backed chunk-KV slabs with in-place sliding-window recycling.
 
     Parameters
