@@ -140,3 +140,14 @@ def test_paged_check_forward_counts_the_padded_plan_rows():
     with pytest.raises(ValueError, match="batch"):
         pool.check_forward({"a": 4}, q, k, k, 0, pad_to=3)  # as plan: more new tokens than pad_to
     assert pool.namespaces() == []
+
+
+def test_paged_check_forward_without_a_layout_raises_what_forward_does():
+    pool = PagedKVCache(CachePolicy("paged_kv", max_bytes=1 << 12, block_bytes=64), block_size=4)
+    q = torch.randn(2, 2, 8)
+    with pytest.raises(RuntimeError, match="no layout") as before:
+        pool.check_forward({"a": 2}, q, q, q, 0)
+    meta = pool.plan({"a": 2})
+    with pytest.raises(RuntimeError) as after:
+        pool.forward(q, q, q, meta, 0)
+    assert str(after.value) == str(before.value)

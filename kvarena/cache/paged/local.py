@@ -63,13 +63,16 @@ class LocalSteps(PoolSteps):
             return packed_meta(pool, step)
 
     # ------------------------------------------------------------------ forward (the template's steps)
-    def check(self, q, k, v, meta: PagedMetadata, layer, options: dict, commit: bool = True) -> CallCheck:
-        pool = self.pool
+    def _require_layout(self) -> None:
         if self.region is None:
             raise RuntimeError(
                 "forward: this PagedKVCache has no layout (block bookkeeping only); "
                 "construct it with layout=KVLayout(...) to store and attend"
             )
+
+    def check(self, q, k, v, meta: PagedMetadata, layer, options: dict, commit: bool = True) -> CallCheck:
+        pool = self.pool
+        self._require_layout()
         pool._require_current(meta)
         call = self.check_call(q, k, v, layer, options, meta.total_q, meta.pad_to is not None)
         spec = call.spec
@@ -91,6 +94,7 @@ class LocalSteps(PoolSteps):
     def check_forward(self, batch, q, k, v, layer, pad_to: int | None, options: dict) -> None:
         """:meth:`PagedKVCache.check_forward`: the batch as ``plan`` checks it, then
         :meth:`check_call` with the plan's ``total_q``."""
+        self._require_layout()
         _names, news = check_batch(batch, False, pad_to, None)
         total_q = len(news) * int(pad_to) if pad_to is not None else sum(news)
         self.check_call(q, k, v, layer, options, total_q, pad_to is not None)
