@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from kvarena._checks import is_int
+from kvarena.argcheck import is_int
 
 __all__ = ["CommStats", "ContextParallel"]
 

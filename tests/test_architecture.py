@@ -24,6 +24,23 @@
   (``OP_REGISTERING``): this closure does follow the parent packages, because importing
   ``kvarena.a.b`` runs the package ``kvarena.a`` (its ``__init__``) first.
 
+* **The integration seam** (``test_integrations_use_public_names``): no module under
+  ``kvarena/integrations/`` imports, from the rest of ``kvarena``, a private name (``from
+  kvarena.x import _name``) or anything of a private module (a dotted path with a part
+  starting with ``_``: ``kvarena._checks``, ``kvarena.cache._meta``), function-local imports
+  included; its own private modules (``kvarena.integrations.hf._common``) are its business.
+* **Pool privacy** (``test_no_cross_package_private_access``): a *private member of a pool*
+  is a name ``_x`` (not ``__x__``) that a class in a pool package (``POOL_PACKAGES``:
+  ``kvarena/cache/paged/``, ``kvarena/cache/slab/``) or in the pools' shared base
+  (``POOL_BASE``: ``kvarena/cache/_pool.py``, part of both packages) defines: a method, a
+  ``self._x = ...`` assignment or a class-level name. A name some class elsewhere in
+  ``kvarena`` also defines is not attributed (the source alone cannot tell whose it is).
+  Then no expression ``obj._x`` (``obj`` not ``self`` / ``cls``) reads a private member of
+  a pool outside the packages that define it: not in a module outside the pool packages
+  and the base, and not in one pool package for a member only the other one defines.
+  And outside the pool packages and the base, nothing reads any ``_x`` of an object named
+  as a pool (``pool._x``, ``self.pool._x``, ``cache._pool._x``: the tree's name for one).
+
 The ``*_can_fail`` tests feed the same checking functions a small synthetic tree with a
 violation each, so a check that silently stopped seeing anything would fail too.
 """
@@ -364,6 +381,95 @@ def op_registration_paths(
     return out
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def integration_private_imports(modules: dict[str, Module]) -> list[str]:
+    """Imports of a private name or module of ``kvarena`` (outside ``kvarena.integrations``)
+    by a module of ``kvarena.integrations`` (see the module docstring)."""
+    out = []
+    for mod in modules.values():
+        if not _under(mod.name, f"{PACKAGE}.integrations"):
+            continue
+        package = mod.name if mod.is_package else mod.name.rpartition(".")[0]
+        for node in _import_nodes(mod.tree):
+            if isinstance(node, ast.Import):
+                paths = [alias.name for alias in node.names]
+            elif node.level:
+                base_parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(base_parts + ([node.module] if node.module else []))
+                paths = [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                paths = [f"{node.module}.{alias.name}" for alias in node.names]
+            for path in paths:
+                if not _under(path, PACKAGE) or _under(path, f"{PACKAGE}.integrations"):
+                    continue
+                if any(_private(part) for part in path.split(".")):
+                    out.append(f"{mod.rel}:{node.lineno}: {mod.name} imports {path} (private)")
+    return out
+
+
+POOL_PACKAGES = (f"{PACKAGE}.cache.paged", f"{PACKAGE}.cache.slab")
+POOL_BASE = (f"{PACKAGE}.cache._pool",)
+#: How the tree names an object that is a pool (the receivers of the second rule).
+POOL_NAMES = frozenset({"pool", "_pool"})
+
+
+def _home(name: str) -> str | None:
+    """The pool package a module belongs to (the base: ``"base"``), or None."""
+    if name in POOL_BASE:
+        return "base"
+    return next((pkg for pkg in POOL_PACKAGES if _under(name, pkg)), None)
+
+
+def _class_members(tree: ast.Module):
+    """The private names the classes of ``tree`` define (methods, ``self._x =``, class names)."""
+    for cls in ast.walk(tree):
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        for node in ast.walk(cls):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                yield node.name
+            elif isinstance(node, ast.AnnAssign | ast.Assign):
+                for target in [node.target] if isinstance(node, ast.AnnAssign) else node.targets:
+                    if isinstance(target, ast.Name):
+                        yield target.id
+            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                  and isinstance(node.value, ast.Name) and node.value.id == "self"):
+                yield node.attr
+
+
+def _is_pool(node: ast.expr) -> bool:
+    return (isinstance(node, ast.Name) and node.id in POOL_NAMES) or (
+        isinstance(node, ast.Attribute) and node.attr in POOL_NAMES)
+
+
+def private_member_reads(modules: dict[str, Module]) -> list[str]:
+    """Reads of a pool's private members outside the packages that define them (see the
+    module docstring)."""
+    owners: dict[str, set[str]] = {}
+    for mod in modules.values():
+        home = _home(mod.name) or "elsewhere"
+        for name in _class_members(mod.tree):
+            if _private(name):
+                owners.setdefault(name, set()).add(home)
+    out = []
+    for mod in modules.values():
+        home = _home(mod.name)
+        allowed = {"base", *POOL_PACKAGES} if home == "base" else {home, "base"}
+        for node in ast.walk(mod.tree):
+            if not isinstance(node, ast.Attribute) or not _private(node.attr):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            whose = owners.get(node.attr, set())
+            pooled = bool(whose) and "elsewhere" not in whose and not (whose & allowed)
+            if pooled or (home is None and _is_pool(node.value)):
+                out.append(f"{mod.rel}:{node.lineno}: {ast.unparse(node)} reads a private member of a pool")
+    return out
+
+
 MODULES = load_modules(ROOT)
 EDGES = import_edges(MODULES)
 
@@ -406,6 +512,16 @@ def test_layering():
     assert not bad, "layering violations:\n" + "\n".join(bad)
 
 
+def test_integrations_use_public_names():
+    bad = integration_private_imports(MODULES)
+    assert not bad, "integrations import private names of kvarena:\n" + "\n".join(bad)
+
+
+def test_no_cross_package_private_access():
+    bad = private_member_reads(MODULES)
+    assert not bad, "private members of a pool read outside its package:\n" + "\n".join(bad)
+
+
 #: A small tree with one violation of each kind, by module name (packages: ``SYNTHETIC_PACKAGES``).
 SYNTHETIC = {
     "kvarena": "",
@@ -421,8 +537,33 @@ SYNTHETIC = {
         "def long():\n    \'\'\'doc\n    doc\n    \'\'\'\n" + "    x = 1\n" * 80
     ),
     "kvarena.attention.spec": "from ..attention import a\n",
+    # the integration seam: _own is the package's own; the other four are not
+    "kvarena._checks": "",
+    "kvarena.cache._meta": "",
+    "kvarena.integrations": "",
+    "kvarena.integrations._own": "",
+    "kvarena.integrations.ok": "from kvarena.integrations import _own\nfrom . import _own as o\nfrom kvarena.cache import b\n",
+    "kvarena.integrations.bad": (
+        "from kvarena import _checks\nimport kvarena._checks\nfrom kvarena.cache.arena import _check_int\n"
+        "def f():\n    from ..cache._meta import upload\n"
+    ),
+    # pool privacy: _seqs / _get are the paged pool's, _stamp the base's, _local also a class's elsewhere
+    "kvarena.cache._pool": "class Base:\n    def _stamp(self):\n        return 0\n",
+    "kvarena.cache.paged": "",
+    "kvarena.cache.paged.pool": (
+        "class Paged:\n    def __init__(self):\n        self._seqs = {}\n        self._local = 0\n"
+        "    def _get(self):\n        return self._seqs\n"
+    ),
+    "kvarena.cache.paged.steps": "def f(pool, meta):\n    return pool._get(), pool._stamp(), meta._seqs\n",
+    "kvarena.cache.slab": "",
+    "kvarena.cache.slab.pool": "def f(other):\n    return other._seqs, other._stamp()\n",
+    "kvarena.integrations.reads": (
+        "class Scope:\n    def __init__(self):\n        self._local = 1\n"
+        "def f(cache, scope, pool):\n    return cache.pool._region, scope._local, cache._get, pool._other\n"
+    ),
 }
-SYNTHETIC_PACKAGES = {"kvarena", "kvarena.kernels", "kvarena.attention", "kvarena.cache"}
+SYNTHETIC_PACKAGES = {"kvarena", "kvarena.kernels", "kvarena.attention", "kvarena.cache", "kvarena.integrations",
+                      "kvarena.cache.paged", "kvarena.cache.slab"}
 
 
 @pytest.fixture(scope="module")
@@ -463,3 +604,28 @@ def test_layering_check_can_fail(synthetic):
     assert len(bad) == 1 and bad[0].startswith(f"{modules['kvarena.attention.a'].rel}:2:")
     paths = op_registration_paths(modules, edges, _arena_modules(modules))
     assert len(paths) == 1 and "runs its package kvarena.attention" in paths[0]
+
+
+def test_integration_seam_check_can_fail(synthetic):
+    modules, _ = synthetic
+    bad = integration_private_imports(modules)
+    rel = modules["kvarena.integrations.bad"].rel
+    assert bad == [
+        f"{rel}:1: kvarena.integrations.bad imports kvarena._checks (private)",
+        f"{rel}:2: kvarena.integrations.bad imports kvarena._checks (private)",
+        f"{rel}:3: kvarena.integrations.bad imports kvarena.cache.arena._check_int (private)",
+        f"{rel}:5: kvarena.integrations.bad imports kvarena.cache._meta.upload (private)",
+    ]
+
+
+def test_pool_privacy_check_can_fail(synthetic):
+    modules, _ = synthetic
+    bad = private_member_reads(modules)
+    slab, reads = modules["kvarena.cache.slab.pool"].rel, modules["kvarena.integrations.reads"].rel
+    assert bad == [
+        f"{slab}:2: other._seqs reads a private member of a pool",  # the paged pool's, read in the slab package
+        f"{reads}:5: cache.pool._region reads a private member of a pool",  # any _x of a pool, outside
+        f"{reads}:5: cache._get reads a private member of a pool",  # the paged pool's name, outside
+        f"{reads}:5: pool._other reads a private member of a pool",
+    ]  # in the paged package its own and the base's are fine; _local is also Scope's: not attributed
+

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from kvarena._checks import check_opt_int
+from kvarena.argcheck import check_opt_int
 from kvarena.attention.dtypes import FP8_CACHE_DTYPES, MAX_HEAD_DIM, TORCH_DTYPES, accumulator_dtype
 from kvarena.attention.spec import AttentionSpec
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvarena._checks import check_int
+from kvarena.argcheck import check_int
 
 __all__ = ["rope_table", "wan_rope_table"]
 

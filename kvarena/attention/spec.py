@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvarena._checks import INT_LIMIT, check_bool, check_int, check_opt_float, check_opt_int
+from kvarena.argcheck import INT_LIMIT, check_bool, check_int, check_opt_float, check_opt_int
 
 __all__ = ["AttentionSpec", "BACKENDS", "INT_LIMIT", "check_backend", "check_bool", "check_int"]
 

@@ -296,7 +296,7 @@ def _slab(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]:
              f"store + attend {(sinks + window) * chunk} keys"),
     ]
     try:
-        with _patched("kvarena.cache.slab.pool", store=_stub_store, attend=_stub_attention):
+        with _patched("kvarena.cache.slab.local", store=_stub_store, attend=_stub_attention):
             rollout(warm + reps, None, t_stub, warm)
         rows.append(_row("slab.forward commit, ops stubbed", batch, device, t_stub, "the pool's own Python"))
     except Exception as exc:

@@ -1,5 +1,7 @@
 """What the two KV pools share: policy checks, per-layer attention specs, accounting,
-metadata freshness and the per-call option rule of ``forward``.
+metadata freshness, the per-call option rule of ``forward``, the forward template
+(:class:`PoolSteps`, checked into one :class:`CallCheck`) and the public
+:meth:`KVPoolBase.attend` of a batch of query rows.
 
 A pool validates its attention options once, at construction, into one
 :class:`~kvarena.attention.spec.AttentionSpec` per layer. ``forward`` then takes the
@@ -11,19 +13,21 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
-from kvarena._checks import is_int
+from kvarena.argcheck import is_int
 from kvarena.attention.backend import resolve_backend
+from kvarena.attention.batch import KeySet, QueryRows
 from kvarena.attention.checks import check_head_dim
+from kvarena.attention.ops import paged_attention
 from kvarena.attention.spec import AttentionSpec
 from kvarena.cache._meta import check_forward_tensor, next_version
 from kvarena.cache.arena import KVArena, KVLayout, _check_index
 from kvarena.cache.keys import CachePolicy
 
-__all__ = ["Backends", "KVPoolBase", "layer_specs"]
+__all__ = ["Backends", "CallCheck", "KVPoolBase", "PoolSteps", "layer_specs"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,59 @@ class Backends:
     attention: str
     store: str
     kv_grad: bool
+
+
+@dataclass(frozen=True)
+class CallCheck:
+    """What a pool's steps resolved for one layer's call before anything is written: the
+    layer, the spec its attention runs with (the layer's, per-call overrides applied; the
+    slab pool's in its non-causal form, see ``_attend_spec``), the layer's group (0 in a
+    pool without layer groups), ``H_q`` and the call's :class:`Backends`."""
+
+    layer: int
+    spec: AttentionSpec
+    group: int
+    h_q: int
+    backends: Backends
+
+
+class PoolSteps:
+    """The forward template of both pools: a pool holds one such object, chosen at
+    construction (one process, or a context-parallel strategy), and its ``forward`` runs
+
+    1. :meth:`check`: everything the call can refuse, before any write, into a
+       :class:`CallCheck` (the metadata's freshness, the layer, the options, q/k/v, the
+       backends);
+    2. :meth:`store`: the new K/V into the layer's cache view (skipped when ``commit`` is
+       False: a slab pool's denoising step writes nothing);
+    3. :meth:`attend`: the query rows over the step's key set, read from the plan's
+       metadata as it is (no host work, no sync).
+
+    Each pool supplies its planner (``plan``), its claim and its key sets (the metadata);
+    a context-parallel strategy either implements the three steps for its rank or wraps
+    the local steps' :meth:`forward` (reshaping around it, merging after it).
+    """
+
+    #: The pool's ContextParallel (None: one process).
+    context_parallel = None
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+
+    def forward(self, q, k, v, meta, layer, options: dict, commit: bool = True):
+        call = self.check(q, k, v, meta, layer, options, commit)
+        if commit:
+            self.store(k, v, meta, call)
+        return self.attend(q, k, v, meta, call, commit)
+
+    def check(self, q, k, v, meta, layer, options: dict, commit: bool) -> CallCheck:
+        raise NotImplementedError
+
+    def store(self, k, v, meta, call: CallCheck) -> None:
+        raise NotImplementedError
+
+    def attend(self, q, k, v, meta, call: CallCheck, commit: bool):
+        raise NotImplementedError
 
 
 #: One :class:`Backends` per combination, made once: ``_backends`` runs on every layer
@@ -277,6 +334,43 @@ class KVPoolBase:
         spec = spec.replace(**overrides)
         self._check_spec(spec, "forward")
         return spec
+
+    def _attend_spec(self, spec: AttentionSpec) -> AttentionSpec:
+        """The spec a call's attention runs with, for the layer's spec (subclasses: the slab
+        pool attends the keys it lists in full)."""
+        return spec
+
+    def attend(self, q, layer: int, keys: KeySet, rows: QueryRows, **options):
+        """Attention of a batch of query rows over this pool's stored keys of ``layer``; writes
+        nothing.
+
+        For an integration that attends rows the step's metadata does not describe (a query
+        with its own window, a row of another plan): ``keys`` (a
+        :class:`~kvarena.attention.batch.KeySet`: :meth:`block_table` of the rows'
+        namespaces, each row's key count and optional ``kv_start``) says which stored keys
+        each sequence's rows see, ``rows`` (:class:`~kvarena.attention.batch.QueryRows`)
+        where its rows are in ``q [total_q, H_q, D]``. The layer's spec applies, with the
+        per-call overrides ``forward`` takes (``options``, checked as ``forward`` checks
+        them), as ``forward`` applies it (the slab pool: full attention over the keys
+        listed). Every argument is validated as :func:`kvarena.paged_attention` validates
+        it. Returns ``out`` (``(out, lse)`` with ``return_lse``).
+        """
+        region = self._region
+        if region is None:
+            raise RuntimeError(f"attend: this {type(self).__name__} holds no K/V (no layout)")
+        layer = self._check_layer(layer)
+        spec = self._attend_spec(self._call_spec(layer, options))
+        if not isinstance(keys, KeySet):
+            raise TypeError(f"keys: expected a kvarena.attention.batch.KeySet, got {type(keys).__name__}")
+        if not isinstance(rows, QueryRows):
+            raise TypeError(f"rows: expected a kvarena.attention.batch.QueryRows, got {type(rows).__name__}")
+        scales = region.kv_scales(layer)
+        fp8 = {} if scales is None else dict(k_scale=scales[0], v_scale=scales[1])
+        given = {f.name: getattr(spec, f.name) for f in fields(spec) if f.name != "rope_positions"}
+        return paged_attention(q, region.k(layer), region.v(layer), keys.block_table, keys.seq_lens,
+                               rows.cu_seqlens_q, kv_start=keys.kv_start, max_seqlen_q=rows.max_seqlen_q,
+                               max_seqlen_k=keys.max_seqlen_k, rope_q_pos=rows.rope_q_pos,
+                               rope_k_shift=keys.rope_k_shift, **given, **fp8)
 
     def _check_qkv(self, q, k, v, lead: tuple[int, ...], what: str, layer: int = 0, q_lead=None) -> int:
         """q ``[*q_lead, H_q, D]`` (``q_lead`` default ``lead``), k/v ``[*lead, H_kv, D]`` of

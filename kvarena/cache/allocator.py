@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from kvarena._checks import is_int
+from kvarena.argcheck import is_int
 from kvarena.cache.layout import _check_pos_int
 
 __all__ = ["AllocatorState", "BlockAllocator", "CacheFullError"]

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from kvarena._checks import is_int
+from kvarena.argcheck import is_int
 from kvarena.cache.keys import CachePolicy
 
 __all__ = ["CacheHandle", "make_pool"]

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvarena._checks import is_integral
+from kvarena.argcheck import is_integral
 
 __all__ = ["CacheKey", "CachePolicy", "check_names", "content_hash"]
 

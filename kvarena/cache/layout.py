@@ -3,7 +3,7 @@
 :class:`LayerGroup` names layers that share blocks, :func:`group_layers` splits layers of
 a few kinds into equal groups, and :class:`KVLayout` is the per-token shape, dtype, fp8
 scales and groups a pool stores. The argument checks here (``_check_int``,
-``_check_pos_int``, ``_check_index``, built on :mod:`kvarena._checks`) are the ones the
+``_check_pos_int``, ``_check_index``, built on :mod:`kvarena.argcheck`) are the ones the
 arena and the KV pools share, so every count or index argument fails with one message.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvarena._checks import check_int, is_int
+from kvarena.argcheck import check_int, is_int
 
 # The dtype rules of the ops the arena feeds: fp8 storage, and what fp8 layouts take in.
 from kvarena.attention.dtypes import FP8_CACHE_DTYPES as FP8_DTYPES
@@ -28,7 +28,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SCALE_BYTES = 4
 
 #: ``value`` itself if it is an int (not a bool) ``>= minimum``; else TypeError/ValueError.
-#: Shared by the arena and the KV pools (its home is :mod:`kvarena._checks`), so every
+#: Shared by the arena and the KV pools (its home is :mod:`kvarena.argcheck`), so every
 #: count argument fails with one message.
 _check_int = check_int
 

@@ -33,9 +33,9 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from kvarena._checks import check_bool, is_int
+from kvarena.argcheck import check_bool, check_int, is_int
 from kvarena.attention.spec import AttentionSpec
-from kvarena.cache.arena import KVLayout, _check_int
+from kvarena.cache.arena import KVLayout
 from kvarena.cache.keys import CachePolicy
 from kvarena.cache.slab import SlabKVCache, SlabMetadata
 
@@ -98,15 +98,15 @@ class CausalKVCache:
         device=None,
         backend: str = "auto",
     ) -> None:
-        ft = _check_int("frame_tokens", frame_tokens, 1)
-        fpc = _check_int("frames_per_chunk", frames_per_chunk, 1)
-        sink = _check_int("sink_frames", sink_frames, 0)
-        rollouts = _check_int("max_rollouts", max_rollouts, 1)
-        runs = _check_int("max_run_chunks", max_run_chunks, 1)
+        ft = check_int("frame_tokens", frame_tokens, 1)
+        fpc = check_int("frames_per_chunk", frames_per_chunk, 1)
+        sink = check_int("sink_frames", sink_frames, 0)
+        rollouts = check_int("max_rollouts", max_rollouts, 1)
+        runs = check_int("max_run_chunks", max_run_chunks, 1)
         check_bool("training", training)
         st = ft * fpc
         if window_frames is not None:
-            _check_int("window_frames", window_frames, fpc)
+            check_int("window_frames", window_frames, fpc)
         layout = KVLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
         per = {"sink_tokens": sink * ft, "slab_tokens": st}
         if window_frames is not None:
@@ -114,7 +114,7 @@ class CausalKVCache:
         if window_frames is None or training:
             if max_frames is None:
                 raise ValueError("max_frames: required when every slab stays (window_frames=None or training=True)")
-            slabs = math.ceil(_check_int("max_frames", max_frames, 1) / fpc) + 1
+            slabs = math.ceil(check_int("max_frames", max_frames, 1) / fpc) + 1
         else:
             # The most slabs a rollout holds, whatever the first chunk's frame count (a pool on
             # the meta device answers without memory).
@@ -137,9 +137,9 @@ class CausalKVCache:
         ``sink_size + num_frame_per_block`` (a chunk's queries see their whole chunk besides
         the sinks); each argument is checked under its own name.
         """
-        sink = _check_int("sink_size", sink_size, 0)
-        fpc = _check_int("num_frame_per_block", num_frame_per_block, 1)
-        _check_int("frame_seq_length", frame_seq_length, 1)
+        sink = check_int("sink_size", sink_size, 0)
+        fpc = check_int("num_frame_per_block", num_frame_per_block, 1)
+        check_int("frame_seq_length", frame_seq_length, 1)
         if not is_int(local_attn_size):
             raise TypeError(f"local_attn_size: expected -1 (global attention) or an int, got {local_attn_size!r}")
         if local_attn_size != -1 and local_attn_size < sink + fpc:
@@ -237,7 +237,7 @@ class CausalStep(Sequence):
             return self.meta
         names = self._namespaces
         if names is None:
-            names = self._namespaces = tuple(range(_check_int("batch", batch, 1)))
+            names = self._namespaces = tuple(range(check_int("batch", batch, 1)))
         pool = self._cache.pool
         batch = {ns: pool.chunks_for_tokens(ns, current_start, n_tokens) for ns in names}
         undo = {ns: (pool.snapshot(ns), _holding(pool.rollout_info(ns))) if ns in pool else None for ns in names}

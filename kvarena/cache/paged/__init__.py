@@ -4,8 +4,9 @@ Rooms: ``pool`` (the pool: construction, namespaces, fork / truncate, accounting
 ``table`` (the namespaces' records and the persistent device block table), ``planner``
 (host planning of a step: what it needs, the window rules), ``build`` (the step's
 metadata on the device), ``meta`` (:class:`PagedMetadata`, the CUDA-graph buffers),
-``local`` (the single-process plan / forward) and ``cp`` (decode context parallel, the
-steps a pool holds under ``context_parallel=``).
+``claim`` (the blocks a plan, a fork or a truncate takes and gives back), ``local`` (the
+single-process plan / forward) and ``cp`` (decode context parallel, the steps a pool holds
+under ``context_parallel=``).
 
 Examples
 --------

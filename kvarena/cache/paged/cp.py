@@ -25,12 +25,13 @@ from collections.abc import Hashable, Mapping
 
 import torch
 
-from kvarena._checks import check_bool, is_int
+from kvarena.argcheck import check_bool, is_int
 from kvarena.attention.batch import CacheView, KeySet, QueryRows
 from kvarena.attention.dispatch import attend, merge_partials, store
 from kvarena.cache._meta import upload
+from kvarena.cache._pool import CallCheck, PoolSteps
 from kvarena.cache.arena import CacheFullError, _check_int
-from kvarena.cache.paged.local import LocalSteps
+from kvarena.cache.paged.claim import reserve, truncate_blocks
 from kvarena.cache.paged.meta import PagedMetadata
 from kvarena.cache.paged.table import cdiv
 
@@ -78,7 +79,7 @@ def check_cp_spec(spec, where: str) -> None:
         raise ValueError(f"{where}.causal: the paged pool is causal")
 
 
-class DecodeContextParallel:
+class DecodeContextParallel(PoolSteps):
     """The steps of a rank's pool under decode context parallel (``cp.mode == "tokens"``).
 
     Not served (ValueError naming the argument, at construction or call): sliding windows /
@@ -88,16 +89,16 @@ class DecodeContextParallel:
     """
 
     def __init__(self, pool, cp) -> None:
-        for i, spec in enumerate(pool._specs):
+        specs = tuple(pool.attention_spec(i) for i in range(pool.layout.num_layers))
+        for i, spec in enumerate(specs):
             check_cp_spec(spec, f"attention[{i}]")
-        self.pool = pool
+        super().__init__(pool)
         self.context_parallel = cp
-        self._local = LocalSteps(pool)
         self._glen: dict[Hashable, int] = {}
         self._first: dict[Hashable, int] = {}  # namespace -> the rank holding its block 0
         self._made = 0  # namespaces created (the next one's first rank, modulo N)
         # The history's spec of each layer: no mask (every key is older than the step).
-        self._hist_specs = tuple(s.with_lse.replace(causal=False) for s in pool._specs)
+        self._hist_specs = tuple(s.with_lse.replace(causal=False) for s in specs)
 
     def _owned(self, a: int, b: int, first: int) -> int:
         """Tokens in ``[a, b)`` of a sequence whose block 0 is on rank ``first`` that this
@@ -133,7 +134,7 @@ class DecodeContextParallel:
 
     def truncate(self, namespace: Hashable, n_tokens: int) -> None:
         self.check_truncate(namespace, n_tokens)
-        self.pool._truncate_blocks(namespace, self._owned(0, n_tokens, self._first[namespace]))
+        truncate_blocks(self.pool, namespace, self._owned(0, n_tokens, self._first[namespace]))
         self._glen[namespace] = n_tokens
 
     def check_allocate(self) -> None:
@@ -157,12 +158,7 @@ class DecodeContextParallel:
         not fit on some rank is a CacheFullError on all of them). The metadata's rows are
         the step's replicated rows: ``slot_mapping`` -1 where another rank stores the
         token, ``block_table`` / ``seq_lens`` this rank's blocks of the history."""
-        check_bool("graph", graph)
-        if graph or pad_to is not None:
-            raise ValueError(f"{'graph' if graph else 'pad_to'}: not served with context_parallel")
-        if not isinstance(batch, Mapping) or not batch:
-            raise TypeError(f"batch: expected a non-empty mapping of namespace -> n_new_tokens, got {batch!r}")
-        items = [(ns, _check_int(f"batch[{ns!r}]", n, 1)) for ns, n in batch.items()]
+        items = _check_batch(batch, graph, pad_to)
         pool, cp = self.pool, self.context_parallel
         with pool._lock:
             olds = [self._glen.get(ns, 0) for ns, _n in items]
@@ -183,7 +179,7 @@ class DecodeContextParallel:
                                      f"budget {pool.policy.max_bytes} bytes); some rank of the group cannot take "
                                      "this step (nothing changed on any rank)")
             if owned:
-                self._local.reserve(*zip(*owned))  # all-or-nothing
+                reserve(pool, *zip(*owned))  # all-or-nothing
             for ns, _n in items:
                 if ns not in pool._seqs:  # a rank with no block of it yet: an empty local sequence
                     pool._seqs[ns] = pool._table.new_seq()
@@ -204,15 +200,15 @@ class DecodeContextParallel:
         for _ns, n in items:
             cu.append(cu[-1] + n)
         total_q, max_q = cu[-1], max(n for _ns, n in items)
-        cols = max(1, max(cdiv(self._glen[ns], bs * n_ranks) + 1 for ns, _n in items))
-        pool._table.ensure_cols(cols)
-        pool._table.flush()  # a fork's table entries, when this rank stored nothing this step (no local plan)
+        # [B, cols]: this rank's blocks of each row (the pool's public block table, a fork's
+        # queued entries written first), every column a step's slot can name
+        table = pool.block_table([ns for ns, _n in items])
+        cols = table.shape[1]
         # Per row: the first global block this rank holds ((rank - first) mod N).
         mine0 = [(rank - f) % n_ranks for f in firsts]
-        packed = upload([s.row for s in seqs] + hist + olds + mine0 + cu, torch.int32, pool.device)
-        rows, hist_t, olds_t, mine0_t = (packed[i * nseq:(i + 1) * nseq] for i in range(4))
-        cu_t = packed[4 * nseq:]
-        table = pool._table.data[0, :, :cols].index_select(0, rows.long())  # [B, cols]: this rank's blocks
+        packed = upload(hist + olds + mine0 + cu, torch.int32, pool.device)
+        hist_t, olds_t, mine0_t = (packed[i * nseq:(i + 1) * nseq] for i in range(3))
+        cu_t = packed[3 * nseq:]
         dev = pool.device
         q_lens = cu_t[1:] - cu_t[:-1]
         row_of = torch.repeat_interleave(torch.arange(nseq, device=dev), q_lens, output_size=total_q)
@@ -237,27 +233,42 @@ class DecodeContextParallel:
             own_keys=KeySet(own, q_lens, max_q),
         )
 
-    # ------------------------------------------------------------------ forward
-    def forward(self, q, k, v, meta: PagedMetadata, layer, options: dict):
-        """Store this rank's new tokens, attend every query over its history blocks and the
-        step's own keys, merge the ranks' partials: the same output on every rank."""
-        pool, cp = self.pool, self.context_parallel
-        pool._require_current(meta)
+    # ------------------------------------------------------------------ forward (the template's steps)
+    def check_forward(self, batch, q, k, v, layer, pad_to: int | None, options: dict) -> None:
+        """:meth:`PagedKVCache.check_forward` under context parallel (changes nothing)."""
+        items = _check_batch(batch, False, pad_to)
+        self._check_call(q, k, v, layer, options, sum(n for _ns, n in items))
+
+    def check(self, q, k, v, meta: PagedMetadata, layer, options: dict, commit: bool = True) -> CallCheck:
+        self.pool._require_current(meta)
         if meta.own_keys is None:
             raise ValueError("meta: not planned by a context-parallel PagedKVCache")
+        return self._check_call(q, k, v, layer, options, meta.total_q)
+
+    def _check_call(self, q, k, v, layer, options: dict, total_q: int) -> CallCheck:
+        pool = self.pool
         layer = pool._check_layer(layer)
         spec = pool._call_spec(layer, options)
         if options:
             check_cp_spec(spec, "forward")
-        pool._check_qkv(q, k, v, (meta.total_q,), "[total_q, H, D] (replicated)", layer)
+        h_q = pool._check_qkv(q, k, v, (total_q,), "[total_q, H, D] (replicated)", layer)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             raise ValueError("q: decode context parallel is inference-only; run under torch.no_grad()")
-        backends = pool._backends(spec, q, k, v)
-        attn_backend = backends.attention
-        cache = pool._region.op_views(layer)
-        store(k, v, cache, meta.slot_mapping, backends.store)
-        hist_spec = self._hist_specs[layer] if not options else spec.with_lse.replace(causal=False)
-        hist = attend(q, cache, meta.keys[0], meta.rows, spec=hist_spec, backend=attn_backend)
+        return CallCheck(layer, spec, 0, h_q, pool._backends(spec, q, k, v))
+
+    def store(self, k, v, meta: PagedMetadata, call: CallCheck) -> None:
+        """This rank's new tokens (the others' slots are -1)."""
+        store(k, v, self.pool.region.op_views(call.layer), meta.slot_mapping, call.backends.store)
+
+    def attend(self, q, k, v, meta: PagedMetadata, call: CallCheck, commit: bool = True):
+        """Every query over this rank's history blocks and over the step's own keys, then the
+        ranks' partials merged: the same output on every rank."""
+        cp, spec, layer = self.context_parallel, call.spec, call.layer
+        attn_backend = call.backends.attention
+        hist_spec = self._hist_specs[layer] if spec is self.pool.attention_spec(layer) else \
+            spec.with_lse.replace(causal=False)
+        hist = attend(q, self.pool.region.op_views(layer), meta.keys[0], meta.rows, spec=hist_spec,
+                      backend=attn_backend)
         h_kv, d = k.shape[1], k.shape[2]
         own = attend(q, CacheView(k.view(-1, 1, h_kv, d), v.view(-1, 1, h_kv, d)), meta.own_keys, meta.rows,
                      spec=spec.with_lse, backend=attn_backend)
@@ -265,3 +276,13 @@ class DecodeContextParallel:
         # own keys, then rank 0 .. N-1: the same bits on every rank
         out, lse = merge_partials([own, *zip(outs, lses)], attn_backend)
         return (out, lse) if spec.return_lse else out
+
+
+def _check_batch(batch, graph, pad_to) -> list:
+    """The ``(namespace, n_new_tokens)`` of a context-parallel plan's batch, checked."""
+    check_bool("graph", graph)
+    if graph or pad_to is not None:
+        raise ValueError(f"{'graph' if graph else 'pad_to'}: not served with context_parallel")
+    if not isinstance(batch, Mapping) or not batch:
+        raise TypeError(f"batch: expected a non-empty mapping of namespace -> n_new_tokens, got {batch!r}")
+    return [(ns, _check_int(f"batch[{ns!r}]", n, 1)) for ns, n in batch.items()]

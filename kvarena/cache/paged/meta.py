@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 import torch
 
 from kvarena.attention.batch import KeySet, QueryRows
-from kvarena.cache._pool import Backends
 from kvarena.cache.arena import _check_int
 
 __all__ = ["GraphBuffers", "PagedMetadata"]
@@ -120,12 +119,3 @@ class GraphBuffers:
             rows=QueryRows(cu, q_per),
         )
 
-
-@dataclass(frozen=True)
-class CallCheck:
-    """What :meth:`PagedKVCache._check_call` resolved for one layer's call."""
-
-    layer: int
-    spec: object  # AttentionSpec: the layer's, per-call overrides applied
-    group: int  # the layer's group
-    backends: Backends

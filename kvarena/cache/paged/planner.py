@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvarena._checks import check_bool
+from kvarena.argcheck import check_bool
 from kvarena.cache.arena import _check_int
 from kvarena.cache.paged.meta import GraphBuffers
 from kvarena.cache.paged.table import FREED, SeqRecord, cdiv

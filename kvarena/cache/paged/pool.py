@@ -7,9 +7,11 @@ shapes) gets a block list and a table row per group, all from the one allocator.
 ``free_out_of_window=True`` a group whose layers all slide returns the blocks no future
 query can see at plan time (list entry ``-1``, table entry 0, never read by a kernel).
 
-The pool's steps (``plan`` / ``forward`` and what a namespace's length counts) are an
+The pool's steps (``plan`` / ``forward``, following the pools' template
+:class:`~kvarena.cache._pool.PoolSteps`, and what a namespace's length counts) are an
 object chosen at construction: :class:`~kvarena.cache.paged.local.LocalSteps`, or
-:class:`~kvarena.cache.paged.cp.DecodeContextParallel` under ``context_parallel=``.
+:class:`~kvarena.cache.paged.cp.DecodeContextParallel` under ``context_parallel=``; the
+block changes of a plan, a fork and a truncate are :mod:`~kvarena.cache.paged.claim`'s.
 """
 
 from __future__ import annotations
@@ -18,15 +20,17 @@ from collections.abc import Hashable, Mapping
 
 import torch
 
-from kvarena._checks import check_bool, is_int
-from kvarena.cache._meta import StaleMetadataError, as_device, region_of_arena
+from kvarena.argcheck import check_bool, is_int
+from kvarena.attention.spec import AttentionSpec
+from kvarena.cache._meta import StaleMetadataError, as_device, region_of_arena, upload
 from kvarena.cache._pool import KVPoolBase
 from kvarena.cache.arena import BlockAllocator, KVArena, KVLayout, _check_int
+from kvarena.cache.paged.claim import fork_blocks
 from kvarena.cache.paged.cp import DecodeContextParallel, local_policy
-from kvarena.cache.paged.local import LocalSteps, check_call
-from kvarena.cache.paged.meta import CallCheck, GraphBuffers, PagedMetadata
+from kvarena.cache.paged.local import LocalSteps
+from kvarena.cache.paged.meta import GraphBuffers, PagedMetadata
 from kvarena.cache.paged.planner import WindowRules
-from kvarena.cache.paged.table import FREED, BlockTable, SeqRecord, cdiv
+from kvarena.cache.paged.table import FREED, BlockTable, SeqRecord
 
 __all__ = ["PagedKVCache"]
 
@@ -157,7 +161,7 @@ class PagedKVCache(KVPoolBase):
         limits = WindowRules.of(free_out_of_window, self.layout, self._specs, self._ngroups)
         self._windows = WindowRules(limits, self._rollback, self.block_size)
         self._limits = self._windows.limits  # per group: (window_left, sink_tokens) released by, or None
-        self._calls: dict = {}  # check_call's records of the layers' own specs
+        self._calls: dict = {}  # LocalSteps.check_call's records of the layers' own specs
         self._steps = LocalSteps(self) if cp is None else DecodeContextParallel(self, cp)
 
     def _bind_storage(self, layout, block_size, device, arena, region) -> None:
@@ -401,23 +405,7 @@ class PagedKVCache(KVPoolBase):
             ``dst`` already exists.
         """
         with self._lock:
-            s = self._get(src)
-            if dst in self._seqs:
-                raise ValueError(f"dst: namespace {dst!r} already exists")
-            n = cdiv(s.seq_len, self.block_size)
-            self.allocator.incref([b for blocks in s.blocks for b in blocks[:n] if b != FREED])
-            d = self._table.new_seq()
-            d.blocks = [list(blocks[:n]) for blocks in s.blocks]
-            d.seq_len = s.seq_len
-            d.released = [min(r, len(b)) for r, b in zip(s.released, d.blocks)]
-            self._seqs[dst] = d
-            for g in range(self._ngroups):
-                self._table.set_entries(d, g, 0)
-            # src's outstanding metadata goes stale: its tokens not stored yet sit in blocks
-            # now shared with dst, and dst's next plan may copy such a block (CoW) before
-            # that forward writes them, leaving dst with garbage where src's last planned
-            # tokens should be. Forward src's metadata first, then fork.
-            s.version, s.limit = self._stamp(), 0  # its blocks are shared now
+            fork_blocks(self, src, dst)
             self._steps.forked(src, dst)
 
     def check_truncate(self, namespace: Hashable, n_tokens: int) -> None:
@@ -425,15 +413,6 @@ class PagedKVCache(KVPoolBase):
         (so a caller rolling back several namespaces can check them all first)."""
         with self._lock:
             self._steps.check_truncate(namespace, n_tokens)
-
-    def _truncate_checked(self, namespace, n_tokens) -> SeqRecord:
-        seq = self._get(namespace)
-        if not is_int(n_tokens):
-            raise TypeError(f"n_tokens: expected an int, got {n_tokens!r}")
-        if not 0 <= n_tokens <= seq.seq_len:
-            raise ValueError(f"n_tokens: expected 0 <= n_tokens <= seq_len ({seq.seq_len}), got {n_tokens}")
-        self._windows.check_truncate(seq, n_tokens)
-        return seq
 
     def truncate(self, namespace: Hashable, n_tokens: int) -> None:
         """Roll ``namespace`` back to its first ``n_tokens`` tokens, freeing unneeded blocks.
@@ -450,18 +429,6 @@ class PagedKVCache(KVPoolBase):
         """
         with self._lock:
             self._steps.truncate(namespace, n_tokens)
-
-    def _truncate_blocks(self, namespace, n_tokens: int) -> None:
-        """Truncate the blocks this pool holds of ``namespace`` to ``n_tokens`` tokens."""
-        seq = self._truncate_checked(namespace, n_tokens)
-        keep = cdiv(n_tokens, self.block_size)
-        for g, blocks in enumerate(seq.blocks):
-            if len(blocks) > keep:
-                self._drop(g, [b for b in blocks[keep:] if b != FREED])
-                del blocks[keep:]
-                seq.released[g] = min(seq.released[g], keep)
-        seq.seq_len = n_tokens
-        seq.version, seq.limit = self._stamp(), 0
 
     # ------------------------------------------------------------------ plan
     def plan(self, batch: Mapping[Hashable, int], *, graph: bool = False, pad_to: int | None = None) -> PagedMetadata:
@@ -586,11 +553,42 @@ class PagedKVCache(KVPoolBase):
         """
         return self._steps.forward(q, k, v, meta, layer, options)
 
-    def _check_call(self, q, k, v, layer, options: dict, total_q: int | None = None, padded: bool = False
-                    ) -> CallCheck:
-        """What :meth:`forward` checks that needs no metadata (:func:`~kvarena.cache.paged.local.check_call`);
-        an adapter calls it before it plans a step, so a step the forward would refuse plans nothing."""
-        return check_call(self, q, k, v, layer, options, total_q, padded)
+    def check_forward(self, batch: Mapping[Hashable, int], q, k, v, layer: int, *, pad_to: int | None = None,
+                      **options) -> None:
+        """Raise what :meth:`forward` would raise for these arguments with the metadata of
+        ``plan(batch, pad_to=pad_to)``, before planning it: the batch as the plan checks it,
+        the layer, the options, q/k/v (the plan's ``total_q`` rows), sink logits and the
+        backends. Changes nothing (what only the plan can know, a full pool, is left to it).
+        For adapters that plan at a model's first layer call: a step the forward would
+        refuse plans nothing."""
+        self._steps.check_forward(batch, q, k, v, layer, pad_to, options)
+
+    def block_table(self, namespaces, group: int = 0) -> torch.Tensor:
+        """The block table of ``namespaces`` in layer group ``group``: int32 ``[len(namespaces),
+        cols]`` on the pool's device, row ``i`` the blocks of ``namespaces[i]`` in logical
+        order (as :attr:`table`'s rows: 0 for a released block and past a namespace's
+        blocks; ``cols`` the most blocks any of them holds, at least 1). A new tensor,
+        gathered from the persistent device table (an upload of the row indices, no host
+        sync); with :meth:`attend`, the keys of rows the step's metadata does not describe.
+        Under context parallel: this rank's blocks. ``KeyError`` for an unknown namespace."""
+        if not is_int(group) or not 0 <= group < self._ngroups:
+            raise ValueError(f"group: expected an int in [0, {self._ngroups}), got {group!r}")
+        with self._lock:
+            seqs = [self._get(ns) for ns in namespaces]
+            self._table.flush()  # entries queued since the last plan (a fork's)
+            cols = max([1, *(len(s.blocks[group]) for s in seqs)])
+            rows = upload([s.row for s in seqs], torch.int64, self.device)
+            return self._table.data[group, :, :cols].index_select(0, rows)
+
+    def _call_spec(self, layer: int, overrides: dict) -> AttentionSpec:
+        if not overrides:  # the layer's own spec (within any release limits by construction)
+            return self._specs[layer]
+        spec = super()._call_spec(layer, overrides)
+        lim = self._limits[self._layer_group[layer]]
+        if lim is not None and (spec.window_left is None or spec.window_left > lim[0] or spec.sink_tokens > lim[1]):
+            raise ValueError(f"window_left/sink_tokens: this pool releases layer {layer}'s blocks outside "
+                             f"window_left={lim[0]}, sink_tokens={lim[1]} (free_out_of_window); a call cannot see more")
+        return spec
 
     def __repr__(self) -> str:
         return (

@@ -40,8 +40,9 @@ attending to a history chunk not committed at the layer being run raises.
 Rooms: :mod:`~kvarena.cache.slab.visibility` (the rule), :mod:`~kvarena.cache.slab.planner`
 (a batch entry checked and walked), :mod:`~kvarena.cache.slab.claim` (slabs claimed),
 :mod:`~kvarena.cache.slab.meta` (the step's metadata and seam objects),
-:mod:`~kvarena.cache.slab.pool` (the pool and its forward), :mod:`~kvarena.cache.slab.cp`
-(context parallel), :mod:`~kvarena.cache.slab.compat` (``append`` / ``get``),
+:mod:`~kvarena.cache.slab.pool` (the pool and its public seam),
+:mod:`~kvarena.cache.slab.local` (the single-process plan / forward),
+:mod:`~kvarena.cache.slab.cp` (context parallel, wrapping it), :mod:`~kvarena.cache.slab.compat` (``append`` / ``get``),
 :mod:`~kvarena.cache.slab.rollback` (``snapshot`` / ``restore``).
 """
 

@@ -10,6 +10,7 @@ import torch
 from kvarena.attention.fp8 import dequantize_fp8, fp8_row_scales, quantize_fp8
 from kvarena.cache._meta import check_forward_tensor
 from kvarena.cache.arena import KVLayout, _check_int
+from kvarena.cache.slab.claim import reserve
 from kvarena.cache.slab.records import Slab, _Chunk
 
 __all__ = ["SlabCompat"]
@@ -60,7 +61,7 @@ class SlabCompat:
                 for name, x in (("slab.k", k), ("slab.v", v)):
                     check_forward_tensor(name, x, shape, lay.input_dtype, self.device,
                                          "[num_layers, T, H_kv, D] of the layout")
-                res = self._reserve({namespace: (_check_int("slab.chunk_index", slab.chunk_index, 0), t)})
+                res = reserve(self, {namespace: (_check_int("slab.chunk_index", slab.chunk_index, 0), t)})
             except BaseException:
                 if fresh:  # a failed first append leaves the pool as it was: no arena
                     self.arena = self._region = self.layout = None
@@ -124,7 +125,7 @@ class SlabCompat:
         """Free every slab of ``namespace`` (unknown: no-op)."""
         with self._lock:
             r = self._rollouts.pop(namespace, None)
-            self._parallel.forget(namespace)
+            self._steps.forget(namespace)
             if r is not None:
                 self._stamp()
             if r is not None and (r.chunks or r.retired):

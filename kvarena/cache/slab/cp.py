@@ -1,58 +1,34 @@
-"""Context parallel for a slab pool, as the strategy the pool holds from construction.
+"""Context parallel for a slab pool, as the steps the pool holds from construction.
 
-:class:`LocalForward` (one process, or heads mode on one rank), :class:`HeadsForward`
-(Ulysses: every rank stores and attends its ``H_kv / N`` heads) and
-:class:`TokensForward` (every rank stores its rows of each chunk; queries all-gathered,
+:class:`~kvarena.cache.slab.local.LocalSteps` (one process, or heads mode on one rank),
+:class:`HeadsSteps` (Ulysses: every rank stores and attends its ``H_kv / N`` heads) and
+:class:`TokensSteps` (every rank stores its rows of each chunk; queries all-gathered,
 partial attentions merged by LSE in rank order). Each plans a step, sizes chunks for
-:meth:`~kvarena.cache.slab.SlabKVCache.chunks_for_tokens` and runs a layer's forward.
+:meth:`~kvarena.cache.slab.SlabKVCache.chunks_for_tokens` and runs a layer's forward; the
+two context-parallel ones wrap the local forward (reshaping or gathering around it,
+merging after it), never a private method of the pool.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from kvarena._checks import check_bool, is_int
+from kvarena.argcheck import check_bool, is_int
 from kvarena.attention.backend import resolve_backend
 from kvarena.attention.dispatch import merge_partials
 from kvarena.cache._meta import check_forward_tensor
 from kvarena.cache._pool import layer_specs
 from kvarena.cache.arena import KVLayout, _check_int
+from kvarena.cache.slab.claim import reserve
+from kvarena.cache.slab.local import ChunkSizes, LocalSteps
 from kvarena.cache.slab.meta import SlabMetadata, build_meta
 
-__all__ = ["ChunkSizes", "HeadsForward", "LocalForward", "ParallelShare", "TokensForward", "parallel_share"]
-
-
-@dataclass(frozen=True)
-class ChunkSizes:
-    """A rollout's chunk sizes as the model counts them: ``slab_tokens`` per chunk, chunk 0 of
-    ``first_chunk_tokens`` (None: no chunk yet)."""
-
-    slab_tokens: int
-    first_chunk_tokens: int | None
-
-
-class LocalForward:
-    """No context parallel: the pool plans and attends on its own."""
-
-    def plan(self, pool, batch) -> SlabMetadata:
-        with pool._lock:
-            return build_meta(pool, pool._reserve(batch))
-
-    def forward(self, pool, q, k, v, meta, layer, commit, options):
-        return pool._forward_local(q, k, v, meta, layer, commit, options)
-
-    def chunk_sizes(self, pool, namespace: Hashable, r) -> ChunkSizes:
-        return ChunkSizes(pool.slab_tokens, None if r is None else r.n0)
-
-    def first_chunk_share(self, first_chunk_tokens: int | None) -> int | None:
-        return first_chunk_tokens
-
-    def forget(self, namespace: Hashable) -> None:
-        """A cleared namespace (nothing held here)."""
+__all__ = ["HeadsSteps", "ParallelShare", "TokensSteps", "parallel_share"]
 
 
 def _rank_checks(pool, meta, layer, commit, options):
@@ -64,17 +40,18 @@ def _rank_checks(pool, meta, layer, commit, options):
     return layer, pool._call_spec(layer, options)
 
 
-class HeadsForward(LocalForward):
+class HeadsSteps(LocalSteps):
     """Context parallel, heads mode: this rank's rows -> its heads of every row, the local
-    pool, and back."""
+    steps, and back."""
 
-    def __init__(self, cp) -> None:
-        self.cp = cp
+    def __init__(self, pool, cp) -> None:
+        super().__init__(pool)
+        self.cp = self.context_parallel = cp
 
-    def forward(self, pool, q, k, v, meta, layer, commit, options):
+    def forward(self, q, k, v, meta, layer, options: dict, commit: bool = True):
         """Everything a rank can refuse on its own is checked before the first collective
         (the others would wait in it)."""
-        cp = self.cp
+        cp, pool = self.cp, self.pool
         n = cp.world_size
         layer, spec = _rank_checks(pool, meta, layer, commit, options)
         b, t = meta.num_seqs, meta.n_tokens
@@ -90,22 +67,23 @@ class HeadsForward(LocalForward):
             check_forward_tensor(name, x, shape, lay.input_dtype, pool.device,
                                  f"rank {cp.rank}'s {t_r} of the step's {t} rows, [B, T_r, H, D]")
         qh, kh, vh = (cp.to_heads(x, t, layer) for x in (q, k, v))  # [B, T, H / N, D]
-        res = pool._forward_local(qh, kh, vh, meta, layer, commit, options)
+        res = super().forward(qh, kh, vh, meta, layer, options, commit)
         if spec.return_lse:
             return cp.to_tokens(res[0], layer), cp.to_tokens(res[1], layer)
         return cp.to_tokens(res, layer)
 
 
-class TokensForward(LocalForward):
+class TokensSteps(LocalSteps):
     """Context parallel, tokens mode: the rank stores its rows of each chunk (of
     ``slab_tokens`` rows, whole-chunk sinks / window) and attends every query."""
 
-    def __init__(self, cp, slab_tokens: int) -> None:
-        self.cp = cp
+    def __init__(self, pool, cp, slab_tokens: int) -> None:
+        super().__init__(pool)
+        self.cp = self.context_parallel = cp
         self.slab_tokens = slab_tokens
         self.first_chunk: dict = {}  # namespace -> chunk 0's tokens (the whole chunk's)
 
-    def chunk_sizes(self, pool, namespace: Hashable, r) -> ChunkSizes:
+    def chunk_sizes(self, namespace: Hashable, r) -> ChunkSizes:
         # the chunks' own sizes, not the rank's share
         st = self.slab_tokens
         return ChunkSizes(st, None if r is None else self.first_chunk.get(namespace, st))
@@ -123,7 +101,7 @@ class TokensForward(LocalForward):
     def forget(self, namespace: Hashable) -> None:
         self.first_chunk.pop(namespace, None)
 
-    def _chunk_tokens(self, pool, ns, c, n) -> int:
+    def _chunk_tokens(self, ns, c, n) -> int:
         """The tokens of chunk ``c`` (``n`` given or None), checked as the rank's plan would
         check its share: two different lengths can share a rank's share, and the ranks must agree."""
         cp, st = self.cp, self.slab_tokens
@@ -146,17 +124,17 @@ class TokensForward(LocalForward):
             return self.first_chunk.get(ns, st)
         return st
 
-    def plan(self, pool, batch) -> SlabMetadata:
+    def plan(self, batch) -> SlabMetadata:
         """Plan the rank's rows of each chunk, with query rows for the whole chunk (every rank
         attends all queries over its keys)."""
-        cp = self.cp
+        cp, pool = self.cp, self.pool
         if not isinstance(batch, Mapping) or not batch:
             raise TypeError(f"batch: expected a non-empty mapping of namespace -> chunk, got {batch!r}")
         with pool._lock:
             local, sizes, new_n0 = {}, set(), {}
             for ns, item in batch.items():
                 c, n = item if isinstance(item, tuple) and len(item) == 2 else (item, None)
-                t = self._chunk_tokens(pool, ns, c, n)
+                t = self._chunk_tokens(ns, c, n)
                 if c == 0 and ns not in pool._rollouts:
                     new_n0[ns] = t
                 sizes.add(t)
@@ -164,20 +142,20 @@ class TokensForward(LocalForward):
             if len(sizes) > 1:
                 raise ValueError(f"batch: every rollout of one plan must have the same number of tokens, got "
                                  f"{sorted(sizes)}")
-            meta = build_meta(pool, pool._reserve(local), q_tokens=sizes.pop())
+            meta = build_meta(pool, reserve(pool, local), q_tokens=sizes.pop())
             self.first_chunk.update(new_n0)
         return meta
 
-    def forward(self, pool, q, k, v, meta, layer, commit, options):
+    def forward(self, q, k, v, meta, layer, options: dict, commit: bool = True):
         """Every rank attends the whole chunk's queries over its rows of the visible chunks;
         the partial (out, lse) of each rank's rows come back to it and merge in rank order
         (bitwise repeatable)."""
-        cp = self.cp
+        cp, pool = self.cp, self.pool
         layer, spec = _rank_checks(pool, meta, layer, commit, options)
         b, t_r, t = meta.num_seqs, meta.n_tokens, meta.q_tokens
         pool._check_qkv(q, k, v, (b, t_r), f"rank {cp.rank}'s {t_r} of the chunk's {t} rows, [B, T_r, H, D]", layer)
         q_all = cp.gather_rows(q, t, layer)  # [B, T, H_q, D]
-        out, lse = pool._forward_local(q_all, k, v, meta, layer, commit, {**options, "return_lse": True})
+        out, lse = super().forward(q_all, k, v, meta, layer, {**options, "return_lse": True}, commit)
         outs, lses = cp.scatter_rows(out, layer), cp.scatter_rows(lse, layer)  # [N, B, T_r, H_q(, D)]
         h, d = out.shape[2], out.shape[3]
         backend = resolve_backend(spec.backend, pool.device, out.dtype, torch.is_grad_enabled() and out.requires_grad)
@@ -189,16 +167,17 @@ class TokensForward(LocalForward):
 
 @dataclass(frozen=True)
 class ParallelShare:
-    """What a rank holds under context parallel: its strategy, policy, layout and slab size."""
+    """What a rank holds under context parallel: its steps (made with the pool), policy,
+    layout and slab size."""
 
-    strategy: LocalForward
+    steps: Callable[[object], LocalSteps]
     policy: object
     layout: KVLayout | None
     slab_tokens: int | None
 
 
 def parallel_share(cp, policy, layout, arena, slab_tokens, attention) -> ParallelShare:
-    """This rank's share under ``cp`` (None: the whole pool, :class:`LocalForward`).
+    """This rank's share under ``cp`` (None: the whole pool, :class:`LocalSteps`).
 
     Heads mode: ``H_kv / N`` heads in ``max_bytes / N``; tokens mode: the rank's rows of
     every chunk in slabs of ``split_sizes(slab_tokens)[rank]`` rows, as many slabs as the
@@ -206,7 +185,7 @@ def parallel_share(cp, policy, layout, arena, slab_tokens, attention) -> Paralle
     sharded rollout.
     """
     if cp is None:
-        return ParallelShare(LocalForward(), policy, layout, slab_tokens)
+        return ParallelShare(LocalSteps, policy, layout, slab_tokens)
     from kvarena.distributed import ContextParallel
 
     if not isinstance(cp, ContextParallel):
@@ -226,7 +205,7 @@ def parallel_share(cp, policy, layout, arena, slab_tokens, attention) -> Paralle
         raise ValueError(f"num_kv_heads: heads mode splits the layout's {layout.num_kv_heads} kv heads over "
                          f"{n} ranks; the world size must divide it")
     local = dataclasses.replace(layout, num_kv_heads=layout.num_kv_heads // n)
-    return ParallelShare(HeadsForward(cp) if n > 1 else LocalForward(),
+    return ParallelShare(partial(HeadsSteps, cp=cp) if n > 1 else LocalSteps,
                          dataclasses.replace(policy, max_bytes=policy.max_bytes // n, block_bytes=bb // n),
                          local, slab_tokens)
 
@@ -251,5 +230,5 @@ def _tokens_share(cp, policy, layout: KVLayout, slab_tokens, attention) -> Paral
     per.pop("slab_tokens", None)
     local = dataclasses.replace(policy, max_bytes=slabs * layout.block_bytes(local_st), block_bytes=0,
                                 per_component=per)
-    return ParallelShare(TokensForward(cp, st), local, layout, local_st)
+    return ParallelShare(partial(TokensSteps, cp=cp, slab_tokens=st), local, layout, local_st)
 

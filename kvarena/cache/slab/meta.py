@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvarena._checks import INT_LIMIT
+from kvarena.argcheck import INT_LIMIT
 from kvarena.attention.batch import KeySet, QueryRows
 from kvarena.cache._meta import upload
 from kvarena.cache.slab.claim import PlannedRun, Reservation

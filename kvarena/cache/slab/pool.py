@@ -1,33 +1,29 @@
-"""The slab pool: construction, accounting, planning entry and the per-layer forward.
+"""The slab pool: construction, accounting, planning entry, the per-layer forward's entry
+and the public seam (``check_forward``, ``block_table``, ``attend``).
 
 A step is planned once (:meth:`SlabKVCache.plan`, into :class:`SlabMetadata` whose seam
-objects every layer reads as they are); :meth:`SlabKVCache.forward` checks the call, marks
-commits and hands the plan's objects to :func:`kvarena.attention.dispatch.store` and
-:func:`kvarena.attention.dispatch.attend`. Context parallel is the strategy the pool holds
-(:mod:`kvarena.cache.slab.cp`).
+objects every layer reads as they are); :meth:`SlabKVCache.forward` hands the call to the
+steps the pool holds (:class:`~kvarena.cache.slab.local.LocalSteps`, or under context
+parallel the wrappers of :mod:`kvarena.cache.slab.cp`), which follow the pools' template:
+check, store (a commit, its chunks marked committed), attend.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvarena._checks import check_bool
-from kvarena.attention.backend import resolve_backend
-from kvarena.attention.batch import CacheView, OwnKeys
-from kvarena.attention.dispatch import attend, store
-from kvarena.attention.fp8 import fp8_round_trip
+from kvarena.argcheck import is_int
+from kvarena.attention.batch import CacheView
 from kvarena.attention.spec import AttentionSpec
-from kvarena.cache._meta import StaleMetadataError, as_device, region_of_arena
-from kvarena.cache._pool import Backends, KVPoolBase
+from kvarena.cache._meta import StaleMetadataError, as_device, region_of_arena, upload
+from kvarena.cache._pool import KVPoolBase
 from kvarena.cache.arena import ArenaRegion, KVArena, KVLayout, _check_int
-from kvarena.cache.slab.claim import SlabClaims
 from kvarena.cache.slab.compat import SlabCompat
 from kvarena.cache.slab.cp import parallel_share
-from kvarena.cache.slab.meta import SlabKeys, SlabMetadata
+from kvarena.cache.slab.meta import SlabMetadata
 from kvarena.cache.slab.pages import page_views
 from kvarena.cache.slab.planner import parse_entry
 from kvarena.cache.slab.records import RolloutInfo, _Rollout, rollout_info
@@ -56,18 +52,7 @@ def _op_spec(spec: AttentionSpec) -> AttentionSpec:
     return spec.replace(causal=False)
 
 
-@dataclass(frozen=True)
-class CallCheck:
-    """What :meth:`SlabKVCache._check_call` resolved: the layer, its spec for the call, ``H_q``
-    and the call's :class:`~kvarena.cache._pool.Backends`."""
-
-    layer: int
-    spec: AttentionSpec
-    h_q: int
-    backends: Backends
-
-
-class SlabKVCache(SlabClaims, SlabCompat, SlabRollback, KVPoolBase):
+class SlabKVCache(SlabCompat, SlabRollback, KVPoolBase):
     """Arena-backed chunk-KV slabs with in-place sliding-window recycling.
 
     Parameters
@@ -151,7 +136,7 @@ class SlabKVCache(SlabClaims, SlabCompat, SlabRollback, KVPoolBase):
         self._init_pool(policy, attention)
         share = parallel_share(context_parallel, policy, layout, arena, slab_tokens, attention)
         self._cp = context_parallel
-        self._parallel = share.strategy
+        self._steps = share.steps(self)
         policy, layout, slab_tokens = share.policy, share.layout, share.slab_tokens
         self.policy = policy  # under context parallel: this rank's share of the budget
         device = as_device(device)
@@ -209,6 +194,9 @@ class SlabKVCache(SlabClaims, SlabCompat, SlabRollback, KVPoolBase):
         arena = self._own_arena(layout, slab_tokens, device)
         self._attach(arena, arena[self.CLASS_NAME], self._specs)
 
+    def _attend_spec(self, spec: AttentionSpec) -> AttentionSpec:
+        return _op_spec(spec)
+
     def _check_spec(self, spec: AttentionSpec, where: str) -> None:
         for name, default in (("window_left", None), ("sink_tokens", 0), ("chunk_size", None), ("causal", True)):
             if getattr(spec, name) != default:
@@ -260,6 +248,28 @@ class SlabKVCache(SlabClaims, SlabCompat, SlabRollback, KVPoolBase):
             r = self._rollouts.get(namespace)
             return [] if r is None else list(r.chunks)
 
+    def block_table(self, namespaces, group: int = 0) -> torch.Tensor:
+        """The slab table of ``namespaces``: int32 ``[len(namespaces), cols]`` on the pool's
+        device, row ``i`` the slabs of the chunks ``namespaces[i]`` holds
+        (:meth:`chunk_indices`) in logical order, 0 past them (``cols`` the most chunks any of
+        them holds, at least 1). A slab is a block of ``slab_tokens`` tokens (a short chunk 0
+        stored right-aligned in its slab). With :meth:`attend`: the keys of rows the step's
+        metadata does not describe. ``group`` is 0 (a slab holds every layer);
+        ``KeyError`` for an unknown namespace."""
+        self._require_arena("block_table")
+        if not is_int(group) or group != 0:
+            raise ValueError(f"group: a SlabKVCache has one layer group (0), got {group!r}")
+        with self._lock:
+            rows = []
+            for ns in namespaces:
+                r = self._rollouts.get(ns)
+                if r is None:
+                    raise KeyError(f"namespace {ns!r} is not in this SlabKVCache")
+                rows.append([r.chunks[i].slot for i in sorted(r.chunks)])
+        cols = max([1, *map(len, rows)])
+        flat = [x for row in rows for x in row + [0] * (cols - len(row))]
+        return upload(flat, torch.int32, self.device).view(len(rows), cols)
+
     def rollout_info(self, namespace: Hashable) -> RolloutInfo | None:
         """A read-only copy of ``namespace``'s bookkeeping: its chunks' slots, token counts and
         per-layer commit flags (None if unknown)."""
@@ -284,7 +294,7 @@ class SlabKVCache(SlabClaims, SlabCompat, SlabRollback, KVPoolBase):
         start = _check_int("current_start", current_start, 0)
         n = _check_int("n_tokens", n_tokens, 1)
         with self._lock:
-            sizes = self._parallel.chunk_sizes(self, namespace, self._rollouts.get(namespace))
+            sizes = self._steps.chunk_sizes(namespace, self._rollouts.get(namespace))
         st, n0 = sizes.slab_tokens, sizes.first_chunk_tokens
         if n0 is None:
             if start != 0:
@@ -311,7 +321,7 @@ class SlabKVCache(SlabClaims, SlabCompat, SlabRollback, KVPoolBase):
         exactly the rollouts a budget must hold.
         """
         self._require_arena("slabs_per_rollout")
-        first_chunk_tokens = self._parallel.first_chunk_share(first_chunk_tokens)
+        first_chunk_tokens = self._steps.first_chunk_share(first_chunk_tokens)
         if self._vis.unbounded or self.training_mode:
             return None
         st = self.slab_tokens
@@ -365,7 +375,7 @@ class SlabKVCache(SlabClaims, SlabCompat, SlabRollback, KVPoolBase):
             No layout yet.
         """
         self._require_arena("plan")
-        return self._parallel.plan(self, batch)
+        return self._steps.plan(batch)
 
     def _pages_of(self, layer: int, g: int) -> CacheView:
         """Layer ``layer``'s K and V as pages of ``g`` rows (:func:`page_views`), made once per
@@ -455,84 +465,8 @@ class SlabKVCache(SlabClaims, SlabCompat, SlabRollback, KVPoolBase):
         >>> torch.allclose(noisy, clean, atol=1e-6), pool.chunk_indices("video0")
         (True, [0])
         """
-        return self._parallel.forward(self, q, k, v, meta, layer, commit, options)
+        return self._steps.forward(q, k, v, meta, layer, options, commit)
 
-    def _forward_local(self, q, k, v, meta: SlabMetadata, layer, commit, options):
-        """One process's forward (under context parallel, on this rank's share)."""
-        region = self._require_arena("forward")
-        self._require_current(meta)
-        b, t = meta.num_seqs, meta.n_tokens
-        tq = meta.q_tokens or t  # query rows (the whole chunk under context parallel tokens mode)
-        call = self._check_call(q, k, v, layer, commit, options, (b, t), tq)
-        layer, spec = call.layer, call.spec
-        self._check_committed(meta._history, layer)
-        op_spec = _op_spec(spec) if options else self._op_specs[layer]
-        seam = self._seam_of(meta, spec, layer)
-        h_kv, d = self.layout.num_kv_heads, self.layout.head_dim
-        store_cache = region.op_views(layer)
-        pages = self._pages_of(layer, meta.page_tokens)
-        qf = q.reshape(b * tq, call.h_q, d)
-        kf, vf = k.reshape(b * t, h_kv, d), v.reshape(b * t, h_kv, d)
-        multi = meta.num_chunks != b
-        kv_grad = call.backends.kv_grad
-        attn_backend = call.backends.attention
-        if multi and (kv_grad or (torch.is_grad_enabled() and q.requires_grad)):
-            # Each chunk of a run sees part of the others through the given k/v read as a
-            # paged cache: gradients to a cache tensor are the torch path's.
-            attn_backend = resolve_backend(spec.backend, self.device, self.layout.input_dtype, True,
-                                           "k/v of a multi-chunk step")
-        if commit:
-            store(kf, vf, store_cache, meta.slot_mapping, call.backends.store)
-            for ch in meta._current:  # host-only bookkeeping: single stores, no lock, traceable
-                ch.committed[layer] = True
-        if commit and not (multi and kv_grad):
-            res = attend(qf, pages, seam.keys, seam.rows, spec=op_spec, backend=attn_backend,
-                         own=OwnKeys(kf, vf) if kv_grad else None)
-        else:
-            # The history before the run from the arena, the run's own tokens from k, v.
-            res = attend(qf, pages, seam.history, seam.rows, spec=op_spec, backend=attn_backend,
-                         own=self._own_keys(k, v, store_cache, meta, seam, multi))
-        if not spec.return_lse:
-            return res.reshape(b, tq, call.h_q, d)
-        out, lse = res
-        return out.reshape(b, tq, call.h_q, d), lse.reshape(b, tq, call.h_q)
-
-    @staticmethod
-    def _seam_of(meta: SlabMetadata, spec: AttentionSpec, layer: int) -> SlabKeys:
-        """The plan's seam objects for a layer's spec (its RoPE position mode, if any)."""
-        if not spec.rope_mode:
-            return meta.seam
-        seam = meta.rope.of(spec.rope_positions)
-        if seam.top_position >= spec.rope_cos.shape[0]:
-            raise ValueError(f"rope_cos: this step reaches {spec.rope_positions} position {seam.top_position}, past "
-                             f"the {spec.rope_cos.shape[0]}-row rotary table of layer {layer}")
-        return seam
-
-    def _own_keys(self, k, v, store_cache: CacheView, meta: SlabMetadata, seam: SlabKeys, multi: bool) -> OwnKeys:
-        """The run's own keys as a denoising step attends them."""
-        kd = k if k.stride(-1) == 1 else k.contiguous()
-        vd = v if v.stride(-1) == 1 else v.contiguous()
-        if self.layout.is_fp8:
-            # What a commit would store and read back: the denoising step attends exactly
-            # what the clean pass will (the store's rule: per-row or the layer's static scales).
-            static = store_cache.scales if store_cache.scales[0].dim() == 0 else (None, None)
-            kd, vd = fp8_round_trip(kd, static[0]), fp8_round_trip(vd, static[1])
-        if multi:
-            g, h_kv, d = meta.own_page_tokens, self.layout.num_kv_heads, self.layout.head_dim
-            n = meta.num_seqs * meta.n_tokens // g
-            kd, vd = kd.reshape(n, g, h_kv, d), vd.reshape(n, g, h_kv, d)
-        return OwnKeys(kd, vd, seam.own, paged=multi)
-
-    def _check_call(self, q, k, v, layer, commit, options: dict, lead: tuple[int, int],
-                    q_tokens: int | None = None) -> CallCheck:
-        """What the forward checks that needs no metadata, in its order: ``commit``, the
-        layer, the per-call options, q/k/v (``lead = (B, T)``; q has ``q_tokens`` rows, default
-        T) and the backends. Changes nothing."""
-        check_bool("commit", commit)
-        layer = self._check_layer(layer)
-        spec = self._call_spec(layer, options)
-        h_q = self._check_qkv(q, k, v, lead, "[B, T, H, D]", q_lead=(lead[0], q_tokens or lead[1]))
-        return CallCheck(layer, spec, h_q, self._backends(spec, q, k, v))
 
     def check_forward(self, batch: Mapping, q, k, v, layer: int, *, commit: bool = True, **options) -> None:
         """Raise what :meth:`forward` would raise for these arguments with the metadata of a
@@ -541,7 +475,7 @@ class SlabKVCache(SlabClaims, SlabCompat, SlabRollback, KVPoolBase):
         state of the history the plan would read. Changes nothing; what the plan itself
         would refuse is left to it. For adapters that plan at a model's first call."""
         t = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
-        layer = self._check_call(q, k, v, layer, commit, options, (len(batch), t)).layer
+        layer = self._steps.check_call(q, k, v, layer, commit, options, (len(batch), t)).layer
         self._check_committed(self._history_of(batch), layer)
 
     @staticmethod

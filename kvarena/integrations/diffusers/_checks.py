@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from kvarena._checks import check_bool, check_int
+from kvarena.argcheck import check_bool, check_int
 
 __all__ = ["CallArgs", "ChunkShape", "WanGeometry", "check_bool", "check_call", "check_int", "inspect_transformer"]
 

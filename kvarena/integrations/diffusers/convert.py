@@ -27,7 +27,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from kvarena._checks import check_bool, check_int
+from kvarena.argcheck import check_bool, check_int
 
 __all__ = ["BLOCK_NAMES", "TOP_NAMES", "convert_self_forcing_state_dict", "wan_config_from_state_dict"]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvarena._checks import is_int
+from kvarena.argcheck import is_int
 from kvarena.integrations.causal_wan import CausalKVCache
 from kvarena.integrations.diffusers._checks import (
     ChunkShape,

@@ -7,8 +7,8 @@ import weakref
 
 import torch
 
-from kvarena._checks import check_bool, check_int, is_int, is_integral
-from kvarena.attention.ops import paged_attention
+from kvarena.argcheck import check_bool, check_int, is_int, is_integral
+from kvarena.attention.batch import KeySet, QueryRows
 from kvarena.integrations.hf._common import (
     _HANDOFF,
     NAME,
@@ -428,10 +428,10 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
             elif packed:  # [B, S]: the real rows, gathered on every layer
                 rows = ((past + torch.arange(s)[None, :]) >= torch.tensor(pads)[:, None]).to(query.device)
             qf, kf, vf = self._rows(query, key, value, rows)
-            # What the pool's forward checks without a plan, before the plan: a step it would
-            # refuse (fp8 under autograd, a backend that cannot run) plans nothing.
-            self.pool._check_call(qf, kf, vf, layer, opts, padded=not packed)
             batch = {self._names[i]: new[i] for i in range(b) if new[i] > 0} if packed else dict(zip(self._names, new))
+            # What the pool's forward would refuse, before the plan: a step it would refuse
+            # (fp8 under autograd, a backend that cannot run) plans nothing.
+            self.pool.check_forward(batch, qf, kf, vf, layer, pad_to=None if packed else s, **opts)
             with torch.inference_mode(False):  # see _pool_state
                 self._meta = self.pool.plan(batch, pad_to=None if packed else s)
             if pack is not None:
@@ -461,21 +461,24 @@ class KVArenaCache:  # the transformers Cache base is mixed in at first use (see
     def _attend_per_query(self, layer: int, query, per_query, opts):
         """Each query of ``per_query`` (see :func:`_unpad`) as its own sequence over its row's
         blocks, after the step's K/V were stored: ``kv_start`` is its window (positions in the
-        pool are the real tokens' ranks, padding never stored)."""
+        pool are the real tokens' ranks, padding never stored). Through the pool's public
+        seam: its block table of the rows' namespaces and its :meth:`attend` (no host sync)."""
         rows, lens, starts, which = per_query
         pool = self.pool
-        region, group = pool.region, pool.layout.group_of(layer)[0]
-        tables = [pool.block_ids(name, group) if name in pool else [] for name in self._names]  # see _held
-        width = max(1, max(map(len, tables)))
-        table = torch.tensor([[max(x, 0) for x in t] + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
-                             device=pool.device)[rows[:, 0].long()]
-        scales = region.kv_scales(layer)
-        kw = {} if scales is None else dict(k_scale=scales[0], v_scale=scales[1])
+        held = [name for name in self._names if name in pool]  # see _held
+        if held:
+            index = {name: i for i, name in enumerate(held)}
+            table = pool.block_table(held, pool.layout.group_of(layer)[0])
+            # a row the pool holds nothing of has no key (lens 0): any table row serves it
+            of_row = torch.tensor([index.get(name, 0) for name in self._names], device=pool.device)
+            table = table[of_row[rows[:, 0].long()]]
+        else:
+            table = torch.zeros(rows.shape[0], 1, dtype=torch.int32, device=pool.device)
+        max_k = max([1, *(pool.seq_len(name) for name in held)])  # a host bound of lens: no sync
         q = query.transpose(1, 2)[which].to(pool.layout.input_dtype)
         cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-        opts = {k: v for k, v in opts.items() if k != "window_left"}
-        return paged_attention(q, region.k(layer), region.v(layer), table, lens, cu, kv_start=starts, causal=True,
-                               max_seqlen_q=1, max_seqlen_k=int(lens.max()), **opts, **kw)
+        opts = {k: v for k, v in opts.items() if k != "window_left"}  # the window is kv_start
+        return pool.attend(q, layer, KeySet(table, lens, max_k, kv_start=starts), QueryRows(cu, 1), **opts)
 
     # Beams, assisted decoding, reset.
     @_pool_state
