@@ -252,16 +252,15 @@ class DecodeContextParallel:
         pool._check_qkv(q, k, v, (meta.total_q,), "[total_q, H, D] (replicated)", layer)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             raise ValueError("q: decode context parallel is inference-only; run under torch.no_grad()")
-        backends = pool._backends(spec, q, k, v)
-        attn_backend = backends.attention
+        r = pool._route(spec, q, k, v)
         cache = pool._region.op_views(layer)
-        store(k, v, cache, meta.slot_mapping, backends.store)
+        store(k, v, cache, meta.slot_mapping, r.store)
         hist_spec = self._hist_specs[layer] if not options else spec.with_lse.replace(causal=False)
-        hist = attend(q, cache, meta.keys[0], meta.rows, spec=hist_spec, backend=attn_backend)
+        hist = attend(q, cache, meta.keys[0], meta.rows, spec=hist_spec, route=r)
         h_kv, d = k.shape[1], k.shape[2]
         own = attend(q, CacheView(k.view(-1, 1, h_kv, d), v.view(-1, 1, h_kv, d)), meta.own_keys, meta.rows,
-                     spec=spec.with_lse, backend=attn_backend)
+                     spec=spec.with_lse, route=r)
         outs, lses = cp.all_gather(hist[0], layer), cp.all_gather(hist[1], layer)  # [N, total_q, ...]
         # own keys, then rank 0 .. N-1: the same bits on every rank
-        out, lse = merge_partials([own, *zip(outs, lses)], attn_backend)
+        out, lse = merge_partials([own, *zip(outs, lses)], r.backend)
         return (out, lse) if spec.return_lse else out

@@ -221,16 +221,16 @@ class LocalSteps:
             raise ValueError(f"rope_cos: this step reaches position {meta._max_seq_len - 1}, past the "
                              f"{spec.rope_cos.shape[0]}-row rotary table of layer {call.layer}")
         cache = region.op_views(call.layer)
-        b = call.backends
-        store(k, v, cache, meta.slot_mappings[call.group], b.store)
-        return attend(q, cache, meta.keys[call.group], meta.rows, spec=spec, backend=b.attention,
-                      own=OwnKeys(k, v) if b.kv_grad else None)
+        r = call.route
+        store(k, v, cache, meta.slot_mappings[call.group], r.store)
+        return attend(q, cache, meta.keys[call.group], meta.rows, spec=spec, route=r,
+                      own=OwnKeys(k, v) if r.kv_grad else None)
 
 
 def check_call(pool, q, k, v, layer, options: dict, total_q: int | None = None, padded: bool = False) -> CallCheck:
     """What :meth:`forward` checks that needs no metadata, in its order: the layer, the
     per-call options, q/k/v (``total_q`` rows; None: ``q``'s), sink logits and the
-    backends (``padded``: a ``pad_to`` plan). Changes nothing; an adapter calls it before
+    route (``padded``: a ``pad_to`` plan). Changes nothing; an adapter calls it before
     it plans a step, so a step the forward would refuse plans nothing."""
     layer = pool._check_layer(layer)
     spec = pool._call_spec(layer, options)
@@ -246,16 +246,16 @@ def check_call(pool, q, k, v, layer, options: dict, total_q: int | None = None, 
     pool._check_qkv(q, k, v, (total_q,), "[total_q, H, D]", layer)
     if spec.sink_logits is not None:
         check_sink_logits(spec.sink_logits, q)
-    b = pool._backends(spec, q, k, v)
-    if b.kv_grad and padded:
+    r = pool._route(spec, q, k, v)
+    if r.kv_grad and padded:
         # The differentiable paths read each query row's own k/v at its position, which
         # for a padding row is a real older token's.
         raise ValueError("meta: a padded plan (pad_to) gives no gradient to k/v; plan the real tokens packed")
     if options:
-        return CallCheck(layer, spec, group, b)
-    # The layer's own spec: one record per (layer, backends), made once (a hot path).
-    key = (layer, b.attention, b.store, b.kv_grad)
+        return CallCheck(layer, spec, group, r)
+    # The layer's own spec: one record per (layer, route), made once (a hot path).
+    key = (layer, r)
     call = pool._calls.get(key)
     if call is None:
-        call = pool._calls[key] = CallCheck(layer, spec, group, b)
+        call = pool._calls[key] = CallCheck(layer, spec, group, r)
     return call

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvarena.attention.batch import KeySet, QueryRows
-from kvarena.cache._pool import Backends
+from kvarena.attention.route import Route
 from kvarena.cache.arena import _check_int
 
 __all__ = ["GraphBuffers", "PagedMetadata"]
@@ -128,4 +128,4 @@ class CallCheck:
     layer: int
     spec: object  # AttentionSpec: the layer's, per-call overrides applied
     group: int  # the layer's group
-    backends: Backends
+    route: Route  # the call's (kvarena.attention.route)

@@ -16,13 +16,14 @@ from typing import Any
 import torch
 
 from kvarena._checks import check_bool
-from kvarena.attention.backend import resolve_backend
 from kvarena.attention.batch import CacheView, OwnKeys
 from kvarena.attention.dispatch import attend, store
 from kvarena.attention.fp8 import fp8_round_trip
+from kvarena.attention.plans import takes_own_keys
+from kvarena.attention.route import Own, Route
 from kvarena.attention.spec import AttentionSpec
 from kvarena.cache._meta import StaleMetadataError, as_device, region_of_arena
-from kvarena.cache._pool import Backends, KVPoolBase
+from kvarena.cache._pool import KVPoolBase
 from kvarena.cache.arena import ArenaRegion, KVArena, KVLayout, _check_int
 from kvarena.cache.slab.claim import SlabClaims
 from kvarena.cache.slab.compat import SlabCompat
@@ -59,12 +60,12 @@ def _op_spec(spec: AttentionSpec) -> AttentionSpec:
 @dataclass(frozen=True)
 class CallCheck:
     """What :meth:`SlabKVCache._check_call` resolved: the layer, its spec for the call, ``H_q``
-    and the call's :class:`~kvarena.cache._pool.Backends`."""
+    and the call's :class:`~kvarena.attention.route.Route`."""
 
     layer: int
     spec: AttentionSpec
     h_q: int
-    backends: Backends
+    route: Route
 
 
 class SlabKVCache(SlabClaims, SlabCompat, SlabRollback, KVPoolBase):
@@ -218,7 +219,8 @@ class SlabKVCache(SlabClaims, SlabCompat, SlabRollback, KVPoolBase):
 
     def _attach(self, arena: KVArena, reg: ArenaRegion, specs: tuple) -> None:
         self._specs = specs
-        self._op_specs = tuple(_op_spec(s) for s in specs)
+        made: dict = {}  # one op spec per layer spec: layers sharing a spec share its step plans
+        self._op_specs = tuple(made[id(s)] if id(s) in made else made.setdefault(id(s), _op_spec(s)) for s in specs)
         self._rope_modes = tuple(sorted({s.rope_positions for s in specs if s.rope_mode}))
         self.arena = arena
         self._region = reg
@@ -463,34 +465,31 @@ class SlabKVCache(SlabClaims, SlabCompat, SlabRollback, KVPoolBase):
         self._require_current(meta)
         b, t = meta.num_seqs, meta.n_tokens
         tq = meta.q_tokens or t  # query rows (the whole chunk under context parallel tokens mode)
-        call = self._check_call(q, k, v, layer, commit, options, (b, t), tq)
-        layer, spec = call.layer, call.spec
+        # A multi-chunk step reads the run's tokens through pages (each chunk sees part of
+        # the others): under autograd, gradients to a cache tensor, the torch path's.
+        multi = meta.num_chunks != b
+        own = Own.AFTER_PAGED if multi else (Own.NONE if commit else Own.AFTER)
+        h_kv, d = self.layout.num_kv_heads, self.layout.head_dim
+        call = self._check_call(q, k, v, layer, commit, options, (b, t), tq, own,
+                                lambda layer, spec: self._takes_own(q, k, meta, layer, spec, options))
+        layer, spec, r = call.layer, call.spec, call.route
         self._check_committed(meta._history, layer)
         op_spec = _op_spec(spec) if options else self._op_specs[layer]
         seam = self._seam_of(meta, spec, layer)
-        h_kv, d = self.layout.num_kv_heads, self.layout.head_dim
         store_cache = region.op_views(layer)
         pages = self._pages_of(layer, meta.page_tokens)
         qf = q.reshape(b * tq, call.h_q, d)
         kf, vf = k.reshape(b * t, h_kv, d), v.reshape(b * t, h_kv, d)
-        multi = meta.num_chunks != b
-        kv_grad = call.backends.kv_grad
-        attn_backend = call.backends.attention
-        if multi and (kv_grad or (torch.is_grad_enabled() and q.requires_grad)):
-            # Each chunk of a run sees part of the others through the given k/v read as a
-            # paged cache: gradients to a cache tensor are the torch path's.
-            attn_backend = resolve_backend(spec.backend, self.device, self.layout.input_dtype, True,
-                                           "k/v of a multi-chunk step")
         if commit:
-            store(kf, vf, store_cache, meta.slot_mapping, call.backends.store)
+            store(kf, vf, store_cache, meta.slot_mapping, r.store)
             for ch in meta._current:  # host-only bookkeeping: single stores, no lock, traceable
                 ch.committed[layer] = True
-        if commit and not (multi and kv_grad):
-            res = attend(qf, pages, seam.keys, seam.rows, spec=op_spec, backend=attn_backend,
-                         own=OwnKeys(kf, vf) if kv_grad else None)
+        if commit and not (multi and r.kv_grad):
+            res = attend(qf, pages, seam.keys, seam.rows, spec=op_spec, route=r,
+                         own=OwnKeys(kf, vf) if r.kv_grad else None)
         else:
             # The history before the run from the arena, the run's own tokens from k, v.
-            res = attend(qf, pages, seam.history, seam.rows, spec=op_spec, backend=attn_backend,
+            res = attend(qf, pages, seam.history, seam.rows, spec=op_spec, route=r,
                          own=self._own_keys(k, v, store_cache, meta, seam, multi))
         if not spec.return_lse:
             return res.reshape(b, tq, call.h_q, d)
@@ -524,15 +523,29 @@ class SlabKVCache(SlabClaims, SlabCompat, SlabRollback, KVPoolBase):
         return OwnKeys(kd, vd, seam.own, paged=multi)
 
     def _check_call(self, q, k, v, layer, commit, options: dict, lead: tuple[int, int],
-                    q_tokens: int | None = None) -> CallCheck:
+                    q_tokens: int | None = None, own: Own | None = None, takes_own=None) -> CallCheck:
         """What the forward checks that needs no metadata, in its order: ``commit``, the
         layer, the per-call options, q/k/v (``lead = (B, T)``; q has ``q_tokens`` rows, default
-        T) and the backends. Changes nothing."""
+        T) and the route (``own``: where the given k/v sit, None: as a one-chunk step's;
+        ``takes_own(layer, spec)``: the kernel's answer for them). Changes nothing."""
         check_bool("commit", commit)
         layer = self._check_layer(layer)
         spec = self._call_spec(layer, options)
         h_q = self._check_qkv(q, k, v, lead, "[B, T, H, D]", q_lead=(lead[0], q_tokens or lead[1]))
-        return CallCheck(layer, spec, h_q, self._backends(spec, q, k, v))
+        if own is None:
+            own = Own.NONE if commit else Own.AFTER
+        asked = (lambda: takes_own(layer, spec)) if takes_own is not None else False
+        return CallCheck(layer, spec, h_q, self._route(spec, q, k, v, own, asked))
+
+    def _takes_own(self, q, k, meta: SlabMetadata, layer: int, spec: AttentionSpec, options: dict) -> bool:
+        """Whether one launch takes a one-chunk denoising step's history and given k/v
+        (:func:`~kvarena.attention.plans.takes_own_keys`; the plan it makes is the launch's)."""
+        op_spec = _op_spec(spec) if options else self._op_specs[layer]
+        seam = self._seam_of(meta, spec, layer)
+        pages = self._pages_of(layer, meta.page_tokens)
+        d = self.layout.head_dim
+        qf = q.reshape(-1, q.shape[-2], d)
+        return takes_own_keys(qf, pages, seam.history, seam.rows, OwnKeys(k, k), op_spec, lse=op_spec.return_lse)
 
     def check_forward(self, batch: Mapping, q, k, v, layer: int, *, commit: bool = True, **options) -> None:
         """Raise what :meth:`forward` would raise for these arguments with the metadata of a
