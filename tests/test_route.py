@@ -177,3 +177,12 @@ def test_slab_commit_and_denoise_plan_once_per_step(planner_calls):
             # chunk 0 has no history: one source; chunk 1's denoising pass may need two
             # plans (own keys in the launch, or the history and own keys apart).
             assert 1 <= len(made) <= 2, (c, commit, made)
+
+
+def test_a_memoized_route_still_reads_the_interpreter_flag(monkeypatch):
+    """'triton' on CPU needs TRITON_INTERPRET=1 at every call: a route made while it was set
+    is not handed out after it is gone."""
+    assert route("triton", CPU, BF16, compiling=False).backend == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        route("triton", CPU, BF16, compiling=False)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -99,7 +100,10 @@ def route(requested: str, device: torch.device, dtype: torch.dtype, *, rope: boo
     """
     if compiling is None:
         compiling = torch.compiler.is_compiling()
-    got = _route(requested, device, dtype, rope, q_grad, kv_grad, cache_grad, sink_grad, own, compiling)
+    # 'triton' on CPU needs the interpreter flag, read from the environment on every call
+    # (a memoized yes must not outlive it): part of the memo's key.
+    interp = os.environ.get("TRITON_INTERPRET") if requested == "triton" and device.type == "cpu" else None
+    got = _route(requested, device, dtype, rope, q_grad, kv_grad, cache_grad, sink_grad, own, compiling, interp)
     if got.merge and own is Own.AFTER and got.path is Path.TRITON_EAGER and (
             takes_own() if callable(takes_own) else takes_own):
         return _one_launch(got)
@@ -107,8 +111,10 @@ def route(requested: str, device: torch.device, dtype: torch.dtype, *, rope: boo
 
 
 @functools.lru_cache(maxsize=512)
-def _route(requested, device, dtype, rope, q_grad, kv_grad, cache_grad, sink_grad, own, compiling) -> Route:
-    """The route with the kernel's answer for own keys taken as no (see :func:`route`)."""
+def _route(requested, device, dtype, rope, q_grad, kv_grad, cache_grad, sink_grad, own, compiling,
+           interp) -> Route:
+    """The route with the kernel's answer for own keys taken as no (see :func:`route`;
+    ``interp``: the interpreter flag, a key only)."""
     grad = q_grad or kv_grad or cache_grad or sink_grad
     paged_grad = grad and own is Own.AFTER_PAGED  # the given k/v read as a paged cache
     backend = resolve_backend(requested, device, dtype, grad, _what(rope, cache_grad, sink_grad, paged_grad),
