@@ -219,8 +219,11 @@ class SlabKVCache(SlabClaims, SlabCompat, SlabRollback, KVPoolBase):
 
     def _attach(self, arena: KVArena, reg: ArenaRegion, specs: tuple) -> None:
         self._specs = specs
-        made: dict = {}  # one op spec per layer spec: layers sharing a spec share its step plans
-        self._op_specs = tuple(made[id(s)] if id(s) in made else made.setdefault(id(s), _op_spec(s)) for s in specs)
+        op_of: dict = {}  # one op spec per layer spec: layers sharing a spec share the step's plans
+        for s in specs:
+            if id(s) not in op_of:
+                op_of[id(s)] = _op_spec(s)
+        self._op_specs = tuple(op_of[id(s)] for s in specs)
         self._rope_modes = tuple(sorted({s.rope_positions for s in specs if s.rope_mode}))
         self.arena = arena
         self._region = reg
@@ -469,13 +472,13 @@ class SlabKVCache(SlabClaims, SlabCompat, SlabRollback, KVPoolBase):
         # the others): under autograd, gradients to a cache tensor, the torch path's.
         multi = meta.num_chunks != b
         own = Own.AFTER_PAGED if multi else (Own.NONE if commit else Own.AFTER)
-        h_kv, d = self.layout.num_kv_heads, self.layout.head_dim
         call = self._check_call(q, k, v, layer, commit, options, (b, t), tq, own,
                                 lambda layer, spec: self._takes_own(q, k, meta, layer, spec, options))
         layer, spec, r = call.layer, call.spec, call.route
         self._check_committed(meta._history, layer)
         op_spec = _op_spec(spec) if options else self._op_specs[layer]
         seam = self._seam_of(meta, spec, layer)
+        h_kv, d = self.layout.num_kv_heads, self.layout.head_dim
         store_cache = region.op_views(layer)
         pages = self._pages_of(layer, meta.page_tokens)
         qf = q.reshape(b * tq, call.h_q, d)
