@@ -64,16 +64,26 @@ reference = paged_case_ref  # fp64 oracle (every dtype upcast: the kernel's own 
 
 @pytest.fixture
 def nan_prefilled(monkeypatch):
-    """Make the launcher see out/lse buffers full of NaN: every element must be written."""
-    real = pa.paged_attention_fwd
+    """Make the launches see out/lse buffers full of NaN: every element must be written (the
+    ops' planned launch, and the kernel launcher's one-shot entry)."""
+    from kvarena.attention import launch
+
+    real_fwd, real_planned = pa.paged_attention_fwd, launch.launch_planned
 
     def wrapper(q, k_cache, v_cache, block_table, seq_lens, cu, kv_start, out, lse, **kw):
         out.fill_(float("nan"))
         if lse is not None:
             lse.fill_(float("nan"))
-        return real(q, k_cache, v_cache, block_table, seq_lens, cu, kv_start, out, lse, **kw)
+        return real_fwd(q, k_cache, v_cache, block_table, seq_lens, cu, kv_start, out, lse, **kw)
+
+    def planned(fwd, q, cache, keys, rows, out, lse, spec, own=None):
+        out.fill_(float("nan"))
+        if lse is not None:
+            lse.fill_(float("nan"))
+        return real_planned(fwd, q, cache, keys, rows, out, lse, spec, own)
 
     monkeypatch.setattr(pa, "paged_attention_fwd", wrapper)
+    monkeypatch.setattr(launch, "launch_planned", planned)
 
 
 def run_triton(case, **opts):

@@ -2,7 +2,9 @@
 
 A pool's ``plan`` builds these once per step; every layer's ``forward`` hands the same
 objects to :func:`kvarena.attention.dispatch.attend`, which reads them and flattens them
-only where a kernel or a ``torch.library`` op takes plain tensors.
+only where a kernel or a ``torch.library`` op takes plain tensors. The step's query rows
+also carry the step's Triton launch plans (:mod:`kvarena.attention.plans`): plan once per
+step, launch per layer.
 
 * :class:`CacheView`: one layer's key/value storage (and fp8 scales).
 * :class:`KeySet`: which of those keys each sequence's query rows see.
@@ -14,7 +16,7 @@ All are frozen and compare by identity (they hold tensors).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -84,11 +86,16 @@ class QueryRows:
         Host bound of the rows per sequence.
     rope_q_pos : Tensor, int32 ``[B]``, or None
         RoPE on read: table row of each sequence's first query (None: its position).
+    launches : dict
+        The step's Triton launch plans, made by the first layer that launches each key set
+        and read by every other layer of the step (:mod:`kvarena.attention.plans`; empty
+        when made).
     """
 
     cu_seqlens_q: torch.Tensor
     max_seqlen_q: int
     rope_q_pos: torch.Tensor | None = None
+    launches: dict = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,16 +1,13 @@
 """Trusted dispatch: what the pools (and the public ops, once validated) call per layer.
 
 :func:`attend` is the one attention entry: it takes the typed step metadata of
-:mod:`kvarena.attention.batch` and decides, each in one function,
-
-* which path runs (:func:`_path`: the Triton forward + backward op, the differentiable
-  torch path, an eager Triton launch, or the opaque op under torch.compile), and
-* whether the history and the step's own keys go in one launch or two merged by LSE
-  (:func:`_one_launch`).
+:mod:`kvarena.attention.batch` and the call's :class:`~kvarena.attention.route.Route`
+(decided once, before anything ran, by :func:`~kvarena.attention.route.route`), and runs
+it: the path, and for the step's own keys after a history one launch or
+:func:`~kvarena.attention.launch.merged_with_own`.
 
 Arguments are trusted: the options arrive as an ``AttentionSpec`` (validated when it was
-made), the metadata from a pool's ``plan`` and the backend from
-:func:`kvarena.attention.backend.resolve_backend`. Tensors are flattened only at the
+made), the metadata from a pool's ``plan``. Tensors are flattened only at the
 ``torch.library`` boundary (:mod:`kvarena.attention.library`, whose schemas take plain
 tensors) and at the kernel launchers.
 """
@@ -18,7 +15,6 @@ tensors) and at the kernel launchers.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from enum import Enum
 
 import torch
 
@@ -29,31 +25,17 @@ from kvarena.attention.fp8 import as_bytes, from_bytes
 from kvarena.attention.launch import (
     launch_triton,
     merge_impl,
+    merged_with_own,
     new_outputs,
     run_attention,
     store_impl,
 )
+from kvarena.attention.plans import takes_own_keys
+from kvarena.attention.route import Own, Path, Route, path_of, route
 from kvarena.attention.spec import AttentionSpec
 from kvarena.kernels.placement import OWN_AFTER_HISTORY, OWN_AT_QUERIES
 
-__all__ = ["attend", "store", "merge", "merge_partials"]
-
-
-class _Path(Enum):
-    TRITON_TRAIN = "the Triton forward and backward (one custom op with an autograd formula)"
-    TORCH_GRAD = "the differentiable torch path (plain torch ops autograd and dynamo trace through)"
-    TRITON_EAGER = "an eager Triton launch straight into the caller's out"
-    COMPILED = "the opaque custom op under torch.compile"
-    BODY = "the op's body called directly (eager, no dispatch cost)"
-
-
-def _path(backend: str, grad: bool) -> _Path:
-    """The one place that decides which path runs a call (``backend`` already resolved)."""
-    if grad:
-        return _Path.TRITON_TRAIN if backend == "triton" else _Path.TORCH_GRAD
-    if torch.compiler.is_compiling():
-        return _Path.COMPILED
-    return _Path.TRITON_EAGER if backend == "triton" else _Path.BODY
+__all__ = ["attend", "route_call", "store", "merge", "merge_partials"]
 
 
 def _viewed(cache: CacheView) -> CacheView:
@@ -64,6 +46,28 @@ def _viewed(cache: CacheView) -> CacheView:
     return CacheView(k, v, scales)
 
 
+def own_of(own: OwnKeys | None) -> Own:
+    """Where ``own`` sits, as the route names it."""
+    if own is None:
+        return Own.NONE
+    if own.keys is None:
+        return Own.AT_QUERIES
+    return Own.AFTER_PAGED if own.paged else Own.AFTER
+
+
+def route_call(q, cache: CacheView, keys: KeySet, rows: QueryRows, spec: AttentionSpec, backend: str,
+               own: OwnKeys | None = None) -> Route:
+    """The route of an :func:`attend` call made with a (resolved or requested) ``backend``
+    name, read off its tensors: what a caller that has no route yet passes through."""
+    place = own_of(own)
+    own_k, own_v = (own.k, own.v) if own is not None else (None, None)
+    takes = (lambda: takes_own_keys(q, cache, keys, rows, own, spec, lse=spec.return_lse)) if place is Own.AFTER \
+        else False
+    return route(backend, q.device, q.dtype, rope=bool(spec.rope_mode), q_grad=needs_grad(q),
+                 kv_grad=needs_grad(own_k, own_v), cache_grad=needs_grad(cache.k, cache.v),
+                 sink_grad=needs_grad(spec.sink_logits), own=place, takes_own=takes)
+
+
 def attend(
     q: torch.Tensor,
     cache: CacheView,
@@ -71,7 +75,8 @@ def attend(
     rows: QueryRows,
     *,
     spec: AttentionSpec,
-    backend: str,
+    route: Route | None = None,
+    backend: str | None = None,
     own: OwnKeys | None = None,
     out: torch.Tensor | None = None,
 ):
@@ -80,43 +85,44 @@ def attend(
     ``own`` (see :class:`~kvarena.attention.batch.OwnKeys`): the query rows' own keys
     (gradients reach them), or the step's own keys after each sequence's history (one
     launch where the kernel takes them, else two partial attentions merged by LSE).
-    ``backend`` is :func:`~kvarena.attention.backend.resolve_backend`'s answer. Returns
-    ``out``, or ``(out, lse)`` with ``spec.return_lse``; written into ``out`` when given.
+    ``route``: the call's :class:`~kvarena.attention.route.Route` (a pool's, made before its
+    store); without one, ``backend`` (a resolved name) and :func:`route_call` make it.
+    Returns ``out``, or ``(out, lse)`` with ``spec.return_lse``; written into ``out`` when given.
     """
+    if route is None:
+        route = route_call(q, cache, keys, rows, spec, backend, own)
     if own is not None and own.keys is not None:  # after the history
-        res, lse = _history_and_own(q, cache, keys, rows, own, spec, backend)
+        res, lse = _history_and_own(q, cache, keys, rows, own, spec, route)
         if out is not None:
             out.copy_(res)
             res = out
         return (res, lse) if spec.return_lse else res
-    return _attend_cache(q, cache if cache.scales is None else _viewed(cache), keys, rows, spec, backend, own, out)
+    cache = cache if cache.scales is None else _viewed(cache)
+    return _attend_cache(q, cache, keys, rows, spec, route.path, route.backend, own, out)
 
 
-def _attend_cache(q, cache: CacheView, keys: KeySet, rows: QueryRows, spec: AttentionSpec, backend: str,
+def _attend_cache(q, cache: CacheView, keys: KeySet, rows: QueryRows, spec: AttentionSpec, path: Path, backend: str,
                   own: OwnKeys | None, out):
     """One source of keys: the cache (the query rows' own keys, if given, read from ``own``
-    on the differentiable paths)."""
-    own_k, own_v = (own.k, own.v) if own is not None else (None, None)
-    grad = torch.is_grad_enabled() and needs_grad(q, cache.k, cache.v, own_k, own_v, spec.sink_logits)
-    path = _path(backend, grad)
-    if path is _Path.TRITON_EAGER:
+    on the differentiable paths), on ``path``."""
+    if path is Path.TRITON_EAGER:
         # Straight into the caller's ``out`` (no copy), no lse store unless asked for.
         result, lse = new_outputs(q, out, spec.return_lse)
         launch_triton(q, cache, keys, rows, result, lse, spec)
         return (result, lse) if spec.return_lse else result
-    if path is _Path.TRITON_TRAIN:
-        _refuse_triton_grad(cache, spec)
+    own_k, own_v = (own.k, own.v) if own is not None else (None, None)
+    if path is Path.TRITON_TRAIN:
         result, lse = torch.ops.kvarena.attention_train(
             q, own_k, own_v, cache.k, cache.v, keys.block_table, keys.seq_lens, rows.cu_seqlens_q, keys.kv_start,
             rows.max_seqlen_q, keys.max_seqlen_k, OWN_AT_QUERIES, *spec.op_args(),
         )
-    elif path is _Path.TORCH_GRAD:
+    elif path is Path.TORCH_GRAD:
         result, lse = torch_path.paged_attention_torch(
             q, cache.k, cache.v, keys.block_table, keys.seq_lens, rows.cu_seqlens_q, keys.kv_start, spec=spec,
             max_seqlen_q=rows.max_seqlen_q, max_seqlen_k=keys.max_seqlen_k, own=own,
             rope_q_pos=rows.rope_q_pos, rope_k_shift=keys.rope_k_shift,
         )
-    elif path is _Path.COMPILED:
+    elif path is Path.COMPILED:
         result, lse = _compiled_attention(q, cache, keys, rows, spec, backend)
     else:
         result, lse = run_attention(q, cache, keys, rows, spec, backend)
@@ -137,51 +143,31 @@ def _compiled_attention(q, cache: CacheView, keys: KeySet, rows: QueryRows, spec
     )
 
 
-def _refuse_triton_grad(cache: CacheView, spec: AttentionSpec) -> None:
-    """What the Triton backward cannot differentiate (checked before anything runs)."""
-    if cache.k.requires_grad or cache.v.requires_grad:
-        raise ValueError("k_cache/v_cache: the Triton backward gives no gradient to a cache tensor; "
-                         "use backend='torch' (or give the keys as the step's own k, v)")
-    refuse_rope_triton_grad(spec)
-    if needs_grad(spec.sink_logits):
-        raise ValueError("sink_logits: the Triton backward gives no gradient to sink_logits; use backend='torch'")
-
-
-def refuse_rope_triton_grad(spec: AttentionSpec) -> None:
-    if spec.rope_mode:
-        raise ValueError("backend: 'triton' has no backward under RoPE on read (rope_cos/rope_sin); "
-                         "use backend='auto' or 'torch' for gradients")
-
-
-def _one_launch(own: OwnKeys, backend: str, grad: bool) -> bool:
-    """The one place that decides whether history and own keys MAY go in one launch: dense own
-    keys on Triton, eager (or differentiable, also while compiling: the train op)."""
-    return not own.paged and backend == "triton" and (grad or not torch.compiler.is_compiling())
-
-
 def _history_and_own(q, cache: CacheView, keys: KeySet, rows: QueryRows, own: OwnKeys, spec: AttentionSpec,
-                     backend: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(out, lse or None)`` over the cached history (``keys``) plus the step's own keys."""
-    grad = needs_grad(q, own.k, own.v)
-    if grad and backend == "triton":
-        refuse_rope_triton_grad(spec)  # the one-launch form's backward would not rotate either
-    if _one_launch(own, backend, grad):
-        if grad:
-            # The Triton backward (dq, and dk/dv of the own keys); its forward falls back to
-            # two launches and a merge when one launch cannot take both sources.
-            out, lse = torch.ops.kvarena.attention_train(
-                q, own.k, own.v, cache.k, cache.v, keys.block_table, keys.seq_lens, rows.cu_seqlens_q,
-                keys.kv_start, rows.max_seqlen_q, keys.max_seqlen_k, OWN_AFTER_HISTORY, *spec.op_args(),
-            )
-            return out, (lse if spec.return_lse else None)
+                     route: Route) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(out, lse or None)`` over the cached history (``keys``) plus the step's own keys, as
+    ``route`` says: the train op (whose forward asks the kernel itself), one eager launch,
+    or :func:`merged_with_own`."""
+    if route.path is Path.TRITON_TRAIN and not route.merge:
+        # The Triton backward (dq, and dk/dv of the own keys); its forward takes one launch
+        # or two and a merge (launch.history_and_own_forward).
+        out, lse = torch.ops.kvarena.attention_train(
+            q, own.k, own.v, cache.k, cache.v, keys.block_table, keys.seq_lens, rows.cu_seqlens_q,
+            keys.kv_start, rows.max_seqlen_q, keys.max_seqlen_k, OWN_AFTER_HISTORY, *spec.op_args(),
+        )
+        return out, (lse if spec.return_lse else None)
+    if not route.merge:
         out, lse = new_outputs(q, None, spec.return_lse)
-        if launch_triton(q, _viewed(cache), keys, rows, out, lse, spec, own=own):
-            return out, lse
-    parts = [
-        _attend_cache(q, _viewed(cache), keys, rows, spec.with_lse, backend, None, None),
-        _attend_cache(q, CacheView(own.k, own.v), own.keys, rows, spec.with_lse, backend, None, None),
-    ]
-    out, lse = merge_partials(parts, backend)
+        launch_triton(q, _viewed(cache), keys, rows, out, lse, spec, own=own)
+        return out, lse
+    backend = route.backend
+
+    def part(q, cache: CacheView, keys: KeySet, rows: QueryRows, spec: AttentionSpec):
+        path = path_of(backend, needs_grad(q, cache.k, cache.v, spec.sink_logits))
+        return _attend_cache(q, cache, keys, rows, spec, path, backend, None, None)
+
+    out, lse = merged_with_own(q, _viewed(cache), keys, rows, own, spec, part,
+                               lambda *states: merge(*states, backend))
     return out, (lse if spec.return_lse else None)
 
 

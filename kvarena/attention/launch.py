@@ -9,6 +9,7 @@ import torch
 from kvarena.attention import torch_path
 from kvarena.attention.batch import CacheView, KeySet, OwnKeys, QueryRows
 from kvarena.attention.fp8 import from_bytes
+from kvarena.attention.plans import empty_launch, launch_plan, takes_own_keys
 from kvarena.attention.spec import AttentionSpec
 
 
@@ -19,20 +20,46 @@ def new_outputs(q: torch.Tensor, out: torch.Tensor | None = None, lse: bool = Tr
 
 
 def launch_triton(q: torch.Tensor, cache: CacheView, keys: KeySet, rows: QueryRows, out: torch.Tensor,
-                  lse: torch.Tensor | None, spec: AttentionSpec, own: OwnKeys | None = None) -> bool:
-    """One Triton launch writing ``out`` (and ``lse`` unless None) in place; ``own``: dense own
-    keys after the history in the same launch. False when the launch cannot take ``own``
-    (nothing launched). fp8 views must already be float8 / fp32 (:func:`from_bytes`)."""
-    if q.device.type == "meta":
-        return True  # a dry run: the caller's outputs are allocated, no kernel runs
-    from kvarena.kernels.paged_attention import paged_attention_fwd
+                  lse: torch.Tensor | None, spec: AttentionSpec, own: OwnKeys | None = None) -> None:
+    """One Triton launch writing ``out`` (and ``lse`` unless None) in place, from the step's
+    plan (:func:`~kvarena.attention.plans.launch_plan`: made by the step's first launch of
+    this key set, read by the others). ``own``: dense own keys after the history in the same
+    launch, which the caller has asked :func:`~kvarena.attention.plans.takes_own_keys` about.
+    fp8 views must already be float8 / fp32 (:func:`from_bytes`)."""
+    if q.device.type == "meta" or empty_launch(q, keys, rows):
+        return  # a dry run (the outputs are allocated), or no query row: no kernel runs
+    fwd = launch_plan(q, cache, keys, rows, spec, lse=lse is not None, own=own)
+    if fwd is None:
+        raise RuntimeError("launch_triton: this launch cannot take the own keys (route the call through "
+                           "takes_own_keys: two launches and a merge)")
+    launch_planned(fwd, q, cache, keys, rows, out, lse, spec, own)
 
-    return paged_attention_fwd(
-        q, cache.k, cache.v, keys.block_table, keys.seq_lens, rows.cu_seqlens_q, keys.kv_start, out, lse,
-        spec=spec, max_seqlen_q=rows.max_seqlen_q, max_seqlen_k=keys.max_seqlen_k,
-        own_k=None if own is None else own.k, own_v=None if own is None else own.v, kv_scales=cache.scales,
-        rope_q_pos=rows.rope_q_pos, rope_k_shift=keys.rope_k_shift,
-    )
+
+def launch_planned(fwd, q: torch.Tensor, cache: CacheView, keys: KeySet, rows: QueryRows, out: torch.Tensor,
+                   lse: torch.Tensor | None, spec: AttentionSpec, own: OwnKeys | None = None) -> None:
+    """Launch the planned ``fwd`` (an ``AttentionLaunch``): the attention kernel, and the split
+    reduce when it splits. What ``kernels.paged_attention.paged_attention_fwd`` does after
+    its plan (the launcher's pieces, called as it calls them)."""
+    from kvarena.kernels import paged_attention as pa
+    from kvarena.kernels._common import I32_MAX
+
+    group = q.shape[1] // cache.k.shape[2]
+    # The kernel addresses rows as an int64 tile base + int32 in-tile offsets; a view with a
+    # row stride near 2**31 / BLOCK_M elements (never a real activation) goes via a copy.
+    if pa._tile_span(q, fwd.plan.cfg["BLOCK_M"], group) > I32_MAX:
+        q = q.contiguous()
+    rope_q_pos, rope_k_shift = (rows.rope_q_pos, keys.rope_k_shift) if spec.rope_mode else (None, None)
+    own_k, own_v = (None, None) if own is None else (own.k, own.v)
+    dst = pa._outputs(out, lse, fwd, group)
+    pa._launch_attention(fwd, dst, q, cache.k, cache.v, keys.block_table, keys.seq_lens, rows.cu_seqlens_q,
+                         keys.kv_start, spec.sink_logits, spec, own_k, own_v, cache.scales, rope_q_pos, rope_k_shift)
+    if fwd.split:
+        pa._launch_reduce(fwd, dst, out, lse, spec.sink_logits)
+        return
+    if dst.o is not out:
+        out.copy_(dst.o)
+    if dst.lse_target is not lse:
+        lse.copy_(dst.lse_target)
 
 
 def run_attention(q: torch.Tensor, cache: CacheView, keys: KeySet, rows: QueryRows, spec: AttentionSpec,
@@ -42,7 +69,8 @@ def run_attention(q: torch.Tensor, cache: CacheView, keys: KeySet, rows: QueryRo
         out, lse = new_outputs(q)
         launch_triton(q, cache, keys, rows, out, lse, spec)
         return out, lse
-    # No gradient here: the SDPA route when the call has no position mask, else the batched one.
+    # No gradient here: the SDPA shortcut when the call has no position mask (same answer,
+    # decided on the lengths' host values), else the batched path.
     args = (q, cache.k, cache.v, keys.block_table, keys.seq_lens, rows.cu_seqlens_q, keys.kv_start)
     kw = dict(spec=spec, max_seqlen_q=rows.max_seqlen_q, max_seqlen_k=keys.max_seqlen_k, kv_scales=cache.scales)
     fast = torch_path.paged_attention_sdpa(*args, **kw)
@@ -60,18 +88,44 @@ def dense_own_keys(k: torch.Tensor, v: torch.Tensor) -> OwnKeys:
     return OwnKeys(k, v, KeySet(table, lens, t))
 
 
+def own_keys_spec(spec: AttentionSpec) -> AttentionSpec:
+    """The spec of attending the own keys after the history alone: every query row sees
+    them all (no causal mask, no window or sinks), lse returned for the merge."""
+    if spec.causal or spec.window_left is not None or spec.sink_tokens:
+        spec = spec.replace(causal=False, window_left=None, sink_tokens=0)
+    return spec.with_lse
+
+
+def merged_with_own(q: torch.Tensor, cache: CacheView, keys: KeySet, rows: QueryRows, own: OwnKeys,
+                    spec: AttentionSpec, part, merge) -> tuple[torch.Tensor, torch.Tensor]:
+    """THE two-launch form of history + own keys: ``part(q, cache, keys, rows, spec)`` over the
+    history and over the own keys (each ``(out, lse)``), then ``merge(out_a, lse_a, out_b,
+    lse_b)`` by LSE. The eager dispatcher and the train op's forward both run it, each
+    with its own ``part`` (its path) and ``merge`` (its backend)."""
+    out_h, lse_h = part(q, cache, keys, rows, spec.with_lse)
+    out_o, lse_o = part(q, CacheView(own.k, own.v), own.keys, rows, own_keys_spec(spec))
+    return merge(out_h, lse_h, out_o, lse_o)
+
+
 def history_and_own_forward(q: torch.Tensor, cache: CacheView, keys: KeySet, rows: QueryRows, own: OwnKeys,
                             spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, fp32 lse) over the cached history plus dense own keys visible to every query, on
-    Triton: one launch, or (when one cannot take both) two and an exact merge."""
+    Triton (the train op's forward): one launch where the kernel takes both, else
+    :func:`merged_with_own`."""
     spec = spec.with_lse
-    out, lse = new_outputs(q)
-    if launch_triton(q, cache, keys, rows, out, lse, spec, own=own):
+    if takes_own_keys(q, cache, keys, rows, own, spec, lse=True):
+        out, lse = new_outputs(q)
+        launch_triton(q, cache, keys, rows, out, lse, spec, own=own)
         return out, lse
-    out_h, lse_h = run_attention(q, cache, keys, rows, spec, "triton")
-    own_spec = spec.replace(causal=False, window_left=None, sink_tokens=0)
-    launch_triton(q, CacheView(own.k, own.v), own.keys, rows, out, lse, own_spec)
-    return merge_impl(out_h, lse_h, out, lse, "triton")
+    return merged_with_own(q, cache, keys, rows, own, spec, _triton_part, _triton_merge)
+
+
+def _triton_part(q, cache: CacheView, keys: KeySet, rows: QueryRows, spec: AttentionSpec):
+    return run_attention(q, cache, keys, rows, spec, "triton")
+
+
+def _triton_merge(out_a, lse_a, out_b, lse_b):
+    return merge_impl(out_a, lse_a, out_b, lse_b, "triton")
 
 
 def store_impl(

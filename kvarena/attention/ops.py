@@ -25,6 +25,7 @@ from kvarena.attention.backend import needs_grad, resolve_backend
 from kvarena.attention.batch import CacheView, KeySet, QueryRows
 from kvarena.attention.dtypes import TORCH_DTYPES
 from kvarena.attention.fp8 import check_kv_scales, refuse_fp8_grad
+from kvarena.attention.route import route
 from kvarena.attention.spec import AttentionSpec, check_backend
 
 __all__ = ["paged_attention", "store_kv", "merge_attention_states"]
@@ -145,13 +146,11 @@ def paged_attention(
             "cu_seqlens_q": cu_seqlens_q, "kv_start": kv_start, "sink_logits": spec.sink_logits,
             "k_scale": k_scale, "v_scale": v_scale, "rope_cos": spec.rope_cos, "rope_sin": spec.rope_sin,
             "rope_q_pos": rope_q_pos, "rope_k_shift": rope_k_shift})
-    cache_grad = needs_grad(k_cache, v_cache, spec.sink_logits)
-    what = "k_cache/v_cache/sink_logits" if cache_grad else ("q (RoPE on read)" if spec.rope_mode else "q")
-    chosen = resolve_backend(spec.backend, q.device, q.dtype, cache_grad or needs_grad(q), what,
-                             triton_grad=not cache_grad and not spec.rope_mode)
+    call = route(spec.backend, q.device, q.dtype, rope=bool(spec.rope_mode), q_grad=needs_grad(q),
+                 cache_grad=needs_grad(k_cache, v_cache, spec.sink_logits))
     return dispatch.attend(
         q, CacheView(k_cache, v_cache, kv_scales), KeySet(block_table, seq_lens, max_k, kv_start, rope_k_shift),
-        QueryRows(cu, max_q, rope_q_pos), spec=spec, backend=chosen, out=out,
+        QueryRows(cu, max_q, rope_q_pos), spec=spec, route=call, out=out,
     )
 
 

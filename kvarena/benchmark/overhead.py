@@ -25,11 +25,22 @@ Rows
     ``attend`` replaced by stubs that return at once: the pool's own
     Python (argument checks, metadata checks, commit bookkeeping), independent of the
     device and of the kernels.
+``*.forward triton, kernel stubbed (first layer: plans / other layers: read the plan)``
+    The same call on the Triton backend (``AttentionSpec(backend="triton")``) with the
+    jitted kernels' launches stubbed (``_paged_attn_kernel``, ``_split_reduce_kernel``,
+    ``_store_kv_kernel``: ``kernel[grid](...)`` returns at once): the whole host side of a
+    Triton layer (checks, route, store and attention launch preparation, the step's launch
+    plan made by the step's first layer, read by the others), with no kernel run; on CPU
+    it needs ``TRITON_INTERPRET=1`` (else skipped).
+``*.forward triton, kernel stubbed, planned per layer``
+    The same with the step's plan memo emptied before every layer
+    (``meta.rows.launches``): what each layer paid when the launch plan was made per
+    layer. Its gap to the row above is the plan's cost per layer, in the same run.
 ``paged_attention validated / attend trusted, impl stubbed``
     The public op with its implementation stubbed out: the cost of the wrapper with
     value checks (which read ``seq_lens`` etc.: on CPU tensors always, on CUDA only under
-    ``KVARENA_DEBUG=1``), and of ``dispatch.attend`` with a ready ``AttentionSpec`` and typed metadata (what the
-    pools call per layer).
+    ``KVARENA_DEBUG=1``), and of ``dispatch.attend`` with a ready ``AttentionSpec``, typed
+    metadata and the call's route (what the pools call per layer).
 
 The stubs are module-attribute patches restored on exit; if the names move, those rows
 are reported as skipped rather than silently measuring something else.
@@ -108,14 +119,109 @@ def _patched(module: str, **stubs):
             setattr(mod, n, f)
 
 
+def _spec(backend: str):
+    from kvarena.attention.spec import AttentionSpec
+
+    return AttentionSpec(backend=backend)
+
+
+class _NoLaunch:
+    """A jitted kernel whose ``kernel[grid](...)`` launches nothing."""
+
+    def __getitem__(self, grid):
+        return _no_launch
+
+
+def _no_launch(*args, **kwargs):
+    return None
+
+
+@contextlib.contextmanager
+def _kernels_stubbed():
+    """The attention, split-reduce and store kernels' launches stubbed (host cost only)."""
+    with _patched("kvarena.kernels.paged_attention", _paged_attn_kernel=_NoLaunch(),
+                  _split_reduce_kernel=_NoLaunch()), _patched("kvarena.kernels.store", _store_kv_kernel=_NoLaunch()):
+        yield
+
+
+def _triton_rows(kind: str, batch: int, device: torch.device, make, warm: int, reps: int) -> list[dict]:
+    """The ``{kind}.forward triton, kernel stubbed`` rows. ``make()`` builds the pool (kernels
+    stubbed) and returns ``step(layer_call)``, which plans one step and calls
+    ``layer_call(layer, rows, call)`` for each layer (``rows``: the step's query rows, which
+    hold its plans); ``call()`` runs that layer's forward."""
+    what = f"{kind}.forward triton, kernel stubbed"
+    first: list[float] = []
+    rest: list[float] = []
+    per_layer: list[float] = []
+
+    def timed(into_first, into_rest, fresh: bool):
+        def layer_call(layer, rows, call):
+            if fresh:
+                rows.launches.clear()  # the old rule: every layer plans
+            dt = _time_call(call)
+            (into_first if layer == 0 else into_rest).append(dt)
+        return layer_call
+
+    try:
+        with _kernels_stubbed():
+            step = make()
+            for i in range(warm + reps):
+                step(timed(first, rest, False) if i >= warm else (lambda layer, rows, call: call()))
+    except Exception as exc:
+        return [_skipped(what, batch, device, _reason(exc))]
+    rows = [_row(f"{what} (first layer: plans)", batch, device, first, "plan once per step"),
+            _row(f"{what} (other layers: read the plan)", batch, device, rest, "plan once per step")]
+    try:
+        with _kernels_stubbed():
+            for i in range(warm + reps):
+                step(timed(per_layer, per_layer, True) if i >= warm else (lambda layer, rows, call: call()))
+        rows.append(_row(f"{what}, planned per layer", batch, device, per_layer,
+                         "the step's plan memo emptied before every layer: the old per-layer plan"))
+    except Exception as exc:
+        rows.append(_skipped(f"{what}, planned per layer", batch, device, _reason(exc)))
+    return rows
+
+
+def _paged_triton(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]:
+    def make():
+        pool, names, q, k, v = decode_pool(batch, device, extra_tokens=4 * (warm + reps) + 1, backend="triton")
+        step_of = dict.fromkeys(names, 1)
+
+        def step(layer_call):
+            meta = pool.plan(step_of)
+            for layer in range(_LAYERS):
+                layer_call(layer, getattr(meta, "rows", None), lambda layer=layer: pool.forward(q, k, v, meta, layer))
+            sync(device)
+        return step
+
+    return _triton_rows("paged", batch, device, make, warm, reps)
+
+
+def _slab_triton(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]:
+    def make():
+        pool, names, q, k, v, nxt = rollout_pool(batch, device, backend="triton")
+        chunk = [nxt]
+
+        def step(layer_call):
+            meta = pool.plan(dict.fromkeys(names, chunk[0]))
+            chunk[0] += 1
+            for layer in range(_LAYERS):
+                layer_call(layer, meta.seam.rows,
+                           lambda layer=layer: pool.forward(q, k, v, meta, layer, commit=True))
+            sync(device)
+        return step
+
+    return _triton_rows("slab", batch, device, make, warm, reps)
+
+
 def _layout():
     from kvarena.cache.arena import KVLayout
 
     return KVLayout(_LAYERS, _H_KV, _D, _DTYPE)
 
 
-def decode_pool(batch: int, device, *, extra_tokens: int = 64):
-    """A tiny prefilled ``PagedKVCache`` for decode-step timing.
+def decode_pool(batch: int, device, *, extra_tokens: int = 64, backend: str = "auto"):
+    """A tiny prefilled ``PagedKVCache`` for decode-step timing (its layers on ``backend``).
 
     Returns
     -------
@@ -130,7 +236,7 @@ def decode_pool(batch: int, device, *, extra_tokens: int = 64):
     lay = _layout()
     blocks_per_seq = -(-(16 + extra_tokens) // 16) + 1
     policy = CachePolicy("paged_kv", max_bytes=batch * blocks_per_seq * lay.block_bytes(16))
-    pool = PagedKVCache(policy, layout=lay, block_size=16, device=device)
+    pool = PagedKVCache(policy, layout=lay, block_size=16, device=device, attention=_spec(backend))
     names = [f"s{i}" for i in range(batch)]
     rnd = _rnd(device)
     # Prefill one page per sequence (untimed), so decode attends over 17+ keys.
@@ -144,8 +250,9 @@ def decode_pool(batch: int, device, *, extra_tokens: int = 64):
 SLAB_CHUNK, SLAB_WINDOW, SLAB_SINKS = 16, 3, 1
 
 
-def rollout_pool(batch: int, device):
-    """A tiny ``SlabKVCache`` whose window is already full (chunks 0..3 committed).
+def rollout_pool(batch: int, device, backend: str = "auto"):
+    """A tiny ``SlabKVCache`` whose window is already full (chunks 0..3 committed), its layers
+    on ``backend``.
 
     Returns
     -------
@@ -161,7 +268,7 @@ def rollout_pool(batch: int, device):
     chunk, window, sinks = SLAB_CHUNK, SLAB_WINDOW, SLAB_SINKS
     policy = CachePolicy("slab_kv", max_bytes=batch * (sinks + window) * lay.block_bytes(chunk),
                          per_component={"window": window, "sinks": sinks})
-    pool = SlabKVCache(policy, layout=lay, slab_tokens=chunk, device=device)
+    pool = SlabKVCache(policy, layout=lay, slab_tokens=chunk, device=device, attention=_spec(backend))
     names = [f"r{i}" for i in range(batch)]
     rnd = _rnd(device)
     q, k, v = rnd(batch, chunk, _H_Q, _D), rnd(batch, chunk, _H_KV, _D), rnd(batch, chunk, _H_KV, _D)
@@ -200,8 +307,8 @@ def _grouped_plans(batch: int, device: torch.device, warm: int, reps: int) -> li
 
 def _paged(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]:
     from kvarena.attention import checks, dispatch, ops
-    from kvarena.attention.backend import resolve_backend
     from kvarena.attention.batch import CacheView, KeySet, QueryRows
+    from kvarena.attention.route import route
 
     steps = warm + reps
     pool, names, q, k, v = decode_pool(batch, device, extra_tokens=2 * steps + 1)
@@ -245,7 +352,7 @@ def _paged(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]
     args = (q, region.k(0), region.v(0), meta.block_table, meta.seq_lens, meta.cu_seqlens_q)
     kw = dict(max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k)
     spec = pool.attention_spec(0)
-    backend = resolve_backend(spec.backend, q.device, q.dtype, False)
+    call = route(spec.backend, q.device, q.dtype)  # what a pool hands attend, made before its store
     seam = (CacheView(region.k(0), region.v(0)), KeySet(meta.block_table, meta.seq_lens, meta.max_seqlen_k),
             QueryRows(meta.cu_seqlens_q, meta.max_seqlen_q))
     t_val, t_tr = [], []
@@ -254,7 +361,7 @@ def _paged(batch: int, device: torch.device, warm: int, reps: int) -> list[dict]
                       launch_triton=lambda *a, **k: None):
             for i in range(steps):
                 dt_v = _time_call(lambda: ops.paged_attention(*args, **kw))
-                dt_t = _time_call(lambda: dispatch.attend(q, *seam, spec=spec, backend=backend))
+                dt_t = _time_call(lambda: dispatch.attend(q, *seam, spec=spec, route=call))
                 if i >= warm:
                     t_val.append(dt_v)
                     t_tr.append(dt_t)
@@ -330,7 +437,8 @@ def run_overhead(device: str | torch.device = "cpu", *, batches=BATCHES, warm: i
     try:
         rows: list[dict[str, Any]] = []
         for batch in batches:
-            for name, fn in (("paged", _paged), ("slab", _slab)):
+            for name, fn in (("paged", _paged), ("paged.triton", _paged_triton), ("slab", _slab),
+                             ("slab.triton", _slab_triton)):
                 if time.monotonic() > deadline:
                     rows.append(_skipped(f"{name}.*", batch, device, "time budget exhausted"))
                     continue

@@ -22,22 +22,13 @@ from kvarena.attention.backend import resolve_backend
 from kvarena.attention.batch import KeySet, QueryRows
 from kvarena.attention.checks import check_head_dim
 from kvarena.attention.ops import paged_attention
+from kvarena.attention.route import Own, Route, route
 from kvarena.attention.spec import AttentionSpec
 from kvarena.cache._meta import check_forward_tensor, next_version
 from kvarena.cache.arena import KVArena, KVLayout, _check_index
 from kvarena.cache.keys import CachePolicy
 
-__all__ = ["Backends", "CallCheck", "KVPoolBase", "PoolSteps", "layer_specs"]
-
-
-@dataclass(frozen=True)
-class Backends:
-    """What :meth:`KVPoolBase._backends` resolved for one call: the attention backend, the
-    store backend, and whether the given k / v need gradients."""
-
-    attention: str
-    store: str
-    kv_grad: bool
+__all__ = ["CallCheck", "KVPoolBase", "PoolSteps", "layer_specs"]
 
 
 @dataclass(frozen=True)
@@ -45,13 +36,15 @@ class CallCheck:
     """What a pool's steps resolved for one layer's call before anything is written: the
     layer, the spec its attention runs with (the layer's, per-call overrides applied; the
     slab pool's in its non-causal form, see ``_attend_spec``), the layer's group (0 in a
-    pool without layer groups), ``H_q`` and the call's :class:`Backends`."""
+    pool without layer groups), ``H_q`` and the call's
+    :class:`~kvarena.attention.route.Route` (:meth:`KVPoolBase._route`: decided once, before
+    the store; the steps only read it)."""
 
     layer: int
     spec: AttentionSpec
     group: int
     h_q: int
-    backends: Backends
+    route: Route
 
 
 class PoolSteps:
@@ -60,7 +53,7 @@ class PoolSteps:
 
     1. :meth:`check`: everything the call can refuse, before any write, into a
        :class:`CallCheck` (the metadata's freshness, the layer, the options, q/k/v, the
-       backends);
+       route);
     2. :meth:`store`: the new K/V into the layer's cache view (skipped when ``commit`` is
        False: a slab pool's denoising step writes nothing);
     3. :meth:`attend`: the query rows over the step's key set, read from the plan's
@@ -91,11 +84,6 @@ class PoolSteps:
 
     def attend(self, q, k, v, meta, call: CallCheck, commit: bool):
         raise NotImplementedError
-
-
-#: One :class:`Backends` per combination, made once: ``_backends`` runs on every layer
-#: call, and building a frozen record there would cost more than the lookup.
-_BACKENDS: dict = {}
 
 
 def _spec_layers(key, num_layers: int | None) -> list[int]:
@@ -390,24 +378,19 @@ class KVPoolBase:
             check_forward_tensor(name, t, (*rows, heads, d), lay.input_dtype, self.device, f"{what} of the plan/layout")
         return h_q
 
-    def _backends(self, spec: AttentionSpec, q, k, v) -> Backends:
-        """The call's :class:`Backends` (attention, store, k/v need gradients), resolved
-        before any write."""
+    def _route(self, spec: AttentionSpec, q, k, v, own: Own = Own.NONE, takes_own=False) -> Route:
+        """The call's :class:`~kvarena.attention.route.Route` (the one decision of backend,
+        path and launches; ``own``: where the step's own keys sit, ``takes_own``: the
+        kernel's answer for them, see :func:`~kvarena.attention.route.route`), made before
+        any write."""
         grad_on = torch.is_grad_enabled()
+        q_grad = grad_on and q.requires_grad
         kv_grad = grad_on and (k.requires_grad or v.requires_grad)
         sink_grad = grad_on and spec.sink_logits is not None and spec.sink_logits.requires_grad
         # The arena never requires grad: gradients go to q and the given k/v, which the
         # Triton backward computes (learned sink logits: the torch path's).
-        if self.layout.is_fp8 and (kv_grad or sink_grad or (grad_on and q.requires_grad)):
+        if self.layout.is_fp8 and (kv_grad or sink_grad or q_grad):
             raise ValueError("k/v: this pool stores fp8 K/V, which has no backward (quantization is not "
                              "differentiable); run under torch.no_grad() or use a float layout to train")
-        attn = resolve_backend(spec.backend, self.device, self.layout.input_dtype,
-                               kv_grad or sink_grad or (grad_on and q.requires_grad),
-                               "sink_logits" if sink_grad else ("q (RoPE on read)" if spec.rope_mode else "q"),
-                               triton_grad=not sink_grad and not spec.rope_mode)
-        store = resolve_backend(spec.backend, self.device, self.layout.input_dtype, False)
-        key = (attn, store, kv_grad)
-        got = _BACKENDS.get(key)
-        if got is None:
-            got = _BACKENDS[key] = Backends(attn, store, kv_grad)
-        return got
+        return route(spec.backend, self.device, self.layout.input_dtype, rope=bool(spec.rope_mode), q_grad=q_grad,
+                     kv_grad=kv_grad, sink_grad=sink_grad, own=own, takes_own=takes_own)

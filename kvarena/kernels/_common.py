@@ -6,6 +6,7 @@ the bandwidth-bound kernels, the padded head dim) is written once.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import triton
@@ -22,8 +23,10 @@ ROW_TILE_ELEMS = 4096
 ROW_TILE_WARPS = 4
 
 
+@functools.lru_cache(maxsize=64)
 def head_dim_pad(head_dim: int) -> int:
-    """``head_dim`` padded to a power of two, at least 16 (the smallest MMA K)."""
+    """``head_dim`` padded to a power of two, at least 16 (the smallest MMA K). Memoized: the
+    store's launch asks per layer, and ``triton.next_power_of_2`` is a jit callable (~5 us)."""
     return max(16, triton.next_power_of_2(head_dim))
 
 

@@ -254,27 +254,25 @@ class DecodeContextParallel(PoolSteps):
         h_q = pool._check_qkv(q, k, v, (total_q,), "[total_q, H, D] (replicated)", layer)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             raise ValueError("q: decode context parallel is inference-only; run under torch.no_grad()")
-        return CallCheck(layer, spec, 0, h_q, pool._backends(spec, q, k, v))
+        return CallCheck(layer, spec, 0, h_q, pool._route(spec, q, k, v))
 
     def store(self, k, v, meta: PagedMetadata, call: CallCheck) -> None:
         """This rank's new tokens (the others' slots are -1)."""
-        store(k, v, self.pool.region.op_views(call.layer), meta.slot_mapping, call.backends.store)
+        store(k, v, self.pool.region.op_views(call.layer), meta.slot_mapping, call.route.store)
 
     def attend(self, q, k, v, meta: PagedMetadata, call: CallCheck, commit: bool = True):
         """Every query over this rank's history blocks and over the step's own keys, then the
         ranks' partials merged: the same output on every rank."""
-        cp, spec, layer = self.context_parallel, call.spec, call.layer
-        attn_backend = call.backends.attention
+        cp, spec, layer, r = self.context_parallel, call.spec, call.layer, call.route
         hist_spec = self._hist_specs[layer] if spec is self.pool.attention_spec(layer) else \
             spec.with_lse.replace(causal=False)
-        hist = attend(q, self.pool.region.op_views(layer), meta.keys[0], meta.rows, spec=hist_spec,
-                      backend=attn_backend)
+        hist = attend(q, self.pool.region.op_views(layer), meta.keys[0], meta.rows, spec=hist_spec, route=r)
         h_kv, d = k.shape[1], k.shape[2]
         own = attend(q, CacheView(k.view(-1, 1, h_kv, d), v.view(-1, 1, h_kv, d)), meta.own_keys, meta.rows,
-                     spec=spec.with_lse, backend=attn_backend)
+                     spec=spec.with_lse, route=r)
         outs, lses = cp.all_gather(hist[0], layer), cp.all_gather(hist[1], layer)  # [N, total_q, ...]
         # own keys, then rank 0 .. N-1: the same bits on every rank
-        out, lse = merge_partials([own, *zip(outs, lses)], attn_backend)
+        out, lse = merge_partials([own, *zip(outs, lses)], r.backend)
         return (out, lse) if spec.return_lse else out
 
 

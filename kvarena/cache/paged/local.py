@@ -84,12 +84,12 @@ class LocalSteps(PoolSteps):
         return call
 
     def store(self, k, v, meta: PagedMetadata, call: CallCheck) -> None:
-        store(k, v, self.region.op_views(call.layer), meta.slot_mappings[call.group], call.backends.store)
+        store(k, v, self.region.op_views(call.layer), meta.slot_mappings[call.group], call.route.store)
 
     def attend(self, q, k, v, meta: PagedMetadata, call: CallCheck, commit: bool = True):
-        b = call.backends
+        r = call.route
         return attend(q, self.region.op_views(call.layer), meta.keys[call.group], meta.rows, spec=call.spec,
-                      backend=b.attention, own=OwnKeys(k, v) if b.kv_grad else None)
+                      route=r, own=OwnKeys(k, v) if r.kv_grad else None)
 
     def check_forward(self, batch, q, k, v, layer, pad_to: int | None, options: dict) -> None:
         """:meth:`PagedKVCache.check_forward`: the batch as ``plan`` checks it, then
@@ -101,7 +101,7 @@ class LocalSteps(PoolSteps):
 
     def check_call(self, q, k, v, layer, options: dict, total_q: int, padded: bool = False) -> CallCheck:
         """What :meth:`forward` checks that needs no metadata, in its order: the layer, the
-        per-call options, q/k/v (``total_q`` rows), sink logits and the backends (``padded``:
+        per-call options, q/k/v (``total_q`` rows), sink logits and the route (``padded``:
         a ``pad_to`` plan). Changes nothing."""
         pool = self.pool
         layer = pool._check_layer(layer)
@@ -110,16 +110,18 @@ class LocalSteps(PoolSteps):
         h_q = pool._check_qkv(q, k, v, (total_q,), "[total_q, H, D]", layer)
         if spec.sink_logits is not None:
             check_sink_logits(spec.sink_logits, q)
-        b = pool._backends(spec, q, k, v)
-        if b.kv_grad and padded:
+        r = pool._route(spec, q, k, v)
+        if r.kv_grad and padded:
             # The differentiable paths read each query row's own k/v at its position, which
             # for a padding row is a real older token's.
             raise ValueError("meta: a padded plan (pad_to) gives no gradient to k/v; plan the real tokens packed")
         if options:
-            return CallCheck(layer, spec, group, h_q, b)
-        # The layer's own spec: one record per (layer, H_q, backends), made once (a hot path).
-        key = (layer, h_q, b.attention, b.store, b.kv_grad)
+            return CallCheck(layer, spec, group, h_q, r)
+        # The layer's own spec: one record per (layer, H_q, route), made once (a hot path).
+        # Routes are memoized, so the route is told by identity (no hash of its fields);
+        # the record holds it, so its id cannot pass to another object while keyed here.
+        key = (layer, h_q, id(r))
         call = pool._calls.get(key)
         if call is None:
-            call = pool._calls[key] = CallCheck(layer, spec, group, h_q, b)
+            call = pool._calls[key] = CallCheck(layer, spec, group, h_q, r)
         return call

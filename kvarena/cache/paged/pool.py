@@ -558,7 +558,7 @@ class PagedKVCache(KVPoolBase):
         """Raise what :meth:`forward` would raise for these arguments with the metadata of
         ``plan(batch, pad_to=pad_to)``, before planning it: the batch as the plan checks it,
         the layer, the options, q/k/v (the plan's ``total_q`` rows), sink logits and the
-        backends. Changes nothing (what only the plan can know, a full pool, is left to it).
+        route. Changes nothing (what only the plan can know, a full pool, is left to it).
         For adapters that plan at a model's first layer call: a step the forward would
         refuse plans nothing."""
         self._steps.check_forward(batch, q, k, v, layer, pad_to, options)

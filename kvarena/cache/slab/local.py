@@ -11,15 +11,14 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-import torch
-
 from kvarena.argcheck import check_bool
-from kvarena.attention.backend import resolve_backend
 from kvarena.attention.batch import CacheView, OwnKeys
 from kvarena.attention.dispatch import attend, store
 from kvarena.attention.fp8 import fp8_round_trip
+from kvarena.attention.plans import takes_own_keys
+from kvarena.attention.route import Own
 from kvarena.attention.spec import AttentionSpec
-from kvarena.cache._pool import Backends, CallCheck, PoolSteps
+from kvarena.cache._pool import CallCheck, PoolSteps
 from kvarena.cache.slab.claim import reserve
 from kvarena.cache.slab.meta import SlabKeys, SlabMetadata, build_meta
 
@@ -66,18 +65,23 @@ class LocalSteps(PoolSteps):
 
     # ------------------------------------------------------------------ forward (the template's steps)
     def check_call(self, q, k, v, layer, commit, options: dict, lead: tuple[int, int],
-                   q_tokens: int | None = None) -> CallCheck:
+                   q_tokens: int | None = None, own: Own | None = None, takes_own=None) -> CallCheck:
         """What the forward checks that needs no metadata, in its order: ``commit``, the
         layer, the per-call options, q/k/v (``lead = (B, T)``; q has ``q_tokens`` rows, default
-        T) and the backends. Changes nothing. The call's spec is the one the op runs with
-        (non-causal: the key sets list only what a chunk sees)."""
+        T) and the route (``own``: where the given k/v sit, None: as a one-chunk step's;
+        ``takes_own(layer, op_spec)``: the kernel's answer for them, None: no). Changes
+        nothing. The call's spec is the one the op runs with (non-causal: the key sets list
+        only what a chunk sees)."""
         pool = self.pool
         check_bool("commit", commit)
         layer = pool._check_layer(layer)
         spec = pool._call_spec(layer, options)
         h_q = pool._check_qkv(q, k, v, lead, "[B, T, H, D]", q_lead=(lead[0], q_tokens or lead[1]))
         op_spec = pool._attend_spec(spec) if options else pool._op_specs[layer]
-        return CallCheck(layer, op_spec, 0, h_q, pool._backends(spec, q, k, v))
+        if own is None:
+            own = Own.NONE if commit else Own.AFTER
+        asked = (lambda: takes_own(layer, op_spec)) if takes_own is not None else False
+        return CallCheck(layer, op_spec, 0, h_q, pool._route(spec, q, k, v, own, asked))
 
     def check(self, q, k, v, meta: SlabMetadata, layer, options: dict, commit: bool = True) -> CallCheck:
         pool = self.pool
@@ -85,25 +89,32 @@ class LocalSteps(PoolSteps):
         pool._require_current(meta)
         b, t = meta.num_seqs, meta.n_tokens
         tq = meta.q_tokens or t  # query rows (the whole chunk under context parallel tokens mode)
-        call = self.check_call(q, k, v, layer, commit, options, (b, t), tq)
+        # A multi-chunk step reads the run's tokens through pages (each chunk sees part of
+        # the others): under autograd, gradients to a cache tensor, the torch path's (the
+        # route's Own.AFTER_PAGED rule).
+        own = Own.AFTER_PAGED if meta.num_chunks != b else (Own.NONE if commit else Own.AFTER)
+        call = self.check_call(q, k, v, layer, commit, options, (b, t), tq, own,
+                               lambda layer, op_spec: self._takes_own(q, k, meta, layer, op_spec))
         pool._check_committed(meta._history, call.layer)
         if call.spec.rope_mode:
             seam_of(meta, call.spec, call.layer)  # a step past the rotary table: refused before any write
-        bk = call.backends
-        if meta.num_chunks != b and (bk.kv_grad or (torch.is_grad_enabled() and q.requires_grad)):
-            # Each chunk of a run sees part of the others through the given k/v read as a
-            # paged cache: gradients to a cache tensor are the torch path's.
-            lay = pool.layout
-            attn = resolve_backend(call.spec.backend, pool.device, lay.input_dtype, True, "k/v of a multi-chunk step")
-            call = CallCheck(call.layer, call.spec, 0, call.h_q, Backends(attn, bk.store, bk.kv_grad))
         return call
+
+    def _takes_own(self, q, k, meta: SlabMetadata, layer: int, op_spec: AttentionSpec) -> bool:
+        """Whether one launch takes a one-chunk denoising step's history and given k/v
+        (:func:`~kvarena.attention.plans.takes_own_keys`: it plans into the step's memo, where
+        :meth:`attend`'s launch then reads the plan)."""
+        seam = seam_of(meta, op_spec, layer)
+        pages = self.pool._pages_of(layer, meta.page_tokens)
+        qf = q.reshape(-1, q.shape[-2], q.shape[-1])
+        return takes_own_keys(qf, pages, seam.history, seam.rows, OwnKeys(k, k), op_spec, lse=op_spec.return_lse)
 
     def store(self, k, v, meta: SlabMetadata, call: CallCheck) -> None:
         """The chunk's clean K/V into its slabs, and the chunks marked committed at the layer."""
         lay = self.pool.layout
         n = meta.num_seqs * meta.n_tokens
         kf, vf = k.reshape(n, lay.num_kv_heads, lay.head_dim), v.reshape(n, lay.num_kv_heads, lay.head_dim)
-        store(kf, vf, self.pool.region.op_views(call.layer), meta.slot_mapping, call.backends.store)
+        store(kf, vf, self.pool.region.op_views(call.layer), meta.slot_mapping, call.route.store)
         for ch in meta._current:  # host-only bookkeeping: single stores, no lock, traceable
             ch.committed[call.layer] = True
 
@@ -116,14 +127,14 @@ class LocalSteps(PoolSteps):
         pages = pool._pages_of(layer, meta.page_tokens)
         qf = q.reshape(b * tq, call.h_q, d)
         multi = meta.num_chunks != b
-        kv_grad, backend = call.backends.kv_grad, call.backends.attention
-        if commit and not (multi and kv_grad):
-            own = OwnKeys(k.reshape(b * t, h_kv, d), v.reshape(b * t, h_kv, d)) if kv_grad else None
-            res = attend(qf, pages, seam.keys, seam.rows, spec=spec, backend=backend, own=own)
+        r = call.route
+        if commit and not (multi and r.kv_grad):
+            own = OwnKeys(k.reshape(b * t, h_kv, d), v.reshape(b * t, h_kv, d)) if r.kv_grad else None
+            res = attend(qf, pages, seam.keys, seam.rows, spec=spec, route=r, own=own)
         else:
             # The history before the run from the arena, the run's own tokens from k, v.
             own = self._own_keys(k, v, pool.region.op_views(layer), meta, seam, multi)
-            res = attend(qf, pages, seam.history, seam.rows, spec=spec, backend=backend, own=own)
+            res = attend(qf, pages, seam.history, seam.rows, spec=spec, route=r, own=own)
         if not spec.return_lse:
             return res.reshape(b, tq, call.h_q, d)
         out, lse = res

@@ -206,7 +206,11 @@ class SlabKVCache(SlabCompat, SlabRollback, KVPoolBase):
 
     def _attach(self, arena: KVArena, reg: ArenaRegion, specs: tuple) -> None:
         self._specs = specs
-        self._op_specs = tuple(_op_spec(s) for s in specs)
+        op_of: dict = {}  # one op spec per layer spec: layers sharing a spec share the step's plans
+        for s in specs:
+            if id(s) not in op_of:
+                op_of[id(s)] = _op_spec(s)
+        self._op_specs = tuple(op_of[id(s)] for s in specs)
         self._rope_modes = tuple(sorted({s.rope_positions for s in specs if s.rope_mode}))
         self.arena = arena
         self._region = reg
