@@ -306,7 +306,7 @@ def test_commit_writes_detached_and_returns_lse(seed) -> None:
     assert out.requires_grad and not cache.arena.buffer.requires_grad
     out.sum().backward()
     # The stored copy is detached; the given k is this chunk's keys and gets a gradient
-    # (tests/test_contract.py checks its value against the commit=False path).
+    # (tests/attention/test_spec_and_checks.py checks its value against the commit=False path).
     assert q.grad is not None and k.grad is not None and not cache.arena.buffer.requires_grad
 
 

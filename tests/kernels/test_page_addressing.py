@@ -55,7 +55,7 @@ PAGES = [
 # (id, query lengths, mask options, split counts): decode (unsplit, 3 splits, 9: more splits
 # than the 4-7 key tiles of a 200-key row) and a 6-query chunked-prefill step; sinks and a
 # window whose edges fall inside pages; kv_start inside a page. (fp16 and the other combinations run in
-# test_kernels_attention's grid over 16- and 48-token pages.)
+# test_paged_attention's grid over 16- and 48-token pages.)
 STEPS = [
     ("decode", [1, 1, 1], {}, (1, 3, 9)),
     ("decode-window-sinks", [1, 1, 1], dict(window_left=45, sink_tokens=3), (9,)),

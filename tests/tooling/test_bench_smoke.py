@@ -19,7 +19,7 @@ import pytest
 
 from kvarena.benchmark.cases import BASELINE, BASELINES, NO_OUTPUT, cases, providers_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """kvarena.integrations.diffusers: Self-Forcing-style rollouts of diffusers' WanTransformer3DModel.
 
-Parity is against tests/_diffusers_reference.py: Self-Forcing's causal inference restated
+Parity is against tests/integrations/_diffusers_reference.py: Self-Forcing's causal inference restated
 as one masked full-sequence call of the same transformer (no cache, plain torch attention,
 diffusers' own RoPE over the whole sequence). Every call of every chunk (denoising steps
 and the clean pass) must agree to 1e-4 relative in fp32; a wrong window must not.
@@ -31,7 +31,7 @@ from kvarena.integrations.diffusers import (  # noqa: E402
 from kvarena.integrations.diffusers.convert import BLOCK_NAMES, TOP_NAMES  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("grad_mode")  # each test as written and under torch.inference_mode()
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 C, TEXT, LAT_H, LAT_W = 4, 24, 6, 10  # latent channels, text width, latent size (3 x 5 patches)
 FS = (LAT_H // 2) * (LAT_W // 2)
 TOL = 1e-4

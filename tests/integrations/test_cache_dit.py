@@ -341,7 +341,7 @@ def test_import_kvarena_never_imports_cache_dit():
 
 
 def test_example_prints_the_gap_and_the_scoped_zero():
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     res = subprocess.run([sys.executable, str(root / "examples" / "cache_dit_interleave.py")],
                          capture_output=True, text=True, timeout=300, cwd=root,
                          env={**os.environ, "PYTHONPATH": str(root)})

@@ -17,7 +17,7 @@ import torch
 from _helpers import grad_mode, one_torch_thread  # noqa: F401 - fixtures
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
-from test_integrations_hf import TOL, _model, _pad_batch, _prompts  # noqa: E402
+from test_hf import TOL, _model, _pad_batch, _prompts  # noqa: E402
 
 from kvarena.integrations import hf  # noqa: E402
 

@@ -4,7 +4,7 @@ transformers hands a user's 4-D mask to the attention function as is. kvarena re
 whose query rows each see one interval of keys (packed causal blocks, prefix-LM, windows,
 padding) into kvarena sequences for its kernels, and serves any other (holes, per-head
 masks, additive biases) by the exact masked path. Every kind, boolean and additive, on the
-7 tiny families of test_integrations_hf, against transformers' eager given the same mask
+7 tiny families of test_hf, against transformers' eager given the same mask
 (additive: eager adds it; a boolean is eager's additive form, False = finfo.min): every
 logit within 1e-4 (fp32), rows that see no key included (eager averages every value there).
 Which path each kind takes is asserted through :func:`read_4d`. transformers'
@@ -22,8 +22,8 @@ import torch
 from _helpers import grad_mode, one_torch_thread  # noqa: F401 - fixtures
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
-from test_integrations_hf import MODELS, TOL  # noqa: E402
-from test_integrations_hf import _model as _fresh_model  # noqa: E402
+from test_hf import MODELS, TOL  # noqa: E402
+from test_hf import _model as _fresh_model  # noqa: E402
 
 from kvarena.integrations import hf  # noqa: E402
 from kvarena.integrations.hf.masked import Blocks, read_4d  # noqa: E402

@@ -318,7 +318,7 @@ def test_what_it_cannot_serve_is_a_clear_error() -> None:
     ids = torch.randint(1, 128, (2, 7))
     with pytest.raises(NotImplementedError, match="^kvarena: packed sequences"):
         model(ids[:1], position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]]))
-    # 4-D masks are served (tests/test_integrations_hf_masks.py); a tensor of another rank the hook did not make is not
+    # 4-D masks are served (tests/integrations/test_hf_masks.py); a tensor of another rank the hook did not make is not
     q = torch.randn(2, 4, 7, 16)
     with pytest.raises(NotImplementedError, match="^kvarena: an attention mask that did not come from its mask hook"):
         hf.kvarena_attention(model.model.layers[0].self_attn, q, q[:, :2], q[:, :2], torch.zeros(2, 7))
@@ -332,7 +332,7 @@ def test_what_it_cannot_serve_is_a_clear_error() -> None:
 
     chunked = chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))
     # With a cache chunks are not a packed prefill: the hook hands over transformers' own 4-D
-    # mask (the attention function's 4-D reading serves it; tests/test_integrations_hf_masks.py).
+    # mask (the attention function's 4-D reading serves it; tests/integrations/test_hf_masks.py).
     from transformers.masking_utils import sdpa_mask
 
     dense = hf.kvarena_mask(2, 2, 7, q_offset=5, mask_function=chunked)
@@ -370,7 +370,7 @@ def test_example_script_generates_the_same_tokens(monkeypatch, capsys) -> None:
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "examples" / "hf_generate.py"
+    script = Path(__file__).resolve().parents[2] / "examples" / "hf_generate.py"
     for extra in ([], ["--arena-cache"]):
         monkeypatch.setattr(sys, "argv", [str(script), "--max-new-tokens", "4", "--device", "cpu", *extra])
         runpy.run_path(str(script), run_name="__main__")

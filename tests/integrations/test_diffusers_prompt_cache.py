@@ -429,7 +429,7 @@ def test_the_example_runs_offline_and_shows_hits_a_weight_change_and_the_weight_
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
     res = subprocess.run([sys.executable, str(root / "examples" / "prompt_cache.py")], capture_output=True,
                          text=True, env=env, timeout=300)
