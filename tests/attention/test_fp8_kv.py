@@ -24,7 +24,7 @@ from _helpers import (  # noqa: F401
     TRITON,
     assert_close,
     device_for,
-    interpreter_only,
+    interpreter_test,
     one_torch_thread,
     paged_fp8_case,
     poisoned_fp8_caches,
@@ -287,7 +287,7 @@ def test_paged_attention_equals_attention_over_what_was_stored(backend, spec_id,
             assert_close(out, _dense_full(c, spec), dtype, "fp8 vs full precision", tol=FULL_PRECISION_BOUND)
 
 
-@interpreter_only
+@interpreter_test
 @pytest.mark.parametrize("decode", ["native", "shift"])
 @pytest.mark.parametrize(("bs", "q_len", "spec_id"),
                          [(64, 7, "full"), (48, 5, "window-sinks-softcap"), (16, 1, "window-sinks-softcap")],

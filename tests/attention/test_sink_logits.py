@@ -79,7 +79,6 @@ def test_torch_path_matches_oracle(seed, lens, q_lens, group, block_size, window
     assert_lse_close(lse, ref_lse, dtype, "lse")
 
 
-@pytest.mark.interpreter
 @gpu_test
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["unsplit", "split3"])
 @pytest.mark.parametrize("lens, q_lens, group, block_size, window_left, kv_start", CASES)
@@ -117,7 +116,6 @@ def test_gradients_reach_the_sink_on_the_torch_path(seed) -> None:
         assert_close(g, r, torch.float64, f"d/d{name}")
 
 
-@pytest.mark.interpreter
 @gpu_test
 def test_triton_backward_with_fixed_sinks(seed) -> None:
     """The Triton backward reads the forward's lse, which includes the sink: dq exact."""

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from _helpers import TOL, assert_close, one_torch_thread  # noqa: F401 - autouse fixture
+from _helpers import INTERPRETER, TOL, assert_close, one_torch_thread  # noqa: F401 - autouse fixture
 
 import kvarena
 from kvarena import AttentionSpec, CachePolicy, KVArena, KVLayout, PagedKVCache, SlabKVCache
@@ -267,7 +267,7 @@ def test_deepcopy_of_slab_metadata_commits_the_chunk() -> None:
 
 # --------------------------------------------------------------------------------------- invisible keys
 
-BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.interpreter)]
+BACKENDS = ["torch", pytest.param("triton", marks=INTERPRETER)]
 POISONS = [
     # (id, options, poisoned key position, query rows (of 13, at positions 0..12) that see it)
     ("before-the-window", dict(window_left=3), 2, range(2, 6)),
@@ -314,7 +314,7 @@ def _dense(q, k, v):
 
 # The Triton backward's fp32 bound (it recomputes P from the saved lse); the torch path
 # differentiates the forward's own ops and meets the forward's bound.
-GRAD_BACKENDS = [pytest.param("torch", id="torch"), pytest.param("triton", id="triton", marks=pytest.mark.interpreter)]
+GRAD_BACKENDS = [pytest.param("torch", id="torch"), pytest.param("triton", id="triton", marks=INTERPRETER)]
 GRAD_TOL = {"torch": None, "triton": 1e-4}
 
 

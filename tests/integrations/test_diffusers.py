@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import grad_mode, one_torch_thread  # noqa: F401 - fixtures
+from _helpers import grad_mode, interpreter_test, one_torch_thread  # noqa: F401 - fixtures
 
 pytest.importorskip("diffusers", reason="the diffusers extra is not installed (pip install 'kvarena[diffusers]')")
 
@@ -537,7 +537,7 @@ def test_bf16_transformer_gets_a_bf16_cache(seed):
         assert rollout.kv_cache.pool.layout.dtype == torch.bfloat16 and out.dtype == torch.bfloat16
 
 
-@pytest.mark.interpreter
+@interpreter_test
 def test_triton_interpreter_lane_one_tiny_rollout(model, seed):
     """The Triton kernels (interpreter on CPU) against the torch path on one tiny rollout."""
     emb = torch.randn(1, 7, TEXT)

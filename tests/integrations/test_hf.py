@@ -350,7 +350,7 @@ def test_what_it_cannot_serve_is_a_clear_error() -> None:
         model(ids)
 
 
-@pytest.mark.interpreter
+@pytest.mark.gpu
 @pytest.mark.skipif(not TRITON, reason="needs TRITON_INTERPRET=1")
 @pytest.mark.parametrize("cache", ["hf-cache", "kvarena-cache"])
 @pytest.mark.parametrize("name", ["llama-gqa", "gemma2-window-softcap", "gptoss-sinks"])
@@ -735,7 +735,7 @@ def test_static_cache_generate_equals_eager(name: str, pad: str) -> None:
     _compare(model, ids, mask, f"{name} static {pad}", max_new_tokens=6, cache_implementation="static")
 
 
-@pytest.mark.interpreter
+@pytest.mark.gpu
 @pytest.mark.skipif(not TRITON, reason="needs TRITON_INTERPRET=1")
 def test_padding_holes_on_the_triton_path() -> None:
     """Holes through the Triton kernels (interpreter): Mistral on a KVArenaCache, holes and a
@@ -803,7 +803,7 @@ def test_packed_sequences_transformers_does_not_fold_are_refused() -> None:
         model(ids, position_ids=torch.tensor(PACKED_POS), use_cache=False)
 
 
-@pytest.mark.interpreter
+@pytest.mark.gpu
 @pytest.mark.skipif(not TRITON, reason="needs TRITON_INTERPRET=1")
 def test_packed_sequences_on_the_triton_path() -> None:
     """Packed sequences through the Triton kernels (interpreter): Mistral, a sequence longer

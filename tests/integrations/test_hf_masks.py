@@ -311,7 +311,7 @@ def test_4d_mask_refusals() -> None:
             model(ids, attention_mask=torch.ones(2, 1, 7, 7, dtype=torch.long))
 
 
-@pytest.mark.interpreter
+@pytest.mark.gpu
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 @pytest.mark.parametrize("name", ["gemma2-window-softcap", "gptoss-sinks"])
 def test_4d_blocks_on_the_triton_path(name: str) -> None:

@@ -138,7 +138,7 @@ PLAN_CASES = [
 
 
 @interp_only
-@pytest.mark.interpreter
+@pytest.mark.gpu  # runs the kernels (interpreter lane: interp_only)
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize(("shape", "opts"), PLAN_CASES)
 def test_every_target_plan_matches_the_oracle_and_is_what_the_kernel_receives(monkeypatch, seed, target, shape,

@@ -27,6 +27,7 @@ import pytest
 import torch
 from _helpers import (  # noqa: F401 - one_torch_thread: autouse; per_test_seed: fixture `seed`
     DEVICE,
+    INTERPRETER,
     assert_attention_close,
     assert_close,
     one_torch_thread,
@@ -376,7 +377,7 @@ K_SCALE = 2.0**-6
 K_ABS_TOL = 2e-6
 DECODES = [
     pytest.param("native", marks=[pytest.mark.gpu, needs_cuda, needs_sm89], id="native"),
-    pytest.param("shift", marks=pytest.mark.interpreter, id="shift"),  # runs on CPU too (CI)
+    pytest.param("shift", marks=INTERPRETER, id="shift"),  # runs on CPU too (CI)
 ]
 
 

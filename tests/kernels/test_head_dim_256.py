@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import assert_close, interpreter_only, paged_case, paged_case_ref, paged_fp8_case
+from _helpers import INTERPRETER, assert_close, paged_case, paged_case_ref, paged_fp8_case
 
 import kvarena.kernels.paged_attention as pa
 from kvarena import paged_attention
 from kvarena.attention.fp8 import dequantize_fp8
 from kvarena.attention.reference import paged_attention_ref
 
-pytestmark = interpreter_only
+pytestmark = [*INTERPRETER]
 
 
 @pytest.fixture

@@ -21,12 +21,18 @@ import sys
 
 import pytest
 import torch
-from _helpers import DEVICE, LSE_TOL, assert_attention_close, gpu_test, paged_case, paged_case_ref
+from _helpers import (
+    DEVICE,
+    LSE_TOL,
+    assert_attention_close,
+    gpu_test,
+    interpreter_test,
+    paged_case,
+    paged_case_ref,
+)
 
 import kvarena.kernels.paged_attention as pa
 from kvarena.attention import AttentionSpec
-
-pytestmark = pytest.mark.interpreter
 
 
 @pytest.fixture
@@ -238,6 +244,7 @@ print("OK")
 """
 
 
+@interpreter_test
 @pytest.mark.skipif(DEVICE != "cpu", reason="a 4 GiB lazily backed buffer is a CPU-lane trick")
 def test_head_dim_stride_beyond_int32():
     """merge inputs/outputs and the split-reduce output with D * stride(2) > 2**31 elements.
@@ -349,6 +356,7 @@ def test_denoising_step_is_one_launch_over_history_and_own_keys(monkeypatch):
         pool.forward(q, k, v, meta, 0, commit=True, backend="torch")
 
 
+@interpreter_test
 def test_flash_reference_yardstick_is_attention():
     """The contiguous loop `kvarena check --perf` compares against computes attention."""
     from kvarena.kernels.flash_reference import flash_reference_fwd
@@ -361,6 +369,7 @@ def test_flash_reference_yardstick_is_attention():
     assert (out.double() - ref).abs().max() < 1e-5
 
 
+@interpreter_test
 def test_flash_reference_yardstick_with_fp8_keys_is_attention():
     """Its fp8 form (the yardstick of fp8 caches' loops): attention over the stored values,
     fp16 queries and probabilities, per-key scales."""

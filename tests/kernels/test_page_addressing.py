@@ -17,12 +17,17 @@ import sys
 
 import pytest
 import torch
-from _helpers import DEVICE, LSE_TOL, assert_attention_close, paged_case, paged_case_ref
+from _helpers import (
+    DEVICE,
+    LSE_TOL,
+    assert_attention_close,
+    interpreter_test,
+    paged_case,
+    paged_case_ref,
+)
 
 import kvarena.kernels.paged_attention as pa
 from kvarena.attention import AttentionSpec
-
-pytestmark = pytest.mark.interpreter
 
 
 def run(c, *, num_splits, **opts):
@@ -68,6 +73,7 @@ CASES = [pytest.param(bs, dt, page, q_lens, opts, n, id=f"{name}-{n}-splits-{pid
          if name != "prefill-chunk" or pid in ("page16-bf16", "page48-straddling-fp32")]
 
 
+@interpreter_test
 @pytest.mark.parametrize(("block_size", "dtype", "page", "q_lens", "opts", "num_splits"), CASES)
 def test_pages_match_the_oracle(launched, seed, block_size, dtype, page, q_lens, opts, num_splits):
     """Odd lengths (1, 77, 200 keys), GQA 4 over 2 kv heads, kv_start 5 inside a page."""
@@ -79,6 +85,7 @@ def test_pages_match_the_oracle(launched, seed, block_size, dtype, page, q_lens,
     assert meta["SAME_KV_STRIDES"] and not meta["WIDE_OFFSETS"], f"launched {meta}"
 
 
+@interpreter_test
 @pytest.mark.parametrize("group", [1, 5], ids=["mha", "gqa5"])
 def test_k_and_v_with_different_strides(launched, seed, group):
     """V in its own buffer with another block stride: one offset per key no longer serves
@@ -150,6 +157,7 @@ print("OK")
 """
 
 
+@interpreter_test
 @pytest.mark.skipif(DEVICE != "cpu", reason="a lazily backed 4 GiB buffer is a CPU-lane trick")
 def test_offsets_beyond_int32(seed):
     """Blocks whose keys lie past 2**31 elements of their cache view take 64-bit offsets,
@@ -174,6 +182,7 @@ def test_addressing_is_read_from_shapes_and_strides():
     assert pa._cache_addressing(tall, tall).wide_rows, "16 * 2**27 >= 2**31"
 
 
+@interpreter_test
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_over_64_token_pages_takes_the_block_loop(launched, seed, num_splits):
     """16-bit decode over pages as long as its 64-key tile runs the large-block loop (its
@@ -185,6 +194,7 @@ def test_decode_over_64_token_pages_takes_the_block_loop(launched, seed, num_spl
     assert all(m["LARGE_BLOCKS"] and m["BLOCK_N"] == 64 for m in launched), f"launched {launched}"
 
 
+@interpreter_test
 def test_short_context_decode_runs_32_key_tiles(launched, seed):
     """B=1 decode from 1K keys whose 64-key tiles cannot fill a wave runs 32-key tiles, split
     one per tile: the result is the oracle's, windows and sinks included."""

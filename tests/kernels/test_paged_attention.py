@@ -25,7 +25,7 @@ from _helpers import (
     assert_close,
     assert_lse_close,
     gpu_test,
-    interpreter_only,
+    interpreter_test,
     paged_case,
     paged_case_ref,
 )
@@ -33,8 +33,6 @@ from _helpers import (
 import kvarena.kernels.paged_attention as pa
 from kvarena.attention import AttentionSpec, paged_attention
 from kvarena.attention.reference import paged_attention_ref
-
-pytestmark = pytest.mark.interpreter
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -292,7 +290,7 @@ def test_bf16_subnormal_queries_and_keys_match_the_oracle(name, nan_prefilled):
     assert_lse_close(lse, ref_lse, torch.bfloat16, name)
 
 
-@interpreter_only  # the interpreter's own bf16 rounding is what is pinned (compiled casts are the GPU's)
+@interpreter_test  # the interpreter's own bf16 rounding is what is pinned (compiled casts are the GPU's)
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split-reduce"])
 def test_bf16_subnormal_outputs_round_like_a_gpu(num_splits, nan_prefilled):
     """Issue 41 sweep (the #9 pattern, on the way out): the interpreter narrowed the fp32
@@ -549,6 +547,7 @@ SM80_CASES = [
 ]
 
 
+@interpreter_test
 @pytest.mark.skipif(DEVICE != "cpu", reason="pins the sm_80 config under the interpreter")
 @pytest.mark.parametrize(("opts", "block_size"), SM80_CASES)
 def test_sm80_chunk_tile_matches_oracle(monkeypatch, seed, opts, block_size):
@@ -568,6 +567,7 @@ def test_sm80_chunk_tile_matches_oracle(monkeypatch, seed, opts, block_size):
 # ------------------------------------------------------------------- int64 addressing
 
 
+@interpreter_test
 @pytest.mark.skipif(DEVICE != "cpu", reason="a 4 GiB lazily backed buffer is a CPU-lane trick")
 def test_int64_offsets_beyond_2_31_elements():
     """Used blocks lie past 2**31 elements of the arena (torch.empty is lazily backed)."""

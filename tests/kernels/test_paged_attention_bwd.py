@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import DEVICE, gpu_test, paged_case
+from _helpers import DEVICE, gpu_test, interpreter_test, paged_case
 
 from kvarena.attention import AttentionSpec, dispatch
 from kvarena.attention.batch import CacheView, KeySet, QueryRows
 from kvarena.attention.launch import dense_own_keys, history_and_own_forward
 from kvarena.kernels import paged_attention_bwd as bwd
 from kvarena.kernels.placement import OWN_AFTER_HISTORY, OWN_AT_QUERIES
-
-pytestmark = pytest.mark.interpreter
 
 # Relative L2 error of each gradient: the issue's bounds (the backward recomputes P from a
 # rounded lse and multiplies rounded dS tiles, so bf16 gets more room than the forward).
@@ -180,6 +178,7 @@ def _check_backward(seed, dtype, lens, q_lens, kv_start, opts, mode, q_scale=1.0
         assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
 
 
+@interpreter_test
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU-lane test")
 def test_given_keys_no_query_sees_get_zero_gradient(monkeypatch, seed):
     """A seq_len-0 padding row (CUDA-graph batches) owns a query and a given key, and a key
@@ -202,6 +201,7 @@ def test_given_keys_no_query_sees_get_zero_gradient(monkeypatch, seed):
     assert torch.equal(dk[3], torch.zeros_like(dk[3])) and torch.equal(dv[3], torch.zeros_like(dv[3])), "padding row"
 
 
+@interpreter_test
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU-lane test")
 def test_rows_that_see_no_key_get_zero_gradient(seed):
     """kv_start == seq_len hides every key of sequence 0: its rows' dq is exactly 0."""

@@ -9,7 +9,7 @@ from _helpers import DEVICE, GPU, MERGE_LSE_TOL, MERGE_TOL, assert_close, assert
 from kvarena.attention import merge_attention_states, store_kv
 from kvarena.attention.reference import merge_attention_states_ref, store_kv_ref
 
-pytestmark = [pytest.mark.interpreter, *GPU]
+pytestmark = [*GPU]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from _helpers import MODEL_TOL
+from _helpers import INTERPRETER, MODEL_TOL
 
 from kvarena.examples.ar_decode import GEMMA3_LIKE, run_ar_decode
 from kvarena.examples.causal_dit import run_causal_dit, run_training_step
@@ -39,7 +39,7 @@ def test_causal_dit_residual_reuse_skips_layers_and_commit_stays_exact():
     assert rep.max_err <= MODEL_TOL[torch.float32]
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=INTERPRETER)])
 def test_causal_dit_training_step_matches_dense_gradients(backend):
     """Self-Forcing-style step: history under no_grad, the next chunk's denoising step with
     gradients through the slab pool (commit=False); parameter gradients equal the dense

@@ -577,7 +577,6 @@ def test_concurrent_namespaces_from_threads(seed) -> None:
     assert cache.free == cache.total_blocks
 
 
-@pytest.mark.interpreter
 @gpu_test
 def test_pool_metadata_drives_the_triton_kernels(seed) -> None:
     """The Triton path (interpreted on CPU) on the pool's metadata: prefill, fork + CoW,
@@ -597,7 +596,7 @@ def test_pool_metadata_drives_the_triton_kernels(seed) -> None:
     assert torch.all(out[2] == 0)
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=(pytest.mark.interpreter, *GPU))])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=GPU)])
 def test_padded_plan_equals_the_packed_one(seed, backend) -> None:
     """plan(pad_to=S): q/k/v/out stay [B * S] (new tokens last in each row, left padding);
     padding is never stored and the real rows equal a packed plan of the same tokens."""

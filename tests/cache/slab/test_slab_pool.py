@@ -517,7 +517,6 @@ def test_failed_first_append_makes_no_arena() -> None:
     assert fine.slab_tokens == SHORT  # no slab_tokens in the policy: the first chunk's length
 
 
-@pytest.mark.interpreter
 @gpu_test
 def test_rollout_on_the_triton_path(seed) -> None:
     """Slab metadata (kv_start of a short chunk 0, empty history, sinks + window) through the

@@ -326,7 +326,6 @@ def test_hundred_chunk_rollout_is_bounded_and_never_moves(seed) -> None:
 
 
 @gpu_test
-@pytest.mark.interpreter
 def test_token_rules_and_runs_on_the_triton_path(seed) -> None:
     """Pages of 2 tokens, an I2V sink and a 2-chunk run through the Triton kernels (interpreted)."""
     S, W, n0 = 2, 10, 2  # noqa: N806
