@@ -7,8 +7,8 @@ of the one marker for "runs Triton kernels" (``gpu``: ``GPU``, ``TRITON``, ``gpu
 the kernel lane, ``INTERPRETER``, ``interpreter_test`` for the interpreter-only tests) and
 of the run-again-under-inference-mode fixture (``grad_mode``).
 
-A fixture here applies only to a module that imports it; ``per_test_seed`` (fixture name
-``seed``) then overrides conftest's fixed ``seed`` in that module.
+A fixture here applies only to a module that imports it. The one ``seed`` fixture is
+conftest's (every module gets it).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import itertools
 import os
 import sys
 import threading
-import zlib
 from collections.abc import Callable
 
 import pytest
@@ -81,15 +80,6 @@ MERGE_LSE_TOL = dict.fromkeys((torch.float32, torch.float16, torch.bfloat16), 1e
 # A whole example model (every layer, many steps) against a dense recomputation in the same
 # dtype: the max abs error of its outputs / logits, not one op's relative error vs fp64.
 MODEL_TOL = {torch.float32: 1e-4, torch.float64: 1e-9}
-
-
-@pytest.fixture(name="seed")
-def per_test_seed(request: pytest.FixtureRequest) -> int:
-    """A per-test seed (stable per test id; override with KVARENA_TEST_SEED)."""
-    env = os.environ.get("KVARENA_TEST_SEED")
-    value = int(env) if env else zlib.crc32(request.node.nodeid.encode())
-    torch.manual_seed(value)
-    return value
 
 
 @pytest.fixture(autouse=True, scope="module")

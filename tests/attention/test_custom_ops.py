@@ -12,12 +12,6 @@ from kvarena.attention.reference import paged_attention_ref
 _SPEC = AttentionSpec(return_lse=True)
 
 
-@pytest.fixture
-def seed():
-    torch.manual_seed(1234)
-    return 1234
-
-
 def _paged_inputs(dtype=torch.float32):
     h_q, h_kv, d, bs, nb = 4, 1, 16, 5, 12
     lens, qlens = [7, 3, 11], [2, 1, 4]

@@ -26,9 +26,7 @@ ST = 5  # slab tokens
 LAY = KVLayout(num_layers=2, num_kv_heads=H_KV, head_dim=D, dtype=torch.float32)
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)
+pytestmark = pytest.mark.usefixtures("seed")  # every test seeded (conftest's one seed fixture)
 
 
 def paged_pool(layout=LAY, **kw) -> PagedKVCache:

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from _helpers import blob, per_test_seed  # noqa: F401 - per_test_seed: fixture `seed`
+from _helpers import blob
 
 import kvarena.cache.keys as keys_module
 from kvarena.cache import feature, handle, residual

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 import torch
-from _helpers import blob, per_test_seed, run_threads  # noqa: F401 - per_test_seed: fixture `seed`
+from _helpers import blob, run_threads
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule

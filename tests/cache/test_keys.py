@@ -13,7 +13,6 @@ import textwrap
 
 import pytest
 import torch
-from _helpers import per_test_seed  # noqa: F401 - the `seed` fixture of this module
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -25,13 +25,12 @@ import itertools
 
 import pytest
 import torch
-from _helpers import (  # noqa: F401 - one_torch_thread: autouse; per_test_seed: fixture `seed`
+from _helpers import (  # noqa: F401 - one_torch_thread: autouse
     DEVICE,
     INTERPRETER,
     assert_attention_close,
     assert_close,
     one_torch_thread,
-    per_test_seed,
 )
 
 import kvarena
