@@ -14,12 +14,12 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import random
 import subprocess
 import sys
 
 import pytest
 import torch
+from _covering import DTYPES, LAYOUT, covering_array
 from _helpers import (
     DEVICE,
     assert_close,
@@ -33,8 +33,6 @@ from _helpers import (
 import kvarena.kernels.paged_attention as pa
 from kvarena.attention import AttentionSpec, paged_attention
 from kvarena.attention.reference import paged_attention_ref
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 # ------------------------------------------------------------------- case construction
 
@@ -84,11 +82,13 @@ def run_triton(case, **opts):
 
 # ------------------------------------------------------------------- the covering array
 
+# The layout factors (dtype, head_dim, block_size) are the suites' shared ones
+# (tests/_covering.py); the grid is drawn by the shared generator.
 FACTORS = {
-    "dtype": ["fp32", "fp16", "bf16"],
+    "dtype": LAYOUT["dtype"],
     "group": [1, 4, 5],
-    "head_dim": [32, 80, 128],
-    "block_size": [16, 48, 150],
+    "head_dim": LAYOUT["head_dim"],
+    "block_size": LAYOUT["block_size"],
     "mode": ["decode", "decode_nocu", "ragged"],
     "causal": [True, False],
     "chunk": [None, 4],
@@ -103,46 +103,6 @@ _TRIPLE_GROUPS = [
     ["mode", "causal", "chunk", "window", "softcap", "kv_start"],
     ["dtype", "group", "head_dim", "block_size", "mode"],
 ]
-
-
-def covering_array(factors: dict, triple_groups: list[list[str]], seed: int = 0) -> list[dict]:
-    """Greedy covering array: all pairs of all factors + all triples within each group.
-
-    Each step samples candidate rows and keeps the one covering the most uncovered
-    tuples (AETG-style); deterministic for a given seed.
-    """
-    names = list(factors)
-    need = set()
-    for a, b in itertools.combinations(names, 2):
-        for va, vb in itertools.product(range(len(factors[a])), range(len(factors[b]))):
-            need.add(((a, va), (b, vb)))
-    triples = sorted({c for g in triple_groups for c in itertools.combinations(g, 3)})
-    for combo in triples:
-        for vals in itertools.product(*(range(len(factors[f])) for f in combo)):
-            need.add(tuple(zip(combo, vals)))
-    rng = random.Random(seed)
-    rows = []
-
-    def tuples_of(row):
-        out = set()
-        for a, b in itertools.combinations(names, 2):
-            out.add(((a, row[a]), (b, row[b])))
-        for combo in triples:
-            out.add(tuple((f, row[f]) for f in combo))
-        return out
-
-    while need:
-        target = next(iter(sorted(need)))  # seed each row with one uncovered tuple
-        best, best_gain = None, -1
-        for _ in range(60):
-            row = {f: rng.randrange(len(factors[f])) for f in names}
-            row.update(dict(target))
-            gain = len(tuples_of(row) & need)
-            if gain > best_gain:
-                best, best_gain = row, gain
-        need -= tuples_of(best)
-        rows.append({f: factors[f][v] for f, v in best.items()})
-    return rows
 
 
 def _case_id(c: dict) -> str:

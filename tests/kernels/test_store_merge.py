@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _covering import DTYPES, LAYOUT, covering_array, uncovered
 from _helpers import DEVICE, GPU, MERGE_LSE_TOL, MERGE_TOL, assert_close, assert_lse_close
 
 from kvarena.attention import merge_attention_states, store_kv
 from kvarena.attention.reference import merge_attention_states_ref, store_kv_ref
 
 pytestmark = [*GPU]
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def _arena_views(num_blocks, block_size, h_kv, d, dtype):
@@ -20,9 +19,24 @@ def _arena_views(num_blocks, block_size, h_kv, d, dtype):
     return arena, arena[:, 2, 0], arena[:, 2, 1]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
-@pytest.mark.parametrize("head_dim,block_size", [(32, 16), (80, 48), (128, 150)])
+# The store's grid, drawn from the shared covering array (tests/_covering.py) over the
+# suites' layout factors: every triple of (dtype, slot dtype, head_dim) and of (dtype, slot
+# dtype, block_size), every head_dim x block_size pair, and every combination the former
+# grid (dtype x slot dtype x three tied (head_dim, block_size) pairs) held, in its 18 rows.
+_SLOT_DTYPES = {"i32": torch.int32, "i64": torch.int64}
+_STORE_FACTORS = {"dtype": LAYOUT["dtype"], "slot_dtype": list(_SLOT_DTYPES), "head_dim": LAYOUT["head_dim"],
+                  "block_size": LAYOUT["block_size"]}
+_STORE_TRIPLES = [["dtype", "slot_dtype", "head_dim"], ["dtype", "slot_dtype", "block_size"]]
+_FORMER = list(zip(LAYOUT["head_dim"], LAYOUT["block_size"]))
+_STORE_ALSO = [{"dtype": d, "head_dim": h, "block_size": b} for d in LAYOUT["dtype"] for h, b in _FORMER] + [
+    {"slot_dtype": s, "head_dim": h, "block_size": b} for s in _SLOT_DTYPES for h, b in _FORMER]
+STORE_GRID = covering_array(_STORE_FACTORS, _STORE_TRIPLES, seed=46, also=_STORE_ALSO)
+assert not uncovered(STORE_GRID, _STORE_FACTORS, _STORE_TRIPLES, also=_STORE_ALSO) and len(STORE_GRID) == 18
+
+
+@pytest.mark.parametrize(("dtype", "slot_dtype", "head_dim", "block_size"), [
+    pytest.param(DTYPES[r["dtype"]], _SLOT_DTYPES[r["slot_dtype"]], r["head_dim"], r["block_size"],
+                 id=f"{r['dtype']}-{r['slot_dtype']}-d{r['head_dim']}-bs{r['block_size']}") for r in STORE_GRID])
 def test_store_kv_matches_reference(dtype, slot_dtype, head_dim, block_size, seed):
     h_kv, n = 3, 29
     num_blocks = 7
@@ -64,8 +78,8 @@ def _merge_inputs(n, h, d, dtype, seed):
     return [t.to(DEVICE) for t in (out_a, lse_a, out_b, lse_b)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("d", [32, 80, 128])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("d", LAYOUT["head_dim"])
 def test_merge_matches_reference(dtype, d):
     out_a, lse_a, out_b, lse_b = _merge_inputs(11, 3, d, dtype, seed=d)
     out, lse = merge_attention_states(out_a, lse_a, out_b, lse_b, backend="triton")
