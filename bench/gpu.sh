@@ -47,7 +47,7 @@ if [ "$dry" = 1 ]; then
   flex_cases=decode-b2-ctx256; flex_providers=sdpa_contiguous,kvarena
   warm_cases=(--cases decode-b2-ctx256,chunk-tiny-w3-denoise)
   # every kind, step and variant once (the tiny sweep points add nothing to prove here)
-  # (the kernels section only: recycling and host overhead run in tests/test_bench_smoke.py)
+  # (the kernels section only: recycling and host overhead run in tests/tooling/test_bench_smoke.py)
   bench_cases=(--cases decode-b2-ctx256,chunk-tiny-w3,train,store --sections kernels)
 else
   dev=cuda; set=gpu; backend=auto; jobs=$(( $(nproc) < 12 ? $(nproc) : 12 )); reps=()
@@ -91,11 +91,11 @@ if "$py" -c "import pytest" 2>/dev/null; then
   "$py" -m pytest tests -m gpu --co -q -o addopts="" -p no:cacheprovider --continue-on-collection-errors \
     > "$out/gpu-tests.txt" 2>&1
   if [ "$dry" = 1 ]; then
-    sel=(tests/test_gpu_only.py -q)
+    sel=(tests/kernels/test_gpu_only.py -q)
   else
     # The GPU-only module first (CUDA graphs, native fp8, the > 2^31 arena), then the
     # kernel suites; -v writes each result as it comes, so a kill keeps what ran.
-    sel=(-m gpu -v tests/test_gpu_only.py $(ls tests/test_*.py | grep -v test_gpu_only.py))
+    sel=(-m gpu -v tests/kernels/test_gpu_only.py $(find tests -name "test_*.py" ! -name test_gpu_only.py | sort))
   fi
   timeout -k 5 "$cap_tests" "$py" -m pytest "${sel[@]}" -rfEs \
     --maxfail=25 -o addopts="" -p no:cacheprovider --continue-on-collection-errors --junitxml="$out/gpu-tests.xml" > "$out/gpu-tests.log" 2>&1

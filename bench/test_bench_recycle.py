@@ -34,7 +34,7 @@ def test_retained_bytes_moved(scheme, cfg, device):
     # The counter sees what the PyTorch path writes; on CUDA the store is a Triton kernel
     # it cannot see, so count on CPU with the same shapes there.
     if device.type != "cpu":
-        pytest.skip("byte counting runs the PyTorch path (tests/test_bench_smoke.py covers it on CPU)")
+        pytest.skip("byte counting runs the PyTorch path (tests/tooling/test_bench_smoke.py covers it on CPU)")
     step, state = chunk_stepper(scheme, cfg, device)
     counter = KVByteCounter()
     kv = [state.arena.buffer] if scheme == "kvarena" else [*state.k, *state.v]

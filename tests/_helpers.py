@@ -3,11 +3,12 @@
 The one home of the tests' tolerances (``TOL``, ``LSE_TOL`` and the named exceptions),
 of the comparators (``assert_close``, ``assert_lse_close``, ``assert_attention_close``),
 of the NaN-poisoned paged-attention case builder (``paged_case``, ``paged_case_ref``) and
-of the kernel lane (``DEVICE``, ``kernel_lane``, ``GPU``, ``TRITON``, ``gpu_test``: the
-tests ``-m gpu`` selects) and of the run-again-under-inference-mode fixture (``grad_mode``).
+of the one marker for "runs Triton kernels" (``gpu``: ``GPU``, ``TRITON``, ``gpu_test`` for
+the kernel lane, ``INTERPRETER``, ``interpreter_test`` for the interpreter-only tests) and
+of the run-again-under-inference-mode fixture (``grad_mode``).
 
-A fixture here applies only to a module that imports it; ``per_test_seed`` (fixture name
-``seed``) then overrides conftest's fixed ``seed`` in that module.
+A fixture here applies only to a module that imports it. The one ``seed`` fixture is
+conftest's (every module gets it).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import itertools
 import os
 import sys
 import threading
-import zlib
 from collections.abc import Callable
 
 import pytest
@@ -24,25 +24,39 @@ import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-# ------------------------------------------------------------------- the kernel lane
-# A test marked ``gpu`` runs Triton kernels on tensors it builds on DEVICE: on CUDA where
-# there is one (bench/gpu.sh selects them with -m gpu), else through the Triton
-# interpreter on CPU tensors (conftest sets TRITON_INTERPRET=1 where there is no CUDA).
+# ------------------------------------------------------------------- the gpu marker
+# One marker says "this test runs Triton kernels": ``gpu`` (pyproject.toml). ``-m gpu``
+# selects the kernel tests, ``-m "not gpu"`` the fast CPU-only rest. Two kinds:
+#
+# * the kernel lane (``GPU``, ``TRITON``, ``gpu_test``): the test builds its tensors on
+#   DEVICE, so it runs the kernels on CUDA where there is one (bench/gpu.sh runs these),
+#   else through the Triton interpreter on CPU (conftest sets TRITON_INTERPRET=1 there);
+# * interpreter-only (``INTERPRETER``, ``interpreter_test``): the test runs the kernels on
+#   CPU tensors through the interpreter, or pins what the interpreter does (a patched
+#   decode, a KVARENA_ARCH plan, a CPU-lane-only buffer trick); on a CUDA machine without
+#   TRITON_INTERPRET=1 it is skipped, so ``-m gpu`` there runs exactly the kernel lane.
 kernel_lane = pytest.mark.skipif(
     DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
     reason="needs CUDA or the Triton interpreter (TRITON_INTERPRET=1)",
 )
+interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 #: The marks of a kernel-lane test or parameter: ``pytestmark = [*GPU]``, ``marks=GPU``.
 GPU = (pytest.mark.gpu, kernel_lane)
+#: The marks of an interpreter-only kernel test or parameter: ``marks=INTERPRETER``.
+INTERPRETER = (pytest.mark.gpu, interpreter_only)
 #: The ``backend="triton"`` parameter of a test parametrized over backends.
 TRITON = pytest.param("triton", marks=GPU, id="triton")
-#: Interpreter-only behaviour (a test that patches what the interpreter runs): not gpu.
-interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
 
 def gpu_test(func):
     """Decorator: a kernel-lane test (marked ``gpu``, skipped off the kernel lane)."""
     return pytest.mark.gpu(kernel_lane(func))
+
+
+def interpreter_test(func):
+    """Decorator: an interpreter-only kernel test (marked ``gpu``, skipped without the
+    interpreter, i.e. on a CUDA machine)."""
+    return pytest.mark.gpu(interpreter_only(func))
 
 
 def device_for(backend: str) -> str:
@@ -66,15 +80,6 @@ MERGE_LSE_TOL = dict.fromkeys((torch.float32, torch.float16, torch.bfloat16), 1e
 # A whole example model (every layer, many steps) against a dense recomputation in the same
 # dtype: the max abs error of its outputs / logits, not one op's relative error vs fp64.
 MODEL_TOL = {torch.float32: 1e-4, torch.float64: 1e-9}
-
-
-@pytest.fixture(name="seed")
-def per_test_seed(request: pytest.FixtureRequest) -> int:
-    """A per-test seed (stable per test id; override with KVARENA_TEST_SEED)."""
-    env = os.environ.get("KVARENA_TEST_SEED")
-    value = int(env) if env else zlib.crc32(request.node.nodeid.encode())
-    torch.manual_seed(value)
-    return value
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -16,7 +16,7 @@ Compiles are cached on disk by content (``KVARENA_CHECK_CACHE``, default
 everything): the key holds the kernel's Triton ``cache_key`` (its source and every jitted
 function and global it reads), the signature, hints, constexprs and options, the target,
 the Triton version, ``TRITON_PTXAS_PATH`` and this package's own sources (the parsing), so a
-cached row is the row that compile gives; tests/test_check.py checks cached == fresh.
+cached row is the row that compile gives; tests/tooling/test_check.py checks cached == fresh.
 
 The modules: :mod:`.cases` (the tables of what is compiled), :mod:`.launches` (each case as
 the launchers would launch it), :mod:`.compile` (one compile and its row),

@@ -4,7 +4,7 @@ what the split heuristic sizes a wave with.
 Launchers never compile or warm up a kernel to learn this: the table below is written
 by ``kvarena check --perf --write-occupancy`` from ahead-of-time compiles (every target of
 :mod:`kvarena.kernels.arch`; each launch kind, its mask/flag variants keeping the fewest
-CTAs) and ``tests/test_check.py`` fails when it no longer matches what the compiler
+CTAs) and ``tests/tooling/test_check.py`` fails when it no longer matches what the compiler
 produces. The key holds the launch kind (``fp8``, ``rope``, ``own`` or ``plain``): an fp8
 cache's decoded tiles or RoPE's tables take registers a bf16 launch of the same tile does
 not, so each sizes its waves at its own occupancy. A key missing from the table counts as
