@@ -32,6 +32,7 @@ from kvarena.attention.launch import (
     new_outputs,
     run_attention,
     store_impl,
+    takes_own,
 )
 from kvarena.attention.spec import AttentionSpec
 from kvarena.kernels.placement import OWN_AFTER_HISTORY, OWN_AT_QUERIES
@@ -175,7 +176,9 @@ def _history_and_own(q, cache: CacheView, keys: KeySet, rows: QueryRows, own: Ow
             )
             return out, (lse if spec.return_lse else None)
         out, lse = new_outputs(q, None, spec.return_lse)
-        if launch_triton(q, _viewed(cache), keys, rows, out, lse, spec, own=own):
+        viewed = _viewed(cache)
+        if takes_own(q, viewed, keys, rows, own, spec):
+            launch_triton(q, viewed, keys, rows, out, lse, spec, own=own)
             return out, lse
     parts = [
         _attend_cache(q, _viewed(cache), keys, rows, spec.with_lse, backend, None, None),

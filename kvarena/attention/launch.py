@@ -18,16 +18,26 @@ def new_outputs(q: torch.Tensor, out: torch.Tensor | None = None, lse: bool = Tr
     return res, (torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if lse else None)
 
 
+def takes_own(q: torch.Tensor, cache: CacheView, keys: KeySet, rows: QueryRows, own: OwnKeys,
+              spec: AttentionSpec) -> bool:
+    """Whether one Triton launch takes the history and the dense ``own`` keys together: the
+    kernel's pure predicate (host values only), asked before launching."""
+    from kvarena.kernels.paged_attention import fwd_takes_own_keys
+
+    return fwd_takes_own_keys(q, cache.k, cache.v, keys.seq_lens, spec=spec, max_seqlen_q=rows.max_seqlen_q,
+                              max_seqlen_k=keys.max_seqlen_k, own_k=own.k, kv_scales=cache.scales)
+
+
 def launch_triton(q: torch.Tensor, cache: CacheView, keys: KeySet, rows: QueryRows, out: torch.Tensor,
-                  lse: torch.Tensor | None, spec: AttentionSpec, own: OwnKeys | None = None) -> bool:
+                  lse: torch.Tensor | None, spec: AttentionSpec, own: OwnKeys | None = None) -> None:
     """One Triton launch writing ``out`` (and ``lse`` unless None) in place; ``own``: dense own
-    keys after the history in the same launch. False when the launch cannot take ``own``
-    (nothing launched). fp8 views must already be float8 / fp32 (:func:`from_bytes`)."""
+    keys after the history in the same launch, where :func:`takes_own` says it can. fp8
+    views must already be float8 / fp32 (:func:`from_bytes`)."""
     if q.device.type == "meta":
-        return True  # a dry run: the caller's outputs are allocated, no kernel runs
+        return  # a dry run: the caller's outputs are allocated, no kernel runs
     from kvarena.kernels.paged_attention import paged_attention_fwd
 
-    return paged_attention_fwd(
+    paged_attention_fwd(
         q, cache.k, cache.v, keys.block_table, keys.seq_lens, rows.cu_seqlens_q, keys.kv_start, out, lse,
         spec=spec, max_seqlen_q=rows.max_seqlen_q, max_seqlen_k=keys.max_seqlen_k,
         own_k=None if own is None else own.k, own_v=None if own is None else own.v, kv_scales=cache.scales,
@@ -66,7 +76,8 @@ def history_and_own_forward(q: torch.Tensor, cache: CacheView, keys: KeySet, row
     Triton: one launch, or (when one cannot take both) two and an exact merge."""
     spec = spec.with_lse
     out, lse = new_outputs(q)
-    if launch_triton(q, cache, keys, rows, out, lse, spec, own=own):
+    if takes_own(q, cache, keys, rows, own, spec):
+        launch_triton(q, cache, keys, rows, out, lse, spec, own=own)
         return out, lse
     out_h, lse_h = run_attention(q, cache, keys, rows, spec, "triton")
     own_spec = spec.replace(causal=False, window_left=None, sink_tokens=0)
