@@ -366,13 +366,13 @@ class LaunchShape:
 @dataclass(frozen=True)
 class AttentionLaunch:
     """One ``_paged_attn_kernel`` launch, planned before any tensor is touched: the
-    :class:`LaunchPlan` (target, tile, grid, splits), the kernel's constexprs, the pointer
-    arguments they leave unread (passed as None) and the scalar mask arguments. The
+    :class:`LaunchPlan` (target, tile, grid, splits), the kernel's constexprs, the optional
+    pointers the launch does not pass (None) and the scalar mask arguments. The
     launcher, ``kvarena check`` and the tests read this object; nothing re-derives it."""
 
     plan: LaunchPlan
     meta: dict  # the constexprs of _paged_attn_kernel (_attn_constexprs)
-    unused: frozenset[str]  # pointer arguments the constexprs leave unread: passed as None
+    unused: frozenset[str]  # optional pointers not passed (None): OPTIONAL_POINTERS - _pointers_given
     scale_log2: float
     softcap_inv: float
     softcap_log2: float

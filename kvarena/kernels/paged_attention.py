@@ -273,6 +273,8 @@ def _paged_attn_kernel(
                 cum += j1 - j0
                 if jb > ja:
                     bid = tl.load(bt_row + blk).to(tl.int64)
+                    k_blk = k_head + bid * stride_kb
+                    v_blk = v_head + bid * stride_vb
                     ks_blk = ks_head
                     vs_blk = vs_head
                     if KV_FP8:
@@ -286,10 +288,9 @@ def _paged_attn_kernel(
                     f_hi = tl.maximum(tl.minimum(fast_hi, bs0 + block_size) - bs0, 0) // BLOCK_N
                     f_a = tl.minimum(tl.maximum(f_lo, ja), jb)
                     f_b = tl.minimum(tl.maximum(f_hi, f_a), jb)
-                    kv = BlockKV(k=k_head + bid * stride_kb, v=v_head + bid * stride_vb, k_scale=ks_blk,
-                                 v_scale=vs_blk, stride_k=stride_kt, stride_v=stride_vt, stride_ks=stride_kst,
-                                 stride_vs=stride_vst, start=bs0, key_lo=r_lo,
-                                 key_hi=tl.minimum(r_hi, bs0 + block_size), rope_shift=rshift)
+                    kv = BlockKV(k=k_blk, v=v_blk, k_scale=ks_blk, v_scale=vs_blk, stride_k=stride_kt,
+                                 stride_v=stride_vt, stride_ks=stride_kst, stride_vs=stride_vst, start=bs0,
+                                 key_lo=r_lo, key_hi=tl.minimum(r_hi, bs0 + block_size), rope_shift=rshift)
                     span = TileSpan(first=ja, interior_lo=f_a, interior_hi=f_b, end=jb)
                     # The boundary tiles [ja, f_a) and [f_b, jb), then the interior run [f_a, f_b).
                     for STAGE in tl.static_range(STAGE_BOUNDARY, STAGE_INTERIOR + 1):
