@@ -44,18 +44,18 @@ def seed() -> int:
 @pytest.fixture
 def launched(monkeypatch):
     """The constexprs of every attention launch of the test, in order: a spy on the one
-    function that builds them (``paged_attention._attn_constexprs``)."""
-    import kvarena.kernels.paged_attention as pa
+    function that builds them (``attn_plan._attn_constexprs``)."""
+    import kvarena.kernels.attn_plan as attn_plan
 
     seen = []
-    real = pa._attn_constexprs
+    real = attn_plan._attn_constexprs
 
     def spy(*args, **kwargs):
         meta = real(*args, **kwargs)
         seen.append(meta)
         return meta
 
-    monkeypatch.setattr(pa, "_attn_constexprs", spy)
+    monkeypatch.setattr(attn_plan, "_attn_constexprs", spy)
     return seen
 
 

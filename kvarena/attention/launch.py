@@ -29,37 +29,19 @@ def launch_triton(q: torch.Tensor, cache: CacheView, keys: KeySet, rows: QueryRo
     if q.device.type == "meta" or empty_launch(q, keys, rows):
         return  # a dry run (the outputs are allocated), or no query row: no kernel runs
     fwd = launch_plan(q, cache, keys, rows, spec, lse=lse is not None, own=own)
-    if fwd is None:
-        raise RuntimeError("launch_triton: this launch cannot take the own keys (route the call through "
-                           "takes_own_keys: two launches and a merge)")
     launch_planned(fwd, q, cache, keys, rows, out, lse, spec, own)
 
 
 def launch_planned(fwd, q: torch.Tensor, cache: CacheView, keys: KeySet, rows: QueryRows, out: torch.Tensor,
                    lse: torch.Tensor | None, spec: AttentionSpec, own: OwnKeys | None = None) -> None:
-    """Launch the planned ``fwd`` (an ``AttentionLaunch``): the attention kernel, and the split
-    reduce when it splits. What ``kernels.paged_attention.paged_attention_fwd`` does after
-    its plan (the launcher's pieces, called as it calls them)."""
+    """Launch the planned ``fwd`` (an ``AttentionLaunch``) over the typed seam: the kernel
+    launcher's :func:`~kvarena.kernels.paged_attention.launch_planned`."""
     from kvarena.kernels import paged_attention as pa
-    from kvarena.kernels._common import I32_MAX
 
-    group = q.shape[1] // cache.k.shape[2]
-    # The kernel addresses rows as an int64 tile base + int32 in-tile offsets; a view with a
-    # row stride near 2**31 / BLOCK_M elements (never a real activation) goes via a copy.
-    if pa._tile_span(q, fwd.plan.cfg["BLOCK_M"], group) > I32_MAX:
-        q = q.contiguous()
-    rope_q_pos, rope_k_shift = (rows.rope_q_pos, keys.rope_k_shift) if spec.rope_mode else (None, None)
-    own_k, own_v = (None, None) if own is None else (own.k, own.v)
-    dst = pa._outputs(out, lse, fwd, group)
-    pa._launch_attention(fwd, dst, q, cache.k, cache.v, keys.block_table, keys.seq_lens, rows.cu_seqlens_q,
-                         keys.kv_start, spec.sink_logits, spec, own_k, own_v, cache.scales, rope_q_pos, rope_k_shift)
-    if fwd.split:
-        pa._launch_reduce(fwd, dst, out, lse, spec.sink_logits)
-        return
-    if dst.o is not out:
-        out.copy_(dst.o)
-    if dst.lse_target is not lse:
-        lse.copy_(dst.lse_target)
+    pa.launch_planned(fwd, q, cache.k, cache.v, keys.block_table, keys.seq_lens, rows.cu_seqlens_q, keys.kv_start,
+                      out, lse, spec=spec, own_k=None if own is None else own.k,
+                      own_v=None if own is None else own.v, kv_scales=cache.scales, rope_q_pos=rows.rope_q_pos,
+                      rope_k_shift=keys.rope_k_shift)
 
 
 def run_attention(q: torch.Tensor, cache: CacheView, keys: KeySet, rows: QueryRows, spec: AttentionSpec,

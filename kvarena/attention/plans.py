@@ -1,6 +1,6 @@
 """Plan once per step: the Triton launch plan of each key set a step attends.
 
-The kernel's launch plan (``kernels/paged_attention.py``: :func:`launch_shape` +
+The kernel's launch plan (``kernels/attn_plan.py``: :func:`launch_shape` +
 :func:`plan_attention` -> ``AttentionLaunch``: target, tile, grid, splits, constexprs) is a
 pure function of host values that are the same for every layer reading one key set of a
 step with one spec: the shapes of the layer group (head_dim, heads, block size, cache
@@ -42,48 +42,65 @@ def empty_launch(q: torch.Tensor, keys: KeySet, rows: QueryRows) -> bool:
 MEMO_LIMIT = 64
 
 
+def _memo(rows: QueryRows, key: tuple, spec: AttentionSpec, make):
+    """``make()`` once per step for ``key`` in the step's memo (``rows.launches``); the entry
+    keeps the spec itself, so a later spec at a reused id never reads it."""
+    memo = rows.launches
+    got = memo.get(key)
+    if got is not None and got[0] is spec:
+        return got[1]
+    value = make()
+    if len(memo) >= MEMO_LIMIT:
+        memo.clear()
+    memo[key] = (spec, value)
+    return value
+
+
 def launch_plan(q: torch.Tensor, cache: CacheView, keys: KeySet, rows: QueryRows, spec: AttentionSpec, *,
                 lse: bool, own: OwnKeys | None = None):
     """The ``AttentionLaunch`` of attending ``keys`` of ``cache`` (and dense ``own`` keys after
-    the history) with ``spec``, writing the lse iff ``lse``; None when one launch cannot
-    take ``own``. Read from the step's memo (``rows.launches``) when made before in this
-    step, else made and stored there."""
+    the history, which the caller has asked :func:`takes_own_keys` about) with ``spec``,
+    writing the lse iff ``lse``. Read from the step's memo when made before in this step,
+    else made and stored there."""
     own_len = None if own is None else own.k.shape[1]
-    key = (keys, id(spec), q.shape[1], own_len, lse)
-    memo = rows.launches
-    got = memo.get(key)
-    if got is not None and got[0] is spec:  # the spec itself, not a later one at a reused id
-        return got[1]
-    fwd = _plan(q, cache, keys, rows, spec, own_len, lse)
-    if len(memo) >= MEMO_LIMIT:
-        memo.clear()
-    memo[key] = (spec, fwd)
-    return fwd
+    return _memo(rows, (keys, id(spec), q.shape[1], own_len, lse), spec,
+                 lambda: _plan(q, cache, keys, rows, spec, own_len, lse))
 
 
-def _plan(q, cache: CacheView, keys: KeySet, rows: QueryRows, spec: AttentionSpec, own_len, lse: bool):
-    """The kernel launcher's planner on the call's host values (the only call to it from
-    attention; looked up on the module so a test's patch of it holds)."""
-    from kvarena.kernels import paged_attention as pa
+def _shape(q, cache: CacheView, keys: KeySet, rows: QueryRows, spec: AttentionSpec, own_len, lse: bool):
+    """The kernel's ``LaunchShape`` of a call (host values only)."""
+    from kvarena.kernels.attn_plan import launch_shape
 
     rope = bool(spec.rope_mode)
-    shape = pa.launch_shape(
+    return launch_shape(
         q, cache.k, cache.v, num_seqs=keys.seq_lens.shape[0], max_seqlen_q=rows.max_seqlen_q,
         max_seqlen_k=keys.max_seqlen_k, own_len=own_len, has_kv_start=keys.kv_start is not None, write_lse=lse,
         kv_scales=cache.scales, rope_q_pos=rope and rows.rope_q_pos is not None,
         rope_k_shift=rope and keys.rope_k_shift is not None,
     )
-    return pa.plan_attention(shape, spec, pa._arch(pa._device_index(q)))
+
+
+def _plan(q, cache: CacheView, keys: KeySet, rows: QueryRows, spec: AttentionSpec, own_len, lse: bool):
+    """The kernel launcher's planner on the call's host values (the only call to it from
+    attention; looked up on the launcher module so a test's patch of it holds)."""
+    from kvarena.kernels import paged_attention as pa
+    from kvarena.kernels.arch import launch_arch
+
+    return pa.plan_attention(_shape(q, cache, keys, rows, spec, own_len, lse), spec, launch_arch(q))
 
 
 def takes_own_keys(q: torch.Tensor, cache: CacheView, keys: KeySet, rows: QueryRows, own: OwnKeys,
                    spec: AttentionSpec, lse: bool) -> bool:
     """Whether ONE Triton launch takes the dense ``own`` keys after the history of ``keys``
-    (else: two launches merged by LSE). Pure: plans (into the step's memo, where the launch
-    then reads it), launches nothing.
-
-    Asks the launch plan today (``plan_attention`` is None when the launch cannot take
-    them); the kernel's own predicate replaces the body when the launcher exposes one."""
+    (else: two launches merged by LSE): the kernel's pure predicate
+    (``kernels.attn_plan.takes_own_keys``), asked once per step and key set (memoized like
+    the plans), launching nothing."""
     if empty_launch(q, keys, rows):
         return True  # nothing launches: one (empty) launch
-    return launch_plan(q, cache, keys, rows, spec, lse=lse, own=own) is not None
+    from kvarena.kernels import attn_plan
+    from kvarena.kernels.arch import launch_arch
+
+    own_len = own.k.shape[1]
+    return _memo(rows, ("takes own", keys, id(spec), q.shape[1], own_len, lse), spec,
+                 lambda: attn_plan.takes_own_keys(_shape(q, cache, keys, rows, spec, own_len, lse), spec,
+                                                  launch_arch(q)))

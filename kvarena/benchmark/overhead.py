@@ -139,8 +139,9 @@ def _no_launch(*args, **kwargs):
 @contextlib.contextmanager
 def _kernels_stubbed():
     """The attention, split-reduce and store kernels' launches stubbed (host cost only)."""
-    with _patched("kvarena.kernels.paged_attention", _paged_attn_kernel=_NoLaunch(),
-                  _split_reduce_kernel=_NoLaunch()), _patched("kvarena.kernels.store", _store_kv_kernel=_NoLaunch()):
+    with _patched("kvarena.kernels.paged_attention", _paged_attn_kernel=_NoLaunch()), \
+            _patched("kvarena.kernels.split_reduce", _split_reduce_kernel=_NoLaunch()), \
+            _patched("kvarena.kernels.store", _store_kv_kernel=_NoLaunch()):
         yield
 
 

@@ -40,7 +40,7 @@ ATTENTION_CASES = [
 _FLAG_NAMES = ("causal", "kv_start", "lse", "softcap")
 # Slab cases also compiled as a denoising step launches them: the cached history and the
 # step's own keys as two key sources of one launch (commit=False). Head dim 256 takes its
-# own tiles for own keys, fp8 and RoPE (paged_attention._d256_config): compiled too.
+# own tiles for own keys, fp8 and RoPE (attn_configs._d256_config): compiled too.
 OWN_CASES = ("chunk MAGI 24q/8kv", "chunk Wan split", "chunk Wan-14B", "chunk D256 GQA7 split")
 # Cases also compiled with a float8_e4m3fn cache (bytes decoded in registers, per-key fp32
 # scales on the score and probability columns): decode (paged, and over 64-token pages on
@@ -82,7 +82,7 @@ WORKLOADS = [
 ]
 SM_COUNT = {name: arch.sm_count for name, arch in ARCHS.items()}
 # The split reduce: (name, head_dim, dtype, rows (tokens x query heads), splits), each
-# compiled at the tile :func:`kvarena.kernels.paged_attention._reduce_tile` gives it on
+# compiled at the tile :func:`kvarena.kernels.split_reduce._reduce_tile` gives it on
 # 132 SMs: B=1 decode (32 rows; 33 splits = 64 at once, D split across programs), B=16, a
 # split count past 64 (chunks), D = 256, and the deterministic pin (its tile is the same on every
 # target: the reduce is bandwidth-bound and its tile holds 4096 fp32 partial elements).

@@ -98,9 +98,10 @@ def _attention_variants(name: str, launched: tuple, split: bool, all_variants: b
 
 def _attention_launch(case: tuple, flags: tuple, own: bool, kv, label: str, arch: Arch) -> _Launch:
     """One attention compile: ``case`` (an ``ATTENTION_CASES`` entry) with these flags, as
-    :func:`kvarena.kernels.paged_attention.plan_attention` plans it on ``arch``."""
-    from kvarena.kernels import paged_attention as pa
+    :func:`kvarena.kernels.attn_plan.plan_attention` plans it on ``arch``."""
+    from kvarena.kernels import attn_plan
     from kvarena.kernels.occupancy import config_key, launch_kind
+    from kvarena.kernels.paged_attention import _paged_attn_kernel
 
     name, d, group, dt, q_len, block, split, det, _launched = case
     fp8 = kv in (True, "rope+fp8", "short+fp8")
@@ -108,8 +109,8 @@ def _attention_launch(case: tuple, flags: tuple, own: bool, kv, label: str, arch
     rope = (2 if own else 1) if kv in ("rope", "rope+fp8") else 0
     eb = _elem_bytes(dt)
     shape, spec = _attention_call(case, flags, own, fp8, short, rope, kv == "wide", label == "all flags")
-    launch = pa.plan_attention(shape, spec, arch, upcast=False)
-    if launch is None or launch.split != split or launch.plan.own != own:
+    launch = attn_plan.plan_attention(shape, spec, arch, upcast=False)
+    if launch.split != split or launch.plan.own != own:
         raise AssertionError(f"{name} ({label}, {kv}): the plan on {arch.name} is not the case's launch: {launch}")
     cfg, meta = launch.plan.cfg, dict(launch.meta)
     meta.update(stride_qd=1, stride_od=1)  # unit strides: the JIT specializes them too
@@ -123,7 +124,7 @@ def _attention_launch(case: tuple, flags: tuple, own: bool, kv, label: str, arch
         meta.update(stride_ksh=1, stride_vsh=1)
     flags = (meta["CAUSAL"], meta["HAS_KV_START"], meta["WRITE_LSE"], meta["HAS_SOFTCAP"])
     return _Launch("attention", _attention_desc(name, dt, d, group, cfg, flags, meta, fp8, rope, short),
-                   pa._paged_attn_kernel, ptrs, meta, cfg["num_warps"],
+                   _paged_attn_kernel, ptrs, meta, cfg["num_warps"],
                    # Block strides are one block's elements (< 2**31): int32, as the JIT sees them.
                    cfg["num_stages"], i64=(),
                    floats=("scale_log2", "softcap_inv", "softcap_log2"), maxnreg=cfg.get("maxnreg"),
@@ -150,16 +151,16 @@ def _attention_call(case: tuple, flags: tuple, own: bool, fp8: bool, short: bool
     import torch
 
     from kvarena.attention.spec import AttentionSpec
-    from kvarena.kernels import paged_attention as pa
+    from kvarena.kernels import attn_plan
 
     name, d, group, dt, q_len, block, split, det, _launched = case
     causal, has_kv_start, write_lse, softcap = flags
     keys = 1024 if short else 8192
-    shape = pa.LaunchShape(
+    shape = attn_plan.LaunchShape(
         head_dim=d, group=group, elem_bytes=_elem_bytes(dt), num_seqs=1 if short else 2, num_kv_heads=_KV_HEADS,
         max_seqlen_q=q_len, max_seqlen_k=keys, block_size=block, own_len=q_len if own else None,
         has_kv_start=has_kv_start, write_lse=write_lse, kv_fp8=fp8, rope_q_pos=bool(rope), rope_k_shift=bool(rope),
-        addressing=pa.CacheAddressing(wide_offsets=wide, same_kv_strides=True))
+        addressing=attn_plan.CacheAddressing(wide_offsets=wide, same_kv_strides=True))
     table = torch.zeros(16, d // 2) if rope else None
     spec = AttentionSpec(
         causal=causal, softcap=_SOFTCAP if softcap else None, deterministic=det,
@@ -224,18 +225,18 @@ def _bwd_launches(arch: Arch) -> list[_Launch]:
 def _reduce_launches() -> list[_Launch]:
     """The split-KV reduce of every ``REDUCE_CASES`` entry, at the tile its launch takes."""
     from kvarena.check.cases import SM_COUNT
-    from kvarena.kernels import paged_attention as pa
+    from kvarena.kernels import split_reduce
     from kvarena.kernels._common import ROW_TILE_WARPS
 
     out = []
     for name, d, dt, rows, splits, det in REDUCE_CASES:
-        t = pa._reduce_tile(rows, d, splits, SM_COUNT["sm_90a"], deterministic=det)
+        t = split_reduce._reduce_tile(rows, d, splits, SM_COUNT["sm_90a"], deterministic=det)
         meta = dict(HEAD_DIM=d, BLOCK_D=t.BLOCK_D, BLOCK_R=t.BLOCK_R, BLOCK_S=t.BLOCK_S, WRITE_LSE=True,
                     HAS_SINK_LOGITS=True, stride_od=1)
         ptrs = {"part_ptr": "fp32", "part_lse_ptr": "fp32", "o_ptr": dt, "lse_ptr": "fp32", "sink_ptr": "fp32"}
         out.append(_Launch("split_reduce",
                            f"{name}: {dt} BR{t.BLOCK_R} BS{t.BLOCK_S} BD{t.BLOCK_D} w{ROW_TILE_WARPS}",
-                           pa._split_reduce_kernel, ptrs, meta, ROW_TILE_WARPS, 1,
+                           split_reduce._split_reduce_kernel, ptrs, meta, ROW_TILE_WARPS, 1,
                            i64=("stride_ps",)))
     return out
 

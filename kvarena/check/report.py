@@ -116,7 +116,8 @@ def _workload_rows(targets) -> list[dict]:
     """The launch plans of the contract's workloads (pure host math, no compile): the
     attention grid and, for a split launch, the reduce's grid and its programs per SM."""
     from kvarena.kernels.arch import arch_named
-    from kvarena.kernels.paged_attention import _reduce_tile, plan_launch
+    from kvarena.kernels.attn_plan import plan_launch
+    from kvarena.kernels.split_reduce import _reduce_tile
 
     rows = []
     for target in targets:

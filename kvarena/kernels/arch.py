@@ -25,7 +25,8 @@ import os
 import warnings
 from dataclasses import dataclass
 
-__all__ = ["ARCHS", "ARCH_ENV", "DEFAULT_ARCH", "Arch", "arch_for_device", "arch_named", "interpreter_arch"]
+__all__ = ["ARCHS", "ARCH_ENV", "DEFAULT_ARCH", "Arch", "arch_for_device", "arch_named", "interpreter_arch",
+           "launch_arch"]
 
 #: The environment variable that names the target under the interpreter.
 ARCH_ENV = "KVARENA_ARCH"
@@ -183,3 +184,22 @@ def arch_for_device(device_index: int | None) -> Arch:
     else:
         key = ("cuda", (props.major, props.minor), props.multi_processor_count)
     return _record(key)
+
+
+def launch_arch(t) -> Arch:
+    """The record a launch on tensor ``t``'s device plans for: a CUDA/ROCm device's, read
+    from its properties once per device (launches run per layer), or on CPU the
+    interpreter's (``KVARENA_ARCH``, read per launch so a test may set it)."""
+    if t.device.type != "cuda":
+        return interpreter_arch()
+    index = t.device.index
+    if index is None:
+        import torch
+
+        index = torch.cuda.current_device()
+    return _device_arch(index)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_arch(device_index: int) -> Arch:
+    return arch_for_device(device_index)

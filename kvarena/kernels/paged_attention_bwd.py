@@ -32,9 +32,10 @@ import triton
 import triton.language as tl
 
 from kvarena.kernels._common import LOG2E, head_dim_pad, interpreting
-from kvarena.kernels.arch import Arch
+from kvarena.kernels.arch import Arch, launch_arch
+from kvarena.kernels.attn_math import _tanh, _upcast
+from kvarena.kernels.attn_plan import _NO_WINDOW
 from kvarena.kernels.key_range import row_bounds, sees, tile_key_range, virtual_tile
-from kvarena.kernels.paged_attention import _NO_WINDOW, _arch, _device_index, _tanh, _upcast
 from kvarena.kernels.placement import OWN_AFTER_HISTORY, OWN_AT_QUERIES
 from kvarena.kernels.widen import narrow
 
@@ -313,7 +314,7 @@ class _BackwardLaunch:
 
 def _plan_backward(q: torch.Tensor, h_kv: int, has_kv_start: bool, spec) -> _BackwardLaunch:
     d = q.shape[2]
-    cfg = pick_bwd_config(d, q.element_size(), _arch(_device_index(q)))
+    cfg = pick_bwd_config(d, q.element_size(), launch_arch(q))
     scale = spec.scale_for(d)
     softcap = spec.softcap
     constexprs = dict(GROUP=q.shape[1] // h_kv, HEAD_DIM=d, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"],

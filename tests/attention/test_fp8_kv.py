@@ -298,9 +298,9 @@ def test_both_decodes_in_the_interpreter(monkeypatch, decode, bs, q_len, spec_id
     the contiguous large-block loop (64-token blocks at bf16, a 7-query chunk) and on the
     page path with the non-finite guard (NaN-poisoned scales in the same key tiles), and on
     16-token pages at decode (shift addressing, scales read at the keys' clamped slots)."""
-    from kvarena.kernels import paged_attention as pa
+    from kvarena.kernels import attn_plan
 
-    monkeypatch.setattr(pa, "fp8_native", lambda cap: decode == "native")
+    monkeypatch.setattr(attn_plan, "fp8_native", lambda cap: decode == "native")
     spec = SPECS[spec_id]
     c = paged_fp8_case([130, 71], [q_len, q_len], dtype=torch.bfloat16, group=2, d=32, bs=bs, seed=5)
     kd, vd = (dequantize_fp8(c["kc"], c["ks"], torch.float64), dequantize_fp8(c["vc"], c["vs"], torch.float64))

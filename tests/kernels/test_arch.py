@@ -11,6 +11,7 @@ import pytest
 import torch
 from _helpers import DEVICE, assert_close, assert_lse_close, paged_case, paged_case_ref
 
+import kvarena.kernels.attn_plan as attn_plan
 import kvarena.kernels.paged_attention as pa
 from kvarena.attention import paged_attention
 from kvarena.kernels.arch import ARCHS, arch_for_device, arch_named, interpreter_arch
@@ -162,14 +163,16 @@ def test_every_target_plan_matches_the_oracle_and_is_what_the_kernel_receives(mo
     assert len(plans) == 1 and len(spy.calls) == 1, (len(plans), len(spy.calls))
     launch, (grid, args, kwargs) = plans[0], spy.calls[0]
     assert launch.arch.name == target
-    want_cfg = pa._pick_config(40, shape["group"], case["q"].element_size(), None, target)
+    want_cfg = attn_plan._pick_config(40, shape["group"], case["q"].element_size(), None, target)
     assert launch.plan.cfg["num_warps"] in (4, 8) and want_cfg["HEAD_DIM_PAD"] == launch.meta["HEAD_DIM_PAD"]
     assert grid == launch.grid
     assert {k: kwargs[k] for k in launch.meta} == launch.meta
     cfg = launch.plan.cfg
     assert (kwargs["num_warps"], kwargs["num_stages"], kwargs["maxnreg"]) == \
         (cfg["num_warps"], cfg["num_stages"], cfg["maxnreg"])
-    pointers = dict(zip(pa._POINTER_ARGS, args))
+    assert not args, "the kernel is launched by keyword"
+    pointers = {name: value for name, value in kwargs.items() if name.endswith("_ptr")}
+    assert set(pointers) == {name for name in spy.arg_names if name.endswith("_ptr")}
     assert {name for name, value in pointers.items() if value is None} == set(launch.unused)
 
 
@@ -177,7 +180,7 @@ def test_plans_differ_where_the_targets_do():
     """The same call plans what each target holds: AMD's decode keeps 2 stages (64 KiB LDS),
     sm_90a's chunks take 128-row wgmma tiles and 3 stages, sm_80's 128 x 16 mma.sync tiles."""
     def cfg(target, q_len, lean=True):
-        return pa._pick_config(128, 4, 2, q_len, target, lean=lean)
+        return attn_plan._pick_config(128, 4, 2, q_len, target, lean=lean)
 
     assert cfg("sm_90a", 1)["num_stages"] == 5 and cfg("gfx942", 1)["num_stages"] <= 2
     assert (cfg("sm_90a", 4096)["BLOCK_M"], cfg("sm_90a", 4096)["num_stages"]) == (128, 3)

@@ -390,9 +390,9 @@ def _torch_decoded() -> torch.Tensor:
 
 
 def _force_decode(monkeypatch, decode: str) -> None:
-    from kvarena.kernels import paged_attention as pa
+    from kvarena.kernels import attn_plan
 
-    monkeypatch.setattr(pa, "fp8_native", lambda capability: decode == "native")
+    monkeypatch.setattr(attn_plan, "fp8_native", lambda capability: decode == "native")
 
 
 def _fp8_caches(nseq: int, bs: int, h: int, d: int, rows: int, gen: torch.Generator):

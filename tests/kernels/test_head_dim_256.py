@@ -1,7 +1,7 @@
 """Head dim 256 past decode: the tiles the launcher picks on sm_90a (the interpreter's
 target) for each kind of launch, run against the fp64 oracle.
 
-``paged_attention._d256_config`` gives lean chunks 128 x 32 tiles (each warpgroup its own
+``attn_configs._d256_config`` gives lean chunks 128 x 32 tiles (each warpgroup its own
 64 query rows), an fp8 cache 32 x 32 over 4 warps (8 when guarded) and the rest 64 x 32;
 each case asserts the tile it ran, so a rule change cannot leave a tile unexecuted here.
 GQA 7 over 12-13 positions: a position's heads straddle tiles of 32 rows, and 84-91 rows
@@ -14,7 +14,7 @@ import pytest
 import torch
 from _helpers import INTERPRETER, assert_close, paged_case, paged_case_ref, paged_fp8_case
 
-import kvarena.kernels.paged_attention as pa
+import kvarena.kernels.attn_plan as attn_plan
 from kvarena import paged_attention
 from kvarena.attention.fp8 import dequantize_fp8
 from kvarena.attention.reference import paged_attention_ref
@@ -25,14 +25,14 @@ pytestmark = [*INTERPRETER]
 @pytest.fixture
 def picked(monkeypatch):
     """The configs the launcher picked during the test, in order."""
-    real, seen = pa._pick_config, []
+    real, seen = attn_plan._pick_config, []
 
     def spy(*args, **kwargs):
         cfg = real(*args, **kwargs)
         seen.append((cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"]))
         return cfg
 
-    monkeypatch.setattr(pa, "_pick_config", spy)
+    monkeypatch.setattr(attn_plan, "_pick_config", spy)
     return seen
 
 

@@ -31,6 +31,7 @@ from _helpers import (
     paged_case_ref,
 )
 
+import kvarena.kernels.attn_plan as attn_plan
 import kvarena.kernels.paged_attention as pa
 from kvarena.attention import AttentionSpec
 
@@ -38,12 +39,12 @@ from kvarena.attention import AttentionSpec
 @pytest.fixture
 def tiny_tiles(monkeypatch):
     """BLOCK_M = BLOCK_N = 16 whatever the shape (the smallest tl.dot tile)."""
-    real = pa._pick_config
+    real = attn_plan._pick_config
 
     def pick(*args, **kwargs):
         return dict(real(*args, **kwargs), BLOCK_M=16, BLOCK_N=16)
 
-    monkeypatch.setattr(pa, "_pick_config", pick)
+    monkeypatch.setattr(attn_plan, "_pick_config", pick)
 
 
 # The shared case with this module's small defaults: one 16-wide kv head, 16-slot blocks.
@@ -158,7 +159,7 @@ def test_splits_beyond_key_tiles(tiny_tiles):
 @gpu_test
 def test_deterministic_with_empty_rows(tiny_tiles, monkeypatch):
     """Fixed 16-key splits with a seq_len-0 row and a hidden one; batch-invariant bitwise."""
-    monkeypatch.setattr(pa, "_DET_SPLIT_KEYS", 16)
+    monkeypatch.setattr(attn_plan, "_DET_SPLIT_KEYS", 16)
     c = make([60, 0, 5, 90], [3, 2, 1, 1], kv_start=[4, 0, 5, 0], group=2, seed=7)
     opts = dict(window_left=25, sink_tokens=6)
     out, lse = check(c, deterministic=True, **opts)
@@ -214,6 +215,7 @@ _HUGE_D_STRIDE = """
 import os
 os.environ["TRITON_INTERPRET"] = "1"
 import torch
+import kvarena.kernels.attn_plan as attn_plan
 import kvarena.kernels.paged_attention as pa
 from kvarena.attention import AttentionSpec, merge_attention_states
 from kvarena.attention.reference import merge_attention_states_ref, paged_attention_ref
@@ -279,8 +281,8 @@ def test_large_blocks_pipelined_interior_loop(num_splits, monkeypatch, launched)
     """64-key tiles take the software-pipelined interior loop (tile j's softmax beside tile
     j + 1's Q.K^T): 330-row slabs (5 x 64 + 10), D = 24 padded to 32, GQA 3, kv_start, the
     lean slab launch (no softcap), split 1 and 4 ways (a split may start mid-run)."""
-    real = pa._pick_config
-    monkeypatch.setattr(pa, "_pick_config", lambda *a, **k: dict(real(*a, **k), BLOCK_M=64, BLOCK_N=64))
+    real = attn_plan._pick_config
+    monkeypatch.setattr(attn_plan, "_pick_config", lambda *a, **k: dict(real(*a, **k), BLOCK_M=64, BLOCK_N=64))
     c = make([1000, 331, 70], [7, 5, 3], kv_start=[11, 0, 2], group=3, h_kv=2, head_dim=24, block_size=330,
              seed=26, dtype=torch.bfloat16)
     check(c, causal=False, num_splits=num_splits)
@@ -304,7 +306,7 @@ def test_deterministic_mode_keeps_one_path_whatever_the_batch(tiny_tiles, launch
     sequence the page path (the guard depends on the batch): the two tile orders would round
     differently on a GPU. Deterministic mode therefore always takes the page path, and a
     sequence's result is bitwise the same alone and in a batch."""
-    monkeypatch.setattr(pa, "_DET_SPLIT_KEYS", 48)  # 3 tiles per split
+    monkeypatch.setattr(attn_plan, "_DET_SPLIT_KEYS", 48)  # 3 tiles per split
     big = make([300, 140], [1, 6], group=2, block_size=70, seed=13, dtype=torch.bfloat16)
     out_big, lse_big = check(big, causal=True, deterministic=True)
     alone = dict(big, q=big["q"][:1], block_table=big["block_table"][:1], seq_lens=big["seq_lens"][:1],

@@ -26,6 +26,7 @@ from _helpers import (
     paged_case_ref,
 )
 
+import kvarena.kernels.attn_plan as attn_plan
 import kvarena.kernels.paged_attention as pa
 from kvarena.attention import AttentionSpec
 
@@ -105,6 +106,7 @@ _WIDE = r"""
 import os
 os.environ["TRITON_INTERPRET"] = "1"
 import torch
+import kvarena.kernels.attn_plan as attn_plan
 import kvarena.kernels.paged_attention as pa
 from kvarena.attention import AttentionSpec
 from kvarena.attention.reference import paged_attention_ref
@@ -126,8 +128,8 @@ table = torch.tensor([ids + [10**8]], dtype=torch.int32)
 q = torch.randn(1, 2, D).half()
 cu = torch.tensor([0, 1], dtype=torch.int32)
 seen = []
-real = pa._attn_constexprs
-pa._attn_constexprs = lambda *a, **k: seen.append(real(*a, **k)) or seen[-1]
+real = attn_plan._attn_constexprs
+attn_plan._attn_constexprs = lambda *a, **k: seen.append(real(*a, **k)) or seen[-1]
 ref = paged_attention_ref(q.double(), k_small.double(), v_small.double(),
                           torch.tensor([[0, 1, 2]], dtype=torch.int32), lens, cu)
 for splits in (1, 2):
@@ -172,14 +174,14 @@ def test_addressing_is_read_from_shapes_and_strides():
     """The host rule: int32 offsets while every key of a head lies within 2**31 elements of
     its base; one shared offset while K and V agree on block and token strides."""
     small = torch.empty(4, 16, 2, 8)
-    assert pa._cache_addressing(small, small) == pa.CacheAddressing(wide_offsets=False, same_kv_strides=True)
+    assert attn_plan._cache_addressing(small, small) == attn_plan.CacheAddressing(wide_offsets=False, same_kv_strides=True)
     big = torch.empty(0, device="meta").as_strided((2**20, 16, 2, 8), (2**11 + 16, 16, 8, 1))
-    assert pa._cache_addressing(big, big).wide_offsets, "(2**20 - 1) * (2**11 + 16) > 2**31"
+    assert attn_plan._cache_addressing(big, big).wide_offsets, "(2**20 - 1) * (2**11 + 16) > 2**31"
     other = torch.empty(4, 17, 2, 8)[:, :16]
-    assert not pa._cache_addressing(small, other).same_kv_strides
-    assert not pa._cache_addressing(big, big).wide_rows, "16 * 16 elements per block's rows"
+    assert not attn_plan._cache_addressing(small, other).same_kv_strides
+    assert not attn_plan._cache_addressing(big, big).wide_rows, "16 * 16 elements per block's rows"
     tall = torch.empty(0, device="meta").as_strided((4, 16, 2, 8), (16, 2**27, 8, 1))
-    assert pa._cache_addressing(tall, tall).wide_rows, "16 * 2**27 >= 2**31"
+    assert attn_plan._cache_addressing(tall, tall).wide_rows, "16 * 2**27 >= 2**31"
 
 
 @interpreter_test

@@ -30,7 +30,9 @@ from _helpers import (
     paged_case_ref,
 )
 
+import kvarena.kernels.attn_plan as attn_plan
 import kvarena.kernels.paged_attention as pa
+import kvarena.kernels.split_reduce as sr
 from kvarena.attention import AttentionSpec, paged_attention
 from kvarena.attention.reference import paged_attention_ref
 
@@ -336,7 +338,7 @@ def test_split_matches_unsplit(dtype, group, mode, opts, split_modes, nan_prefil
 @gpu_test
 def test_deterministic_split_is_batch_invariant(monkeypatch, split_modes):
     """Fixed keys per split: a sequence's output is bitwise the same alone or in a batch."""
-    monkeypatch.setattr(pa, "_DET_SPLIT_KEYS", 128)  # 300 keys -> 3 splits in the interpreter
+    monkeypatch.setattr(attn_plan, "_DET_SPLIT_KEYS", 128)  # 300 keys -> 3 splits in the interpreter
     opts = dict(window_left=200, sink_tokens=10)
     big = make_case(dtype=torch.bfloat16, group=4, head_dim=32, block_size=48, mode="decode_long",
                     kv_start=False, seed=5, h_kv=2)
@@ -390,7 +392,7 @@ def test_split_reduce_kernel(dtype, head_dim, splits):
         ref_out, ref_lse = _reduce_ref(part, lse2, sk)
         out = torch.full((tokens, heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
         lse = torch.full((tokens, heads), float("nan"), device=DEVICE) if with_lse else None
-        pa.split_reduce(part, lse2, out, lse, sk, deterministic=det)
+        sr.split_reduce(part, lse2, out, lse, sk, deterministic=det)
         what = f"D={head_dim} splits={splits} sink={sk is not None} lse={with_lse} det={det}"
         assert_close(out, ref_out, dtype, what)
         if sk is None:
@@ -419,28 +421,28 @@ def test_split_heuristic_numbers():
     """Splits fill the last wave to >= 90% of the CTA slots (SMs x CTAs per SM); a grid
     under one wave takes one full wave of splits."""
     sms = 132
-    assert pa._pick_num_splits(8, 32768, sms) == 16  # B=1, 8 kv heads decode: 128 of 132
-    assert pa._pick_num_splits(32, 32768, sms) == 4
-    assert pa._pick_num_splits(128, 32768, sms) == 1  # 0.97 of a wave already
-    assert pa._pick_num_splits(200, 32768, sms) == 3  # 1.52 waves (0.76) -> 4.55 (0.91)
-    assert pa._pick_num_splits(300, 10**6, sms) == 2  # 2.27 waves (0.76) -> 4.55 (0.91)
-    assert pa._pick_num_splits(8, 1024, sms) == 16  # from 1K keys: one full wave, <= 1 split per 32 keys
-    assert pa._pick_num_splits(8, 1000, sms) == 3  # under 1K: one split per 256 keys at most
-    assert pa._pick_num_splits(8, 400, sms) == 1  # < 2 x 256 keys: nothing to split
+    assert attn_plan._pick_num_splits(8, 32768, sms) == 16  # B=1, 8 kv heads decode: 128 of 132
+    assert attn_plan._pick_num_splits(32, 32768, sms) == 4
+    assert attn_plan._pick_num_splits(128, 32768, sms) == 1  # 0.97 of a wave already
+    assert attn_plan._pick_num_splits(200, 32768, sms) == 3  # 1.52 waves (0.76) -> 4.55 (0.91)
+    assert attn_plan._pick_num_splits(300, 10**6, sms) == 2  # 2.27 waves (0.76) -> 4.55 (0.91)
+    assert attn_plan._pick_num_splits(8, 1024, sms) == 16  # from 1K keys: one full wave, <= 1 split per 32 keys
+    assert attn_plan._pick_num_splits(8, 1000, sms) == 3  # under 1K: one split per 256 keys at most
+    assert attn_plan._pick_num_splits(8, 400, sms) == 1  # < 2 x 256 keys: nothing to split
     # Two CTAs per SM make a wave 264 programs: B=16 decode (128 programs) now splits.
-    assert pa._pick_num_splits(128, 16384, sms, 2) == 2
-    assert pa._pick_num_splits(444, 18720, sms, 1) == 2  # Wan-1.3B chunk: 3.36 waves -> 6.73
+    assert attn_plan._pick_num_splits(128, 16384, sms, 2) == 2
+    assert attn_plan._pick_num_splits(444, 18720, sms, 1) == 2  # Wan-1.3B chunk: 3.36 waves -> 6.73
     # B=1 decode at 2 CTAs/SM: one full wave (33 x 8 = 264) from 2K keys on (64-key tiles).
-    assert pa._pick_num_splits(8, 131072, sms, 2, tiles=2048) == 33
-    assert pa._pick_num_splits(8, 4096, sms, 2, tiles=64) == 33
-    assert pa._pick_num_splits(8, 2048, sms, 2, tiles=32) == 32  # one split per key tile
+    assert attn_plan._pick_num_splits(8, 131072, sms, 2, tiles=2048) == 33
+    assert attn_plan._pick_num_splits(8, 4096, sms, 2, tiles=64) == 33
+    assert attn_plan._pick_num_splits(8, 2048, sms, 2, tiles=32) == 32  # one split per key tile
     for ctas in (1, 2, 3):
         for programs in range(1, 3 * sms):
             for keys in (600, 4096, 131072):
-                s = pa._pick_num_splits(programs, keys, sms, ctas)
-                per = pa._FULL_WAVE_SPLIT_KEYS if keys >= pa._FULL_WAVE_MIN_KEYS else pa._MIN_SPLIT_KEYS
-                assert 1 <= s <= min(pa._MAX_SPLITS, max(1, keys // per))
-                assert pa._pick_num_splits(programs, keys, sms, ctas, tiles=5) <= 5
+                s = attn_plan._pick_num_splits(programs, keys, sms, ctas)
+                per = attn_plan._FULL_WAVE_SPLIT_KEYS if keys >= attn_plan._FULL_WAVE_MIN_KEYS else attn_plan._MIN_SPLIT_KEYS
+                assert 1 <= s <= min(attn_plan._MAX_SPLITS, max(1, keys // per))
+                assert attn_plan._pick_num_splits(programs, keys, sms, ctas, tiles=5) <= 5
 
 
 @pytest.mark.parametrize(("keys", "opts"), [
@@ -460,10 +462,10 @@ def test_short_context_decode_tile(keys, opts, arch):
 
     kw = dict(num_splits=None, deterministic=False, rope=False)
     kw.update(opts)
-    plan = pa.plan_launch(head_dim=128, group=4, elem_bytes=2, num_seqs=1, num_kv_heads=8, max_seqlen_q=1,
+    plan = attn_plan.plan_launch(head_dim=128, group=4, elem_bytes=2, num_seqs=1, num_kv_heads=8, max_seqlen_q=1,
                           max_seqlen_k=keys, block_size=16, causal=True, window_left=None, sink_tokens=0,
                           softcap=False, arch=arch, **kw)
-    own_tile = pa._pick_config(128, 4, 2, None if kw["deterministic"] else 1, arch, rope=kw["rope"])
+    own_tile = attn_plan._pick_config(128, 4, 2, None if kw["deterministic"] else 1, arch, rope=kw["rope"])
     if opts or keys < 1024:
         assert plan.cfg["BLOCK_N"] == own_tile["BLOCK_N"], plan
         return
@@ -483,14 +485,14 @@ def test_reduce_tile_fills_the_grid_within_its_budget():
     for d in (16, 72, 128, 256):
         for splits in (2, 3, 30, 33, 37, 64, 65, 300):
             for rows in (1, 32, 512, 8192):
-                t = pa._reduce_tile(rows, d, splits, 132)
+                t = sr._reduce_tile(rows, d, splits, 132)
                 assert t.BLOCK_R * t.BLOCK_S * t.BLOCK_D <= ROW_TILE_ELEMS and t.BLOCK_R <= 4
                 assert min(64, 1 << (splits - 1).bit_length()) == t.BLOCK_S
                 assert t.grid == (-(-rows // t.BLOCK_R), -(-d // t.BLOCK_D))
                 if rows >= 32 and d >= 128:
                     assert t.programs >= 132, t
-                det = pa._reduce_tile(rows, d, splits, 132, deterministic=True)
-                pinned = pa._reduce_tile(1, d, 2, 1, deterministic=True)
+                det = sr._reduce_tile(rows, d, splits, 132, deterministic=True)
+                pinned = sr._reduce_tile(1, d, 2, 1, deterministic=True)
                 assert (det.BLOCK_R, det.BLOCK_D, det.BLOCK_S) == (pinned.BLOCK_R, pinned.BLOCK_D, pinned.BLOCK_S)
 
 
@@ -499,12 +501,12 @@ def test_pick_config_is_pure_and_bounded():
         for g in (1, 4, 5, 8):
             for eb in (2, 4):
                 for ql in (None, 1, 3, 100, 12150):
-                    cfg = pa._pick_config(d, g, eb, ql)
-                    assert cfg == pa._pick_config(d, g, eb, ql)
+                    cfg = attn_plan._pick_config(d, g, eb, ql)
+                    assert cfg == attn_plan._pick_config(d, g, eb, ql)
                     assert cfg["HEAD_DIM_PAD"] >= max(16, d) and cfg["BLOCK_M"] >= 16 and cfg["BLOCK_N"] >= 16
                     assert cfg["num_warps"] in (4, 8)
     # Decode packs the group into the smallest MMA tile.
-    assert pa._pick_config(128, 4, 2, 1)["BLOCK_M"] == 16
+    assert attn_plan._pick_config(128, 4, 2, 1)["BLOCK_M"] == 16
 
 
 # ------------------------------------------------------------------- the sm_80 tiles
@@ -524,7 +526,7 @@ def test_sm80_chunk_tile_matches_oracle(monkeypatch, seed, opts, block_size):
     """The H100 config is what the interpreter runs by default; pin the A100 one (128 x 16
     tiles, warps along M) so the tile sm_80 launches is proven on CPU too."""
     monkeypatch.setenv("KVARENA_ARCH", "sm_80")
-    cfg = pa._pick_config(80, 2, 2, 100, "sm_80", lean=not opts.get("window_left"))
+    cfg = attn_plan._pick_config(80, 2, 2, 100, "sm_80", lean=not opts.get("window_left"))
     assert (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (128, 16), cfg
     case = paged_case([200, 3], [100, 2], dtype=torch.bfloat16, group=2, h_kv=2, head_dim=80,
                       block_size=block_size, seed=seed, kv_start=[7, 0], cu=True)

@@ -18,7 +18,7 @@ import torch
 import kvarena
 from kvarena.benchmark.cases import cases
 from kvarena.benchmark.providers import build, make_data
-from kvarena.kernels import paged_attention as pa
+from kvarena.kernels import attn_plan
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
@@ -27,14 +27,14 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reaso
 def launches(monkeypatch):
     """Every ``_attn_constexprs`` result of the calls made while the fixture is active."""
     seen: list[dict] = []
-    real = pa._attn_constexprs
+    real = attn_plan._attn_constexprs
 
     def record(*args, **kwargs):
         meta = real(*args, **kwargs)
         seen.append(dict(meta))
         return meta
 
-    monkeypatch.setattr(pa, "_attn_constexprs", record)
+    monkeypatch.setattr(attn_plan, "_attn_constexprs", record)
     return seen
 
 

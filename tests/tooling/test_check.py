@@ -110,7 +110,7 @@ def test_compiled_code_meets_the_speed_structure(perf_run):
             continue
         if d == 256 and ("+own-k/v" in r["config"] or "+fp8-kv" in r["config"]):
             # Head dim 256 with own keys or an fp8 cache: every tile that keeps the buffers and
-            # wgmma below spills there (paged_attention._d256_config's sweep): 64 x 32 at 2
+            # wgmma below spills there (attn_configs._d256_config's sweep): 64 x 32 at 2
             # stages and 32 x 32 mma.sync tiles, checked to compile without spills.
             continue
         if q_len == 1 and r["kv_buffers"] < 2:
