@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -379,6 +379,10 @@ class AttentionLaunch:
     causal_chunk: int  # chunk_size of the causal rule (1: plain causal or no causal mask)
     window: int  # window_left, capped at _NO_WINDOW (the cap when there is no window)
     sinks: int  # sink_tokens when there is a window, else 0
+    #: The launcher's argument records of this launch, one per call layout (filled by
+    #: ``paged_attention.launch_planned``; not part of the plan): a plan made once per step
+    #: lets every layer after the first reuse its strides and step metadata.
+    layouts: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def arch(self) -> Arch:

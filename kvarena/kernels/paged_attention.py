@@ -47,14 +47,19 @@ splits, constexprs, which pointers are passed); :mod:`attn_configs` the tile per
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from kvarena.kernels._common import I32_MAX
 from kvarena.kernels.arch import launch_arch
+from kvarena.kernels.attn_args import (
+    LAYOUT_LIMIT,
+    Outputs,
+    layer_pointers,
+    layout_args,
+    layout_key,
+    outputs,
+)
 from kvarena.kernels.attn_math import (
     OnlineSoftmax,
     RopeTable,
@@ -390,116 +395,30 @@ def _paged_attn_kernel(
 # ----------------------------------------------------------------------------- launcher
 
 
-def _tile_span(t: torch.Tensor, block_m: int, group: int) -> int:
-    """Largest in-tile element offset of a [tokens, heads(, D)] tensor (int32 bound)."""
-    span = (block_m // group + 1) * t.stride(0) + group * t.stride(1)
-    if t.dim() == 3:
-        span += t.shape[2] * t.stride(2)
-    return span
+def _launch_attention(fwd: AttentionLaunch, q, k_cache, v_cache, metadata: tuple, out, lse, spec, own_k, own_v,
+                      kv_scales) -> Outputs:
+    """One ``_paged_attn_kernel`` launch of ``fwd``: the plan's :class:`LayoutArgs` for this
+    call layout (built by the step's first such launch, kept by the plan), the layer's
+    pointers; returns where it wrote."""
+    key = layout_key(spec, q, k_cache, v_cache, metadata, out, lse, own_k, own_v, kv_scales)
+    args = fwd.layouts.get(key)
+    if args is None:
+        args = layout_args(fwd, spec, q, k_cache, v_cache, metadata, out, lse, own_k, own_v, kv_scales)
+        if args.reusable:
+            if len(fwd.layouts) >= LAYOUT_LIMIT:
+                fwd.layouts.clear()
+            fwd.layouts[key] = args
+    # The kernel addresses rows as an int64 tile base + int32 in-tile offsets; a view with a
+    # row stride near 2**31 / BLOCK_M elements (never a real activation) goes via a copy.
+    if args.copy_q:
+        q = q.contiguous()
+    dst = outputs(out, lse, fwd, args)
+    _paged_attn_kernel[fwd.grid](**layer_pointers(args, q, k_cache, v_cache, dst, own_k, own_v, kv_scales),
+                                 **args.kwargs)
+    return dst
 
 
-@dataclass(frozen=True, eq=False)
-class _Outputs:
-    """Where the attention kernel writes: the split partials, or (unsplit) the caller's
-    ``out`` / ``lse`` or, for a view whose rows pass the int32 tile offsets, a fresh copy."""
-
-    o: torch.Tensor
-    o_strides: tuple[int, ...]  # (split, token, head, dim)
-    lse: torch.Tensor | None  # None when no lse is written
-    lse_strides: tuple[int, ...]  # (split, token, head)
-    lse_target: torch.Tensor | None  # unsplit: the lse written (None: none)
-
-
-def _outputs(out: torch.Tensor, lse: torch.Tensor | None, fwd: AttentionLaunch, group: int) -> _Outputs:
-    if fwd.split:
-        part = torch.empty((fwd.plan.num_splits, *out.shape), dtype=torch.float32, device=out.device)
-        part_lse = torch.empty((fwd.plan.num_splits, *out.shape[:2]), dtype=torch.float32, device=out.device)
-        return _Outputs(part, part.stride(), part_lse, part_lse.stride(), None)
-    block_m = fwd.plan.cfg["BLOCK_M"]
-    out_k, lse_k = out, lse
-    if _tile_span(out, block_m, group) > I32_MAX:
-        out_k = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-    if lse is not None and _tile_span(lse, block_m, group) > I32_MAX:
-        lse_k = torch.empty(lse.shape, dtype=lse.dtype, device=lse.device)
-    if lse_k is None:  # never written when WRITE_LSE is False
-        return _Outputs(out_k, (0, *out_k.stride()), None, (0, 0, 0), None)
-    return _Outputs(out_k, (0, *out_k.stride()), lse_k, (0, *lse_k.stride()), lse_k)
-
-
-@dataclass(frozen=True, eq=False)
-class _RopeOperands:
-    """The kernel's RoPE-on-read arguments (None where the launch reads none)."""
-
-    cos: torch.Tensor | None
-    sin: torch.Tensor | None
-    q_pos: torch.Tensor | None
-    k_shift: torch.Tensor | None
-    stride_rp: int
-    stride_rb: int
-    n_pos: int
-
-
-def _rope_operands(spec, rope_q_pos, rope_k_shift) -> _RopeOperands:
-    on = bool(spec.rope_mode)
-    cos, sin = (spec.rope_cos, spec.rope_sin) if on else (None, None)
-    k_shift = rope_k_shift
-    if rope_k_shift is not None and rope_k_shift.shape[1] > 1 and rope_k_shift.stride(1) != 1:
-        k_shift = rope_k_shift.contiguous()
-    return _RopeOperands(cos, sin, rope_q_pos.contiguous() if rope_q_pos is not None else None, k_shift,
-                         stride_rp=cos.stride(0) if on else 0,
-                         stride_rb=k_shift.stride(0) if rope_k_shift is not None else 0,
-                         n_pos=cos.shape[0] if on else 1)
-
-
-def _launch_attention(fwd: AttentionLaunch, dst: _Outputs, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
-                      kv_start, sink, spec, own_k, own_v, kv_scales, rope_q_pos, rope_k_shift) -> None:
-    """One ``_paged_attn_kernel`` launch of ``fwd`` into ``dst``."""
-    # 1-D metadata is read with unit stride; .contiguous() is free when it already is.
-    seq_lens, cu_seqlens_q = seq_lens.contiguous(), cu_seqlens_q.contiguous()
-    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
-        block_table = block_table.contiguous()
-    ks = vs = None
-    sc = (0,) * 6  # the fp8 scales' strides, K's then V's (0: none, or static scales)
-    if kv_scales is not None:
-        ks, vs = kv_scales
-        if ks.dim():
-            sc = (*ks.stride(), *vs.stride())
-        if not fwd.meta["FP8_NATIVE"]:
-            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    own = fwd.plan.own
-    ow = (*own_k.stride()[-4:-1], *own_v.stride()[-4:-1]) if own else (0,) * 6  # own K's, V's [B, T, H]
-    rope = _rope_operands(spec, rope_q_pos, rope_k_shift)
-    pointers = dict(
-        q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, o_ptr=dst.o, lse_ptr=dst.lse, block_table_ptr=block_table,
-        seq_lens_ptr=seq_lens, cu_q_ptr=cu_seqlens_q,
-        kv_start_ptr=kv_start.contiguous() if kv_start is not None else None, own_k_ptr=own_k, own_v_ptr=own_v,
-        sink_ptr=sink, ks_ptr=ks, vs_ptr=vs, cos_ptr=rope.cos, sin_ptr=rope.sin, qpos_ptr=rope.q_pos,
-        kshift_ptr=rope.k_shift,
-    )
-    for name in fwd.unused:
-        pointers[name] = None
-    cfg, plan = fwd.plan.cfg, fwd.plan
-    _paged_attn_kernel[fwd.grid](
-        **pointers,
-        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_qd=q.stride(2),
-        stride_kb=k_cache.stride(0), stride_kt=k_cache.stride(1), stride_kh=k_cache.stride(2),
-        stride_vb=v_cache.stride(0), stride_vt=v_cache.stride(1), stride_vh=v_cache.stride(2),
-        stride_ksb=sc[0], stride_kst=sc[1], stride_ksh=sc[2], stride_vsb=sc[3], stride_vst=sc[4], stride_vsh=sc[5],
-        stride_own_kb=ow[0], stride_own_kt=ow[1], stride_own_kh=ow[2],
-        stride_own_vb=ow[3], stride_own_vt=ow[4], stride_own_vh=ow[5],
-        stride_os=dst.o_strides[0], stride_ot=dst.o_strides[1], stride_oh=dst.o_strides[2],
-        stride_od=dst.o_strides[3],
-        stride_ls=dst.lse_strides[0], stride_lt=dst.lse_strides[1], stride_lh=dst.lse_strides[2],
-        stride_bt=block_table.stride(0), stride_rp=rope.stride_rp, stride_rb=rope.stride_rb,
-        scale_log2=fwd.scale_log2, softcap_inv=fwd.softcap_inv, softcap_log2=fwd.softcap_log2,
-        block_size=k_cache.shape[1], chunk_size=fwd.causal_chunk, window_left=fwd.window, sink_tokens=fwd.sinks,
-        own_len=own_k.shape[1] if own else 0, num_kv_heads=k_cache.shape[2], num_q_tiles=plan.num_q_tiles,
-        tiles_per_split=plan.tiles_per_split, n_pos=rope.n_pos,
-        **fwd.meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg["maxnreg"],
-    )
-
-
-def _launch_reduce(fwd: AttentionLaunch, dst: _Outputs, out: torch.Tensor, lse: torch.Tensor | None, sink) -> None:
+def _launch_reduce(fwd: AttentionLaunch, dst: Outputs, out: torch.Tensor, lse: torch.Tensor | None, sink) -> None:
     """``_split_reduce_kernel``: the split partials of ``dst`` into ``out`` (and ``lse``)."""
     split_reduce(dst.o, dst.lse, out, lse, sink if fwd.meta["HAS_SINK_LOGITS"] else None,
                  deterministic=fwd.plan.tiles_per_split > 0)
@@ -556,20 +475,14 @@ def launch_planned(fwd: AttentionLaunch, q, k_cache, v_cache, block_table, seq_l
     """Launch a plan made before (:func:`plan_attention` on the call's shape): the attention
     kernel, and the split reduce when it splits. What :func:`paged_attention_fwd` does after
     planning; a caller that plans once per step (``kvarena.attention.plans``) calls it per
-    layer. ``rope_q_pos`` / ``rope_k_shift`` are read only under RoPE on read."""
+    layer, and the layers after the first reuse the plan's launch arguments
+    (:mod:`attn_args`). ``rope_q_pos`` / ``rope_k_shift`` are read only under RoPE on read."""
     if not spec.rope_mode:
         rope_q_pos = rope_k_shift = None
-    group = q.shape[1] // k_cache.shape[2]
-    sink = spec.sink_logits
-    # The kernel addresses rows as an int64 tile base + int32 in-tile offsets; a view with a
-    # row stride near 2**31 / BLOCK_M elements (never a real activation) goes via a copy.
-    if _tile_span(q, fwd.plan.cfg["BLOCK_M"], group) > I32_MAX:
-        q = q.contiguous()
-    dst = _outputs(out, lse, fwd, group)
-    _launch_attention(fwd, dst, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, sink, spec,
-                      own_k, own_v, kv_scales, rope_q_pos, rope_k_shift)
+    metadata = (block_table, seq_lens, cu_seqlens_q, kv_start, rope_q_pos, rope_k_shift)
+    dst = _launch_attention(fwd, q, k_cache, v_cache, metadata, out, lse, spec, own_k, own_v, kv_scales)
     if fwd.split:
-        _launch_reduce(fwd, dst, out, lse, sink)
+        _launch_reduce(fwd, dst, out, lse, spec.sink_logits)
         return
     if dst.o is not out:
         out.copy_(dst.o)

@@ -17,6 +17,9 @@ as before.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -90,6 +93,31 @@ def _pick_config(head_dim: int) -> dict:
     return row_tile(head_dim)
 
 
+@dataclass(frozen=True)
+class _StoreLaunch:
+    """The grid and every argument of a store launch but its pointers (:func:`_store_launch`)."""
+
+    grid: tuple[int]
+    kwargs: dict
+
+
+@functools.lru_cache(maxsize=256)
+def _store_launch(n_rows: int, h_kv: int, head_dim: int, k_strides: tuple, v_strides: tuple, c_strides: tuple,
+                  d_strides: tuple, block_size: int, quant: int, sk: tuple, sv: tuple) -> _StoreLaunch:
+    """The launch of storing ``n_rows`` (token, kv head) rows into caches of these strides:
+    a pure function of host values, memoized (every layer of a step stores alike)."""
+    cfg = _pick_config(head_dim)
+    return _StoreLaunch((triton.cdiv(n_rows, cfg["BLOCK_R"]),), dict(
+        stride_kn=k_strides[0], stride_kh=k_strides[1], stride_vn=v_strides[0], stride_vh=v_strides[1],
+        stride_cb=c_strides[0], stride_ct=c_strides[1], stride_ch=c_strides[2],
+        stride_db=d_strides[0], stride_dt=d_strides[1], stride_dh=d_strides[2],
+        stride_sb=sk[0], stride_st=sk[1], stride_sh=sk[2], stride_wb=sv[0], stride_wt=sv[1], stride_wh=sv[2],
+        n_rows=n_rows, num_heads=h_kv, block_size=block_size,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_R=cfg["BLOCK_R"], QUANT=quant,
+        num_warps=cfg["num_warps"],
+    ))
+
+
 def store_kv_fwd(k, v, k_cache, v_cache, slot_mapping, kv_scales=None) -> None:
     """Write ``k, v [N, H_kv, D]`` into the caches at ``slot_mapping`` (validated by ops).
 
@@ -99,7 +127,6 @@ def store_kv_fwd(k, v, k_cache, v_cache, slot_mapping, kv_scales=None) -> None:
     n, h_kv, head_dim = k.shape
     if n == 0 or h_kv == 0:
         return
-    cfg = _pick_config(head_dim)
     quant, ks, vs = QUANT_NONE, None, None  # no scale pointers without QUANT
     sk = sv = (0, 0, 0)
     if kv_scales is not None:
@@ -109,15 +136,7 @@ def store_kv_fwd(k, v, k_cache, v_cache, slot_mapping, kv_scales=None) -> None:
             sk, sv = ks.stride(), vs.stride()
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     slots = slot_mapping.contiguous()  # read with unit stride; free when already contiguous
-    n_rows = n * h_kv
-    grid = (triton.cdiv(n_rows, cfg["BLOCK_R"]),)
-    _store_kv_kernel[grid](
-        k, v, k_cache, v_cache, slots, ks, vs,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *sk, *sv,
-        n_rows, h_kv, k_cache.shape[1],
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], BLOCK_R=cfg["BLOCK_R"], QUANT=quant,
-        num_warps=cfg["num_warps"],
-    )
+    launch = _store_launch(n * h_kv, h_kv, head_dim, k.stride(), v.stride(), k_cache.stride(), v_cache.stride(),
+                           k_cache.shape[1], quant, sk, sv)
+    _store_kv_kernel[launch.grid](k_ptr=k, v_ptr=v, k_cache_ptr=k_cache, v_cache_ptr=v_cache, slot_ptr=slots,
+                                  ks_ptr=ks, vs_ptr=vs, **launch.kwargs)
