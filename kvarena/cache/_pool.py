@@ -69,6 +69,21 @@ class PoolSteps:
 
     def __init__(self, pool) -> None:
         self.pool = pool
+        self._calls: dict = {}  # call_check's records of the layers' own specs
+
+    def call_check(self, layer: int, spec: AttentionSpec, group: int, h_q: int, r: Route,
+                   options: dict) -> CallCheck:
+        """The :class:`CallCheck` of a checked call: a new one with per-call ``options``, else
+        the one record per (layer, H_q, route) kept here (a hot path: made once). Routes are
+        memoized, so the route is told by identity (no hash of its fields); the record holds
+        it, so its id cannot pass to another object while keyed here."""
+        if options:
+            return CallCheck(layer, spec, group, h_q, r)
+        key = (layer, h_q, id(r))
+        call = self._calls.get(key)
+        if call is None or call.spec is not spec:
+            call = self._calls[key] = CallCheck(layer, spec, group, h_q, r)
+        return call
 
     def forward(self, q, k, v, meta, layer, options: dict, commit: bool = True):
         call = self.check(q, k, v, meta, layer, options, commit)

@@ -9,7 +9,7 @@ objects). :func:`layout_args` builds, once per plan and call layout, a
 launch option, and how each layer's tensors are taken (copies for rows past the int32
 tile offsets, uint8 views of fp8 bytes). The plan keeps it (``AttentionLaunch.layouts``),
 keyed by :func:`layout_key`, so a layer after the first only fills in its own pointers
-(:func:`layer_pointers`) and launches.
+(:func:`layer_kwargs`) and launches.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from kvarena.kernels._common import I32_MAX
 from kvarena.kernels.attn_plan import AttentionLaunch
 
-__all__ = ["LAYER_POINTERS", "LayoutArgs", "Outputs", "layer_pointers", "layout_args", "layout_key", "outputs"]
+__all__ = ["LAYER_POINTERS", "LayoutArgs", "Outputs", "layer_kwargs", "layout_args", "layout_key", "outputs"]
 
 #: The kernel's pointers that each layer brings (all others are the step's).
 LAYER_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "lse_ptr", "own_k_ptr", "own_v_ptr", "ks_ptr", "vs_ptr")
@@ -161,13 +161,15 @@ def outputs(out: torch.Tensor, lse: torch.Tensor | None, fwd: AttentionLaunch, a
     return Outputs(out_k, lse_k, lse_k)
 
 
-def layer_pointers(args: LayoutArgs, q, k_cache, v_cache, dst: Outputs, own_k, own_v, kv_scales) -> dict:
-    """The layer's own pointers (``LAYER_POINTERS``; None where the plan reads none)."""
+def layer_kwargs(args: LayoutArgs, q, k_cache, v_cache, dst: Outputs, own_k, own_v, kv_scales) -> dict:
+    """All keyword arguments of the layer's launch: ``args``' and the layer's own pointers
+    (``LAYER_POINTERS``; None where the plan reads none)."""
     ks, vs = kv_scales if kv_scales is not None else (None, None)
     if args.as_bytes:
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    ptrs = dict(q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, o_ptr=dst.o, lse_ptr=dst.lse, own_k_ptr=own_k,
-                own_v_ptr=own_v, ks_ptr=ks, vs_ptr=vs)
+    kwargs = args.kwargs.copy()  # one copy and update: cheaper than merging two dicts in the call
+    kwargs.update(q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, o_ptr=dst.o, lse_ptr=dst.lse, own_k_ptr=own_k,
+                  own_v_ptr=own_v, ks_ptr=ks, vs_ptr=vs)
     for name in args.unread:
-        ptrs[name] = None
-    return ptrs
+        kwargs[name] = None
+    return kwargs

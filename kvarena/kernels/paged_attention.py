@@ -55,7 +55,7 @@ from kvarena.kernels.arch import launch_arch
 from kvarena.kernels.attn_args import (
     LAYOUT_LIMIT,
     Outputs,
-    layer_pointers,
+    layer_kwargs,
     layout_args,
     layout_key,
     outputs,
@@ -413,8 +413,7 @@ def _launch_attention(fwd: AttentionLaunch, q, k_cache, v_cache, metadata: tuple
     if args.copy_q:
         q = q.contiguous()
     dst = outputs(out, lse, fwd, args)
-    _paged_attn_kernel[fwd.grid](**layer_pointers(args, q, k_cache, v_cache, dst, own_k, own_v, kv_scales),
-                                 **args.kwargs)
+    _paged_attn_kernel[fwd.grid](**layer_kwargs(args, q, k_cache, v_cache, dst, own_k, own_v, kv_scales))
     return dst
 
 

@@ -115,13 +115,4 @@ class LocalSteps(PoolSteps):
             # The differentiable paths read each query row's own k/v at its position, which
             # for a padding row is a real older token's.
             raise ValueError("meta: a padded plan (pad_to) gives no gradient to k/v; plan the real tokens packed")
-        if options:
-            return CallCheck(layer, spec, group, h_q, r)
-        # The layer's own spec: one record per (layer, H_q, route), made once (a hot path).
-        # Routes are memoized, so the route is told by identity (no hash of its fields);
-        # the record holds it, so its id cannot pass to another object while keyed here.
-        key = (layer, h_q, id(r))
-        call = pool._calls.get(key)
-        if call is None:
-            call = pool._calls[key] = CallCheck(layer, spec, group, h_q, r)
-        return call
+        return self.call_check(layer, spec, group, h_q, r, options)

@@ -161,7 +161,6 @@ class PagedKVCache(KVPoolBase):
         limits = WindowRules.of(free_out_of_window, self.layout, self._specs, self._ngroups)
         self._windows = WindowRules(limits, self._rollback, self.block_size)
         self._limits = self._windows.limits  # per group: (window_left, sink_tokens) released by, or None
-        self._calls: dict = {}  # LocalSteps.check_call's records of the layers' own specs
         self._steps = LocalSteps(self) if cp is None else DecodeContextParallel(self, cp)
 
     def _bind_storage(self, layout, block_size, device, arena, region) -> None:

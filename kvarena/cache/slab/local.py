@@ -81,7 +81,7 @@ class LocalSteps(PoolSteps):
         if own is None:
             own = Own.NONE if commit else Own.AFTER
         asked = (lambda: takes_own(layer, op_spec)) if takes_own is not None else False
-        return CallCheck(layer, op_spec, 0, h_q, pool._route(spec, q, k, v, own, asked))
+        return self.call_check(layer, op_spec, 0, h_q, pool._route(spec, q, k, v, own, asked), options)
 
     def check(self, q, k, v, meta: SlabMetadata, layer, options: dict, commit: bool = True) -> CallCheck:
         pool = self.pool
