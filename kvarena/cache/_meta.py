@@ -90,7 +90,7 @@ def check_forward_tensor(
     """Shape/dtype/device check with a message naming the argument and the expectation."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != shape:
+    if t.shape != shape:  # torch.Size compares with a tuple as one
         raise ValueError(f"{name}: expected shape {shape} ({what}), got {tuple(t.shape)}")
     if t.dtype != dtype:
         raise TypeError(f"{name}: expected the layout's input dtype {dtype}, got {t.dtype}")

@@ -95,7 +95,9 @@ class LocalSteps(PoolSteps):
         own = Own.AFTER_PAGED if meta.num_chunks != b else (Own.NONE if commit else Own.AFTER)
         call = self.check_call(q, k, v, layer, commit, options, (b, t), tq, own,
                                lambda layer, op_spec: self._takes_own(q, k, meta, layer, op_spec))
-        pool._check_committed(meta._history, call.layer)
+        if call.layer not in meta._committed_at:
+            pool._check_committed(meta._history, call.layer)
+            meta._committed_at.add(call.layer)
         if call.spec.rope_mode:
             seam_of(meta, call.spec, call.layer)  # a step past the rotary table: refused before any write
         return call

@@ -145,6 +145,10 @@ class SlabMetadata:
     _epoch: int = field(repr=False)
     _current: tuple = field(repr=False)  # _Chunk of every planned chunk
     _history: dict = field(repr=False)  # (namespace, index) -> _Chunk of every chunk seen before the run
+    # The layers at which every history chunk was seen committed: a chunk, once committed
+    # at a layer, stays so (a recycled slab is a new record, under a new epoch), so each
+    # layer's check runs once per step, not per call (it walks every history chunk).
+    _committed_at: set = field(default_factory=set, repr=False)
     rope: RopeKeys = field(default=_NO_ROPE, repr=False)
     q_tokens: int = 0
 
