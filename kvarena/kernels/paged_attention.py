@@ -68,7 +68,7 @@ from kvarena.kernels.attn_math import (
     _rotate,
     _upcast,
 )
-from kvarena.kernels.attn_plan import AttentionLaunch, launch_shape, plan_attention, takes_own_keys
+from kvarena.kernels.attn_plan import AttentionLaunch, launch_shape, plan_attention
 from kvarena.kernels.attn_tiles import (
     STAGE_BOUNDARY,
     STAGE_INTERIOR,
@@ -435,8 +435,9 @@ def paged_attention_fwd(
 
     ``own_k``, ``own_v``, each ``[B, T, H_kv, D]`` (last dim contiguous): keys after each
     sequence's cached ones that every query sees (a denoising step's own keys), attended in
-    the same launch and the same online softmax: only where :func:`fwd_takes_own_keys` says
-    so (ValueError otherwise, before anything runs).
+    the same launch and the same online softmax: only where
+    :func:`~kvarena.kernels.attn_plan.takes_own_keys` says so (ValueError otherwise, before
+    anything runs).
 
     ``kv_scales = (k_scale, v_scale)``: the caches are float8_e4m3fn, with per-key scales
     ``[num_blocks, block_size, H_kv]`` fp32 (any strides) or 0-dim static ones; the kernel
@@ -493,18 +494,3 @@ def _no_rows(q, seq_lens, max_seqlen_q) -> bool:
     """Whether a call has no query row (nothing to launch)."""
     return q.shape[0] == 0 or seq_lens.shape[0] == 0 or max_seqlen_q == 0
 
-
-def fwd_takes_own_keys(q, k_cache, v_cache, seq_lens, *, spec, max_seqlen_q, max_seqlen_k, own_k,
-                       kv_scales=None) -> bool:
-    """Whether :func:`paged_attention_fwd` takes ``own_k`` / ``own_v`` (``[B, T, H_kv, D]``)
-    beside the cached history in one launch: :func:`attn_plan.takes_own_keys` on the call's
-    shapes and target (pure: host values only, nothing launched). Ask it before launching;
-    when it says no, attend to the own keys in a launch of their own and merge by lse. A
-    call with no query row takes them (it launches nothing)."""
-    if _no_rows(q, seq_lens, max_seqlen_q):
-        return True
-    # The operands left out (kv_start, lse, RoPE positions) do not decide the path.
-    shape = launch_shape(q, k_cache, v_cache, num_seqs=seq_lens.shape[0], max_seqlen_q=max_seqlen_q,
-                         max_seqlen_k=max_seqlen_k, own_len=own_k.shape[1], has_kv_start=False, write_lse=False,
-                         kv_scales=kv_scales, rope_q_pos=False, rope_k_shift=False)
-    return takes_own_keys(shape, spec, launch_arch(q))
