@@ -77,7 +77,7 @@ class KVArenaAttentionBackend(AttentionBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return [d for d in range(8, 257, 8)]
+        return list(support.HEAD_SIZES)
 
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:

@@ -15,11 +15,13 @@ import torch
 
 __all__ = [
     "Unsupported", "LayerOptions", "layer_options", "check_head_size", "check_kv_dtype",
-    "check_kv_scale", "MODEL_DTYPES", "FP8_KV_DTYPES", "supports_head_size",
+    "check_kv_scale", "MODEL_DTYPES", "FP8_KV_DTYPES", "HEAD_SIZES", "supports_head_size",
 ]
 
 #: model dtypes the kernels take (q, out and float caches).
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: head sizes the kernels take: multiples of 8 up to 256.
+HEAD_SIZES = tuple(range(8, 257, 8))
 #: vLLM's names of an OCP e4m3 cache with static per-layer scales.
 FP8_KV_DTYPES = ("fp8", "fp8_e4m3")
 _FLOAT_KV = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -49,8 +51,8 @@ class LayerOptions:
 
 
 def supports_head_size(head_size: int) -> bool:
-    """The kernels take head sizes that are multiples of 8 up to 256."""
-    return isinstance(head_size, int) and 8 <= head_size <= 256 and head_size % 8 == 0
+    """Whether the kernels take ``head_size`` (:data:`HEAD_SIZES`)."""
+    return isinstance(head_size, int) and head_size in HEAD_SIZES
 
 
 def check_head_size(head_size: int, head_size_v: int | None = None) -> None:
